@@ -1,0 +1,284 @@
+"""Data prep: read JSONL/JSON fine-tuning records, apply the chat template, mask prompts, split, cache.
+
+Accepted shapes (``format: auto`` detects them per file from the first record):
+- ``messages``: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}``
+- ``alpaca``: ``{"instruction": ..., "input": ..., "output": ...}``
+- ``sharegpt``: ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``
+- ``prompt_completion``: ``{"prompt": ..., "completion": ...}``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fitburst.spec import DataSpec
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "model": "assistant"}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+class DataError(ValueError):
+    """A record or file that cannot be used; the message names file and line."""
+
+
+@dataclass
+class PreparedData:
+    """Tokenized train/val splits on disk and what the preflight needs to know about them."""
+
+    dir: str
+    content_hash: str
+    n_train: int
+    n_val: int
+    n_skipped: int
+    n_no_target: int
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> PreparedData:
+        d = json.loads((Path(path) / "prepared.json").read_text())
+        d["dir"] = str(Path(path))
+        return cls(**d)
+
+
+# --- records -> messages -----------------------------------------------------------------------------
+
+def detect_format(record: dict) -> str:
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    raise ValueError(f"cannot tell the format from keys {sorted(record)}: expected messages, conversations, "
+                     "instruction/output or prompt/completion")
+
+
+def to_messages(record: dict, fmt: str) -> list[dict]:
+    """Normalise one record to a chat ``messages`` list ending with an assistant turn."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if fmt == "messages":
+        msgs = record.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] needs 'role' and 'content'")
+            out.append({"role": m["role"], "content": str(m["content"])})
+    elif fmt == "sharegpt":
+        conv = record.get("conversations")
+        if not isinstance(conv, list) or not conv:
+            raise ValueError("'conversations' must be a non-empty list")
+        out = []
+        for i, m in enumerate(conv):
+            role = SHAREGPT_ROLES.get(m.get("from", "") if isinstance(m, dict) else "")
+            if role is None or "value" not in m:
+                raise ValueError(f"conversations[{i}] needs 'from' (human/gpt/system) and 'value'")
+            out.append({"role": role, "content": str(m["value"])})
+    elif fmt == "alpaca":
+        if not record.get("instruction") or "output" not in record:
+            raise ValueError("alpaca records need a non-empty 'instruction' and an 'output'")
+        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        out = [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record["output"])}]
+    elif fmt == "prompt_completion":
+        if not isinstance(record.get("prompt"), str) or not isinstance(record.get("completion"), str):
+            raise ValueError("'prompt' and 'completion' must be strings")
+        out = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+    if out[-1]["role"] != "assistant" or not out[-1]["content"]:
+        raise ValueError("the last turn must be a non-empty assistant reply (nothing to learn otherwise)")
+    return out
+
+
+def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> tuple[list[list[dict]], int]:
+    """Read a .jsonl or .json file into message lists; a bad record raises DataError with its line number
+    unless ``skip_invalid`` (then it is counted and logged)."""
+    if not path.exists():
+        raise DataError(f"{path}: data file not found (data.path is relative to pipelines.yaml)")
+    text = path.read_text(encoding="utf-8")
+    items: list[tuple[int, object]] = []
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        if not isinstance(doc, list):
+            raise DataError(f"{path}: a .json data file must hold a list of records")
+        items = [(i + 1, r) for i, r in enumerate(doc)]  # record index, not line
+    else:
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                items.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                items.append((lineno, DataError(f"not valid JSON: {e.msg}")))
+    where = "record" if path.suffix == ".json" else "line"
+    out, skipped = [], 0
+    for lineno, rec in items:
+        try:
+            if isinstance(rec, Exception):
+                raise rec
+            f = detect_format(rec) if fmt == "auto" and isinstance(rec, dict) else fmt
+            out.append(to_messages(rec, f))
+        except ValueError as e:
+            msg = f"{path}:{lineno}: {where} {lineno}: {e}"
+            if not skip_invalid:
+                raise DataError(msg + " (fix it, or set data.skip_invalid: true to count and skip bad records)")
+            log.warning("skipping %s", msg)
+            skipped += 1
+    if not out:
+        raise DataError(f"{path}: no usable records")
+    return out, skipped
+
+
+# --- tokenization -----------------------------------------------------------------------------------
+
+def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]], bool]:
+    """Render a conversation to text; return it, the character spans of assistant replies, and whether the
+    text already carries the model's special tokens."""
+    if template in ("auto", "chatml"):
+        if template == "chatml" or not getattr(tokenizer, "chat_template", None):
+            from fitburst.models import CHATML_TEMPLATE
+
+            kw = {"chat_template": CHATML_TEMPLATE}
+        else:
+            kw = {}
+        spans, text = [], ""
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw))
+            text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
+            spans.append((start, len(text)))
+        return text, spans, True
+    eos = tokenizer.eos_token or ""
+    text, spans = "", []
+    for m in messages:
+        if m["role"] == "assistant":
+            spans.append((len(text), len(text) + len(m["content"]) + len(eos)))
+            text += m["content"] + eos + "\n"
+        elif template == "alpaca":
+            text += ALPACA_PROMPT.format(instruction=m["content"])
+        else:
+            text += m["content"] + "\n"
+    return text, spans, False
+
+
+def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, train_on_prompt: bool) -> dict:
+    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len."""
+    text, spans, has_special = render(messages, tokenizer, template)
+    enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    labels = []
+    for tok, (s, e) in zip(ids, enc["offset_mapping"], strict=True):
+        inside = any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
+        labels.append(tok if (train_on_prompt or inside) else IGNORE_INDEX)
+    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()[:16]
+
+
+def content_hash(path: Path, data: DataSpec, tokenizer) -> str:
+    h = hashlib.sha256(path.read_bytes())
+    h.update(data.model_dump_json(exclude={"path"}).encode())
+    h.update(tokenizer_fingerprint(tokenizer).encode())
+    return h.hexdigest()[:16]
+
+
+def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) -> dict:
+    import numpy as np
+
+    a = np.array(lengths)
+    return {
+        "p50": int(np.percentile(a, 50)), "p95": int(np.percentile(a, 95)), "max": int(a.max()),
+        "mean": float(a.mean()), "total_tokens": int(a.sum()),
+        "n_truncated": int(sum(f > max_seq_len for f in full_lengths)), "max_seq_len": max_seq_len,
+    }
+
+
+def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> PreparedData:
+    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match."""
+    from datasets import Dataset
+
+    key = content_hash(data_path, data, tokenizer)
+    out = cache_dir / key
+    if (out / "prepared.json").exists():
+        log.info("data cache hit %s", out)
+        return PreparedData.from_dir(out)
+
+    conversations, skipped = read_records(data_path, data.format, data.skip_invalid)
+    rows = [tokenize(m, tokenizer, data.template, data.max_seq_len, data.train_on_prompt) for m in conversations]
+    no_target = sum(all(label == IGNORE_INDEX for label in r["labels"]) for r in rows)
+    if no_target:
+        log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
+                    no_target, data.max_seq_len)
+    rows = [r for r in rows if any(label != IGNORE_INDEX for label in r["labels"])]
+    if not rows:
+        raise DataError(f"{data_path}: every record lost its reply to truncation: raise data.max_seq_len")
+    ds = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    if data.val_split > 0 and len(ds) >= 2:
+        n_val = max(1, round(len(ds) * data.val_split))
+        split = ds.train_test_split(test_size=n_val, seed=data.seed, shuffle=True)
+        train, val = split["train"], split["test"]
+    else:
+        train, val = ds, ds.select([])
+    stats = length_stats([len(r["input_ids"]) for r in rows], [r["full_length"] for r in rows], data.max_seq_len)
+    stats["train_tokens"] = int(sum(len(x) for x in train["input_ids"]))
+
+    tmp = cache_dir / f".{key}.tmp"
+    train.save_to_disk(str(tmp / "train"))
+    val.save_to_disk(str(tmp / "val"))
+    prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val),
+                            n_skipped=skipped, n_no_target=no_target, stats=stats)
+    (tmp / "prepared.json").write_text(prepared.to_json())
+    try:
+        tmp.rename(out)
+    except OSError:  # a concurrent prepare of the same content finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedData.from_dir(out)
+
+
+def load_split(prepared: PreparedData, split: str):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(Path(prepared.dir) / split))
+
+
+def collate(batch: list[dict], pad_id: int) -> dict:
+    """Pad a batch to its longest sample (right padding); labels padded with -100."""
+    import torch
+
+    n = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for i, b in enumerate(batch):
+        k = len(b["input_ids"])
+        ids[i, :k] = torch.tensor(b["input_ids"])
+        labels[i, :k] = torch.tensor(b["labels"])
+        mask[i, :k] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

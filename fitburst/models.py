@@ -1,0 +1,147 @@
+"""Model and tokenizer loading (the one place that calls ``from_pretrained``), and the tiny demo model builder.
+
+The demo model is built locally and reproducibly on first use, saved as an ordinary Hugging Face model folder,
+and then loaded through the same ``from_pretrained`` path a hub model takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_MODEL = "fitburst/tiny-demo"
+DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
+DEMO_VERSION = 1
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+# Architecture of the demo model; `scale` multiplies width for benchmarks that need a heavier step.
+DEMO_ARCH = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FITBURST_CACHE", Path.home() / ".cache" / "fitburst"))
+
+
+def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None = None) -> Path:
+    """Path of the demo model folder, building it on first use (atomic, so concurrent callers are safe)."""
+    arch = dict(DEMO_ARCH)
+    if hidden_size:
+        arch.update(hidden_size=hidden_size, intermediate_size=3 * hidden_size,
+                    num_attention_heads=max(4, hidden_size // 64), num_key_value_heads=max(2, hidden_size // 128))
+    if num_hidden_layers:
+        arch["num_hidden_layers"] = num_hidden_layers
+    tag = f"h{arch['hidden_size']}-l{arch['num_hidden_layers']}-v{DEMO_VERSION}"
+    dest = cache_root() / "models" / f"tiny-demo-{tag}"
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    try:
+        build_demo_model(tmp, **arch)
+        try:
+            tmp.rename(dest)
+        except OSError:  # someone else finished first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def build_demo_model(dest: Path, vocab_size: int, **arch: int) -> None:
+    """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = []
+    for line in DEMO_DATA.read_text().splitlines():
+        rec = json.loads(line)
+        texts += [rec["instruction"], rec.get("input", ""), rec["output"], "user assistant system"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|pad|>")
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(dest)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                         **arch)
+    LlamaForCausalLM(config).save_pretrained(dest)
+
+
+def resolve_model_ref(name: str) -> str:
+    """A path or hub id that ``from_pretrained`` accepts; builds the demo model when asked for it."""
+    if name == DEMO_MODEL:
+        return str(demo_model_dir())
+    return name
+
+
+def load_tokenizer(name: str, revision: str | None = None, token: str | None = None,
+                   trust_remote_code: bool = False):
+    """Load the tokenizer; give it a pad token and a ChatML template when it has none."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_ref(name), revision=revision, token=token,
+                                        trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def quantization_config(quant: str, double_quant: bool, compute_dtype):
+    """The bitsandbytes config for a quant setting, or None for unquantized weights."""
+    if quant == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
+               attention: str = "auto", revision: str | None = None, token: str | None = None,
+               trust_remote_code: bool = False):
+    """Load the causal LM once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code)
+    if attention != "auto":
+        kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(attention, attention)
+    qconf = quantization_config(quant, double_quant, dtype)
+    if qconf is not None:
+        kwargs["quantization_config"] = qconf
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(name), **kwargs)
+    if qconf is None:
+        model.to(device)
+    if quant in ("nf4", "fp4") and device == "cpu":
+        _disable_bnb_cpu_repack(model)
+    return model
+
+
+def _disable_bnb_cpu_repack(model) -> None:
+    """bitsandbytes on CPUs with avx512_bf16 repacks 4-bit weights after an eval forward, which breaks later
+    training steps (see shared stack notes); turn that path off on every 4-bit layer."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False

@@ -1,0 +1,398 @@
+"""The pipelines.yaml schema: pydantic models, loading with located errors, overrides.
+
+A file holds shared ``defaults`` and named ``pipelines``; each pipeline is the defaults deep-merged with its own
+keys. Secrets are written as ``${ENV_VAR}`` references and stay unresolved in the spec (and so in everything
+logged from it); :func:`resolve_env` turns one into its value at the moment of use.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Strict):
+    """Which base model: a hub id, a local directory, or the built-in ``fitburst/tiny-demo``."""
+
+    name: str = Field(description="hub id (org/name), a local directory, or fitburst/tiny-demo")
+    revision: str | None = None
+    trust_remote_code: bool = False
+    hf_token: str | None = Field(default=None, description="a ${ENV_VAR} reference, never a literal token")
+
+    @field_validator("hf_token")
+    @classmethod
+    def _token_is_reference(cls, v: str | None) -> str | None:
+        if v is not None and not ENV_REF.match(v):
+            raise ValueError("write the token as an environment reference such as ${HF_TOKEN}, not the literal")
+        return v
+
+
+class DataSpec(Strict):
+    path: str = Field(description="a .jsonl or .json file, relative to pipelines.yaml")
+    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion"] = "auto"
+    template: Literal["auto", "chatml", "alpaca", "none"] = "auto"
+    max_seq_len: int = Field(default=512, ge=8, le=1_048_576)
+    val_split: float = Field(default=0.1, ge=0.0, lt=1.0)
+    seed: int = 42
+    skip_invalid: bool = False
+    train_on_prompt: bool = False
+
+
+class MethodSpec(Strict):
+    type: Literal["lora", "qlora", "full"] = "lora"
+    rank: int = Field(default=8, ge=1, le=4096)
+    alpha: float = Field(default=16, gt=0)
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    quant: Literal["none", "int8", "nf4", "fp4"] | None = Field(
+        default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
+    )
+    double_quant: bool = True
+
+    @model_validator(mode="after")
+    def _quant_matches_type(self) -> MethodSpec:
+        if self.quant is None:
+            object.__setattr__(self, "quant", "nf4" if self.type == "qlora" else "none")
+        if self.type == "qlora" and self.quant == "none":
+            raise ValueError("qlora needs a quantized base: set quant to nf4, fp4 or int8 (or use type: lora)")
+        if self.type == "full" and self.quant != "none":
+            raise ValueError("full fine-tuning cannot train quantized weights: set quant: none or use qlora")
+        return self
+
+
+class TrainingSpec(Strict):
+    epochs: float | None = Field(default=1.0, gt=0)
+    max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; overrides epochs when set")
+    micro_batch_size: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    learning_rate: float = Field(default=2e-4, gt=0, lt=1)
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    gradient_checkpointing: bool = False
+    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
+    attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
+    seed: int = 42
+    checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
+    log_every: int = Field(default=10, ge=1)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum
+
+
+class EvalSpec(Strict):
+    enabled: bool = True
+    max_batches: int | None = Field(default=None, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    samples: int = Field(default=3, ge=0)
+    max_new_tokens: int = Field(default=32, ge=1)
+
+
+class AllowSpec(Strict):
+    """What the planner may change to make a run fit."""
+
+    gradient_checkpointing: bool = True
+    optimizer_8bit: bool = True
+    quantize: bool = True
+    reduce_batch: bool = True
+    attention: bool = True
+    dropout: bool = True
+
+
+class PreflightSpec(Strict):
+    device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
+    safety_margin: float = Field(default=0.10, ge=0.0, lt=0.9)
+    allow: AllowSpec = Field(default_factory=AllowSpec)
+    probe: bool = False
+
+
+class BurstSpec(Strict):
+    policy: Literal["auto", "never", "always"] = "auto"
+    gpus: list[str] = Field(default_factory=lambda: ["A6000", "T4"])
+    providers: list[Literal["runpod", "lambda", "aws", "gcp", "azure"]] = Field(
+        default_factory=lambda: ["runpod", "lambda"]
+    )
+    spot: bool = False
+    max_hourly_usd: float | None = Field(default=None, gt=0)
+    max_total_usd: float | None = Field(default=None, gt=0)
+    max_local_hours: float | None = Field(default=None, gt=0)
+    autostop_minutes: int = Field(default=30, ge=1)
+
+    @model_validator(mode="after")
+    def _spot_needs_provider(self) -> BurstSpec:
+        if self.spot and self.providers == ["lambda"]:
+            raise ValueError("Lambda has no spot instances: set spot: false or add another provider")
+        return self
+
+
+class ScheduleSpec(Strict):
+    cron: str | None = None
+    timezone: str = "UTC"
+
+    @field_validator("cron")
+    @classmethod
+    def _cron_shape(cls, v: str | None) -> str | None:
+        if v is not None and len(v.split()) != 5:
+            raise ValueError("cron needs five fields (minute hour day month weekday), e.g. '0 2 * * *'")
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {v!r}: use an IANA name such as 'Europe/Berlin'") from None
+        return v
+
+
+class TrackingSpec(Strict):
+    uri: str | None = Field(default=None, description="MLflow tracking URI; MLFLOW_TRACKING_URI wins when set")
+    experiment: str = "fitburst"
+
+
+class PipelineSpec(Strict):
+    """One pipeline, with the file's defaults merged in."""
+
+    name: str = ""
+    description: str = ""
+    model: ModelSpec
+    data: DataSpec
+    method: MethodSpec = Field(default_factory=MethodSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    preflight: PreflightSpec = Field(default_factory=PreflightSpec)
+    burst: BurstSpec = Field(default_factory=BurstSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    tags: dict[str, str] = Field(default_factory=dict)
+    base_dir: str = Field(default=".", description="set by the loader: the folder of pipelines.yaml")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> PipelineSpec:
+        if self.training.max_steps is None and self.training.epochs is None:
+            raise ValueError("training needs epochs or max_steps")
+        return self
+
+    def data_path(self) -> Path:
+        p = Path(self.data.path).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def config_hash(self) -> str:
+        """A short hash of what decides the result (not tags, schedule or tracking)."""
+        d = self.model_dump(include={"model", "data", "method", "training"})
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def to_yaml(self) -> str:
+        """The resolved spec as YAML; ${ENV} references stay references."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class SpecError(ValueError):
+    """pipelines.yaml is wrong; ``problems`` holds one located message per mistake."""
+
+    def __init__(self, path: str, problems: list[str]):
+        self.path = path
+        self.problems = problems
+        head = f"{path}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        super().__init__(head + "\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+def _compose_lines(text: str) -> dict[tuple, int]:
+    """Map every key path of a YAML document to its 1-based line number."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value
+                lines[path + (key,)] = k.start_mark.line + 1
+                walk(v, path + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, path + (i,))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the field at ``loc`` (a path inside a pipeline)."""
+    model: Any = PipelineSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def _explain(err: dict, where: str, source: str) -> str:
+    loc = tuple(p for p in err["loc"] if p not in ("function-after",))
+    field = ".".join(str(p) for p in loc) or "(pipeline)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(loc)
+        known = list(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
+        return f"{where}{source}: unknown field '{field}' ({hint})"
+    if err["type"] == "missing":
+        return f"{where}{source}: field '{field}' is required"
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    expected = ""
+    if err["type"] == "literal_error":
+        expected = ""  # pydantic's message already lists the choices
+    return f"{where}{source}: field '{field}'{shown}: {msg}{expected}"
+
+
+def load_file(path: str | os.PathLike) -> tuple[dict, dict[tuple, int]]:
+    """Read pipelines.yaml into a dict and a key-path -> line map; raise SpecError on bad YAML."""
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(str(p), ["file not found (create it, or pass the path with --file)"])
+    text = p.read_text()
+    try:
+        doc = yaml.safe_load(text) or {}
+        lines = _compose_lines(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        raise SpecError(str(p), [f"{line}not valid YAML: {getattr(e, 'problem', e)}"]) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("pipelines"), dict) or not doc["pipelines"]:
+        raise SpecError(str(p), ["line 1: expected a mapping with a non-empty 'pipelines:' section"])
+    unknown = set(doc) - {"defaults", "pipelines"}
+    if unknown:
+        raise SpecError(
+            str(p),
+            [f"line {lines.get((k,), 1)}: unknown top-level key '{k}' (allowed: defaults, pipelines)" for k in unknown],
+        )
+    return doc, lines
+
+
+def _build(
+    name: str, doc: dict, lines: dict, path: Path, overrides: dict | None
+) -> tuple[PipelineSpec | None, list[str]]:
+    defaults = doc.get("defaults") or {}
+    body = doc["pipelines"][name]
+    if not isinstance(body, dict):
+        return None, [f"line {lines.get(('pipelines', name), 1)}: pipeline '{name}' must be a mapping"]
+    merged = _deep_merge(defaults, body)
+    if overrides:
+        merged = _deep_merge(merged, overrides)
+    merged["name"] = name
+    merged["base_dir"] = str(path.parent.resolve())
+    try:
+        return PipelineSpec.model_validate(merged), []
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            src = ""
+            if overrides and _has_path(overrides, loc):
+                where, src = "", " (from overrides)"
+            else:
+                line = _locate(lines, name, loc)
+                where = f"line {line}: " if line else ""
+            problems.append(f"pipeline '{name}': " + _explain(err, where, src))
+        return None, problems
+
+
+def _has_path(d: Any, loc: tuple) -> bool:
+    for part in loc:
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
+
+
+def _locate(lines: dict, name: str, loc: tuple) -> int | None:
+    for root in (("pipelines", name), ("defaults",)):
+        for n in range(len(loc), -1, -1):
+            if n == 0 and root == ("defaults",):
+                break
+            hit = lines.get(root + loc[:n])
+            if hit:
+                return hit
+    return None
+
+
+def load_pipeline(path: str | os.PathLike, name: str, overrides: dict | None = None) -> PipelineSpec:
+    """Load and validate one pipeline, with optional overrides (nested or dotted keys)."""
+    doc, lines = load_file(path)
+    if name not in doc["pipelines"]:
+        close = difflib.get_close_matches(name, list(doc["pipelines"]), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"pipelines here: {', '.join(doc['pipelines'])}"
+        raise SpecError(str(path), [f"no pipeline named '{name}' ({hint})"])
+    spec, problems = _build(name, doc, lines, Path(path), expand_dotted(overrides or {}))
+    if problems:
+        raise SpecError(str(path), problems)
+    assert spec is not None
+    return spec
+
+
+def load_all(path: str | os.PathLike) -> dict[str, PipelineSpec]:
+    """Validate every pipeline in the file; collect all problems into one SpecError."""
+    doc, lines = load_file(path)
+    specs, problems = {}, []
+    for name in doc["pipelines"]:
+        spec, errs = _build(name, doc, lines, Path(path), None)
+        problems += errs
+        if spec:
+            specs[name] = spec
+    if problems:
+        raise SpecError(str(path), problems)
+    return specs
+
+
+def expand_dotted(overrides: dict) -> dict:
+    """``{"training.max_steps": 5}`` -> ``{"training": {"max_steps": 5}}``; nested dicts pass through."""
+    out: dict = {}
+    for key, value in overrides.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _deep_merge(node.get(parts[-1], {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def resolve_env(value: str | None) -> str | None:
+    """Resolve a ``${ENV_VAR}`` reference at the moment of use; None when unset."""
+    if value is None:
+        return None
+    m = ENV_REF.match(value)
+    return os.environ.get(m.group(1)) if m else value

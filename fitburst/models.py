@@ -82,7 +82,31 @@ def build_demo_model(dest: Path, vocab_size: int, **arch: int) -> None:
     config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          **arch)
-    LlamaForCausalLM(config).save_pretrained(dest)
+    model = LlamaForCausalLM(config)
+    _pretrain(model, tok, [t for t in texts if t])
+    model.save_pretrained(dest)
+
+
+def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -> None:
+    """A few seconds of plain language-model training on the demo sentences, with no chat format, so the demo
+    base model knows the words but not the instruction-following task the pipeline then teaches it."""
+    import torch
+
+    ids = [tok(t).input_ids[:48] + [tok.eos_token_id] for t in texts]
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(ids), (batch,), generator=g).tolist()
+        n = max(len(ids[i]) for i in pick)
+        x = torch.full((batch, n), tok.pad_token_id)
+        for row, i in enumerate(pick):
+            x[row, : len(ids[i])] = torch.tensor(ids[i])
+        labels = x.masked_fill(x == tok.pad_token_id, -100)
+        model(input_ids=x, attention_mask=(x != tok.pad_token_id).long(), labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
 
 
 def resolve_model_ref(name: str) -> str:

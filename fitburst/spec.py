@@ -396,3 +396,12 @@ def resolve_env(value: str | None) -> str | None:
         return None
     m = ENV_REF.match(value)
     return os.environ.get(m.group(1)) if m else value
+
+
+def load_resolved(path: str | os.PathLike) -> PipelineSpec:
+    """Load one pipeline written by :meth:`PipelineSpec.to_yaml` (what the cloud node and ``fitburst train`` read)."""
+    p = Path(path)
+    try:
+        return PipelineSpec.model_validate(yaml.safe_load(p.read_text()))
+    except (ValidationError, yaml.YAMLError) as e:
+        raise SpecError(str(p), [str(e)]) from None

@@ -1,0 +1,78 @@
+"""Measured memory peaks of a run, for the device it ran on (what the estimate is compared with).
+
+- CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after ``reset_peak_memory_stats``.
+- MPS: no peak counter; ``torch.mps.driver_allocated_memory()`` is sampled every step.
+- CPU: the process high-water mark (VmHWM, reset through /proc/self/clear_refs) minus the resident size at
+  the start; it tracks tensor bytes within a few % only when glibc runs with MALLOC_MMAP_THRESHOLD_=131072
+  (``fitburst`` sets it for the processes it starts), otherwise it overshoots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
+@dataclass
+class MemoryPeak:
+    kind: str
+    allocated_bytes: int | None = None  # CUDA allocator peak; MPS driver peak; CPU: RSS high-water minus start
+    reserved_bytes: int | None = None   # CUDA reserved peak
+    rss_peak_bytes: int | None = None   # process high-water mark (CPU and MPS unified memory)
+    method: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MemoryMeter:
+    """Reset at the start of a run, ``sample()`` per step, ``peak()`` at the end."""
+
+    def __init__(self, device: str):
+        self.kind = device.split(":")[0]
+        self._mps_peak = 0
+        self._rss_start = 0
+
+    def reset(self) -> None:
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self._rss_start = _status_kib("VmRSS") or 0
+        self._mps_peak = 0
+
+    def sample(self) -> None:
+        if self.kind == "mps":
+            import torch
+
+            self._mps_peak = max(self._mps_peak, torch.mps.driver_allocated_memory())
+
+    def peak(self) -> MemoryPeak:
+        import torch
+
+        hwm = _status_kib("VmHWM")
+        if self.kind == "cuda":
+            return MemoryPeak("cuda", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), hwm,
+                              "torch.cuda.max_memory_allocated/reserved")
+        if self.kind == "mps":
+            self.sample()
+            return MemoryPeak("mps", self._mps_peak, None, hwm, "sampled torch.mps.driver_allocated_memory")
+        pinned = os.environ.get("MALLOC_MMAP_THRESHOLD_") == "131072"
+        return MemoryPeak("cpu", max(0, (hwm or 0) - self._rss_start), None, hwm,
+                          "VmHWM - start RSS" + (" (glibc mmap threshold pinned)" if pinned else " (unpinned malloc)"))

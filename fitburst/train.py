@@ -1,0 +1,324 @@
+"""The training recipe: one readable loop for LoRA, QLoRA and full fine-tuning on CUDA, MPS or CPU.
+
+Config in (a resolved :class:`PipelineSpec` and the prepared data), a run folder out:
+``adapter/`` (peft adapter + tokenizer), ``checkpoints/step-N/`` (resumable state), ``metrics.jsonl`` (the loss
+curve) and ``train_result.json`` (steps, timings, measured memory peak). A crash, Ctrl-C or OOM saves a
+checkpoint first; running again on the same run folder resumes from the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fitburst.data import PreparedData, collate, load_split
+from fitburst.meter import MemoryMeter
+from fitburst.spec import PipelineSpec, resolve_env
+
+log = logging.getLogger(__name__)
+
+MetricsFn = Callable[[dict, int], None]
+
+
+class TrainError(RuntimeError):
+    """Training could not start or stopped; the message says why and what to change."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    adapter_dir: str
+    device: str
+    precision: str
+    steps: int
+    total_steps: int
+    final_loss: float
+    seconds: float
+    steps_per_sec: float
+    tokens: int
+    trainable_params: int
+    total_params: int
+    resumed_from: int | None = None
+    peak: dict = field(default_factory=dict)
+
+    def save(self) -> None:
+        Path(self.run_dir, "train_result.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> TrainResult:
+        return cls(**json.loads(Path(run_dir, "train_result.json").read_text()))
+
+
+# --- device and precision ----------------------------------------------------------------------------
+
+def select_device(pref: str = "auto") -> str:
+    """The torch device to train on: ``auto`` picks CUDA, then MPS, then CPU."""
+    import torch
+
+    p = pref.lower()
+    if p == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = "cpu" if p.startswith("cpu") else "mps" if p.startswith(("mps", "m1", "m2", "m3", "m4")) else "cuda"
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}[kind]
+    if not available:
+        raise TrainError(f"preflight.device is {pref!r} ({kind}) but torch sees no {kind} device here: "
+                         "set preflight.device: auto, or run where that device is")
+    return kind
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``auto``: bf16 on CUDA cards that have it (fp16 otherwise), bf16 on MPS, fp32 on CPU."""
+    import torch
+
+    if precision != "auto":
+        if precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+            raise TrainError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
+        return precision
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if device == "mps" else "fp32"
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def check_quant_supported(quant: str, device: str) -> None:
+    if quant != "none" and device == "mps":
+        raise TrainError("bitsandbytes 4/8-bit quantization does not run on Apple MPS: set method.type: lora "
+                         "and quant: none (the preflight plans for MPS without it), or burst to a CUDA GPU")
+
+
+# --- model setup ---------------------------------------------------------------------------------------
+
+def build_model(spec: PipelineSpec, device: str, precision: str):
+    """Load the base model once and wrap it for the configured method. Returns (model, tokenizer)."""
+    from fitburst.models import load_model, load_tokenizer
+
+    m, method, tr = spec.model, spec.method, spec.training
+    check_quant_supported(method.quant, device)
+    token = resolve_env(m.hf_token)
+    tok = load_tokenizer(m.name, m.revision, token, m.trust_remote_code)
+    model = load_model(m.name, dtype=torch_dtype(precision), device=device, quant=method.quant,
+                       double_quant=method.double_quant, attention=tr.attention, revision=m.revision,
+                       token=token, trust_remote_code=m.trust_remote_code)
+    model.config.use_cache = False
+    if method.quant != "none":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=tr.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif tr.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if method.type != "full":
+            model.enable_input_require_grads()
+    if method.type in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        targets = method.target_modules
+        model = get_peft_model(model, LoraConfig(
+            r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type="CAUSAL_LM",
+            target_modules=targets if targets == "all-linear" else list(targets)))
+    return model, tok
+
+
+def make_optimizer(name: str, params: list, lr: float, weight_decay: float):
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+    return cls(params, lr=lr, weight_decay=weight_decay)
+
+
+def count_params(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2) -> Path:
+    """Trainable weights, optimizer, scheduler and RNG state; written atomically, oldest pruned."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    dest = run_dir / "checkpoints" / f"step-{step}"
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(weights, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state()}, tmp / "optim.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    older = sorted((p for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    for p in older[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    return dest
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(ckpt / "trainable.safetensors"), device=device)
+    missing = set(weights) - {n for n, p in model.named_parameters() if p.requires_grad}
+    if missing:
+        raise TrainError(f"{ckpt} does not match this model/method (unknown tensors such as "
+                         f"{sorted(missing)[:2]}): start a new run folder")
+    model.load_state_dict(weights, strict=False)
+    state = torch.load(ckpt / "optim.pt", map_location=device, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return json.loads((ckpt / "state.json").read_text())["step"]
+
+
+# --- the loop --------------------------------------------------------------------------------------------
+
+def total_steps(spec: PipelineSpec, n_train: int) -> int:
+    tr = spec.training
+    if tr.max_steps:
+        return tr.max_steps
+    per_epoch = math.ceil(n_train / tr.micro_batch_size)
+    return max(1, math.ceil(per_epoch * (tr.epochs or 1.0) / tr.grad_accum))
+
+
+def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int):
+    """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume."""
+    import torch
+
+    n = len(rows)
+    per_epoch = math.ceil(n / batch_size)
+    epoch, offset = divmod(start_micro, per_epoch)
+    while True:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for i in range(offset, per_epoch):
+            yield collate([rows[j] for j in order[i * batch_size:(i + 1) * batch_size]], pad_id)
+        epoch, offset = epoch + 1, 0
+
+
+def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
+          on_metrics: MetricsFn | None = None, progress: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint) and return the result.
+
+    ``stop_after`` ends the loop early after that many optimizer steps (for tests of interruption).
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tr = spec.training
+    device = device or select_device(spec.preflight.device)
+    precision = resolve_precision(tr.precision, device)
+    torch.manual_seed(tr.seed)
+
+    meter = MemoryMeter(device)
+    meter.reset()
+    model, tok = build_model(spec, device, precision)
+    trainable, total = count_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+    steps = total_steps(spec, prepared.n_train)
+    scheduler = get_scheduler(tr.lr_scheduler, optimizer, num_warmup_steps=tr.warmup_steps,
+                              num_training_steps=steps)
+
+    step, resumed_from = 0, None
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device)
+        log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
+
+    rows = load_split(prepared, "train").to_list()
+    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum)
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    model.train()
+    bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress, unit="step")
+    t0, tokens, start_step = time.perf_counter(), 0, step
+    window_loss, window_n, last_loss = 0.0, 0, float("nan")
+    try:
+        while step < steps and (stop_after is None or step - start_step < stop_after):
+            for _ in range(tr.grad_accum):
+                batch = {k: v.to(device) for k, v in next(stream).items()}
+                loss = model(**batch).loss / tr.grad_accum
+                loss.backward()
+                window_loss += loss.item()
+                tokens += int(batch["attention_mask"].sum())
+            if tr.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            meter.sample()
+            step += 1
+            window_n += 1
+            bar.update(1)
+            if step % tr.log_every == 0 or step == steps:
+                last_loss = window_loss / window_n
+                row = {"train_loss": last_loss, "learning_rate": scheduler.get_last_lr()[0]}
+                metrics_file.write(json.dumps({"step": step, **row}) + "\n")
+                metrics_file.flush()
+                bar.set_postfix(loss=f"{last_loss:.3f}")
+                if on_metrics:
+                    on_metrics(row, step)
+                window_loss, window_n = 0.0, 0
+            if step % tr.checkpoint_every == 0 and step < steps:
+                save_checkpoint(run_dir, step, model, optimizer, scheduler)
+    except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
+        optimizer.zero_grad(set_to_none=True)
+        if step > (resumed_from or 0):
+            path = save_checkpoint(run_dir, step, model, optimizer, scheduler)
+            log.error("training stopped at step %d (%s); resumable checkpoint: %s", step, type(exc).__name__, path)
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise TrainError(f"out of memory at step {step} on {device}: lower training.micro_batch_size or "
+                             "method.rank, enable gradient_checkpointing, or let the preflight plan it "
+                             f"(fitburst preflight {spec.name}); a rerun resumes from the last checkpoint") from exc
+        raise
+    finally:
+        bar.close()
+        metrics_file.close()
+    seconds = time.perf_counter() - t0
+    if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
+        save_checkpoint(run_dir, step, model, optimizer, scheduler)
+
+    adapter_dir = run_dir / "adapter"
+    model.save_pretrained(adapter_dir)
+    tok.save_pretrained(adapter_dir)
+    done = step - start_step
+    result = TrainResult(
+        run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
+        total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
+        tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
+        peak=meter.peak().to_dict())
+    result.save()
+    return result

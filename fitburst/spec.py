@@ -125,8 +125,11 @@ class PreflightSpec(Strict):
 
 
 class BurstSpec(Strict):
+    """When and where to rent a GPU (fitburst.cloud). GPU names as the memory estimator spells them."""
+
     policy: Literal["auto", "never", "always"] = "auto"
-    gpus: list[str] = Field(default_factory=lambda: ["A6000", "T4"])
+    gpus: list[str] = Field(default_factory=lambda: ["A6000", "T4"],
+                            description="T4, L4, A10G, A6000, A100-40GB, A100-80GB, H100 (RTXA6000 = A6000)")
     providers: list[Literal["runpod", "lambda", "aws", "gcp", "azure"]] = Field(
         default_factory=lambda: ["runpod", "lambda"]
     )
@@ -135,11 +138,48 @@ class BurstSpec(Strict):
     max_total_usd: float | None = Field(default=None, gt=0)
     max_local_hours: float | None = Field(default=None, gt=0)
     autostop_minutes: int = Field(default=30, ge=1)
+    bucket: str | None = Field(
+        default=None, description="s3:// or gs:// bucket for a spot (managed) job's outputs and checkpoints"
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _known_gpus(cls, v: list[str]) -> list[str]:
+        from fitburst.cloud.gpus import canonical_gpu
+
+        if not v:
+            raise ValueError("list at least one GPU, e.g. [A6000, T4]")
+        return list(dict.fromkeys(canonical_gpu(g) for g in v))
+
+    @field_validator("providers")
+    @classmethod
+    def _some_providers(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("list at least one provider, e.g. [runpod, lambda]")
+        return list(dict.fromkeys(v))
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(s3|gs|r2|az|cos|oci)://[^/\s]+", v):
+            raise ValueError("bucket must be a URL such as s3://my-bucket/fitburst or gs://my-bucket")
+        return v
 
     @model_validator(mode="after")
     def _spot_needs_provider(self) -> BurstSpec:
         if self.spot and self.providers == ["lambda"]:
             raise ValueError("Lambda has no spot instances: set spot: false or add another provider")
+        from fitburst.cloud.gpus import SKY_NAMES
+
+        if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):
+            sellers = {g: ", ".join(SKY_NAMES[g]) for g in self.gpus}
+            raise ValueError(
+                f"none of {self.gpus} is offered by {', '.join(self.providers)} "
+                f"({'; '.join(f'{g} is on {s}' for g, s in sellers.items())})"
+            )
+        if self.max_total_usd is not None and self.max_hourly_usd is not None and (
+                self.max_total_usd < self.max_hourly_usd * 0.25):
+            raise ValueError("max_total_usd buys less than 15 minutes at max_hourly_usd: no run could start")
         return self
 
 

@@ -1,0 +1,188 @@
+"""GPU names, memory, throughput and prices for the burst path.
+
+fitburst names a GPU the way the memory estimator does (``A6000``, ``T4``, ``A100-80GB``, ...). Each provider
+calls some cards differently in SkyPilot's catalog (RunPod ``RTXA6000`` vs Lambda ``A6000``), so
+:data:`SKY_NAMES` maps a fitburst name to the catalog name per provider. Prices, device memory and which
+provider offers what come from SkyPilot's own catalog (:func:`offers`); only when that catalog cannot be read
+(no network and nothing cached) does :data:`SNAPSHOT` stand in; every offer says which source it came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+# provider key (BurstSpec.providers) -> SkyPilot cloud name (InstanceTypeInfo.cloud / `infra:`)
+SKY_CLOUD = {"runpod": "RunPod", "lambda": "Lambda", "aws": "AWS", "gcp": "GCP", "azure": "Azure"}
+
+# fitburst GPU name -> {provider: SkyPilot catalog accelerator name}. Absent provider = not offered.
+SKY_NAMES: dict[str, dict[str, str]] = {
+    "T4": {"aws": "T4", "gcp": "T4", "azure": "T4"},
+    "L4": {"runpod": "L4", "aws": "L4", "gcp": "L4"},
+    "A10G": {"aws": "A10G"},
+    "A6000": {"runpod": "RTXA6000", "lambda": "A6000"},
+    "A100-40GB": {"lambda": "A100", "aws": "A100", "gcp": "A100", "azure": "A100"},
+    "A100-80GB": {
+        "runpod": "A100-80GB",
+        "lambda": "A100-80GB",
+        "aws": "A100-80GB",
+        "gcp": "A100-80GB",
+        "azure": "A100-80GB",
+    },
+    "H100": {"runpod": "H100", "lambda": "H100", "aws": "H100", "gcp": "H100", "azure": "H100"},
+}
+
+# Dense 16-bit tensor-core peak in TFLOP/s (fp16 on T4, bf16 elsewhere) from the vendors' data sheets, and
+# the fraction a LoRA fine-tune sustains (model FLOPs utilisation). Used for time estimates only.
+PEAK_TFLOPS = {
+    "T4": 65.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A6000": 155.0,
+    "A100-40GB": 312.0,
+    "A100-80GB": 312.0,
+    "H100": 756.0,
+}
+MFU = {"T4": 0.25}
+DEFAULT_MFU = 0.35
+
+# Fallback only: public on-demand list prices (USD/h, one GPU) noted 2026-11 for the cheapest 1-GPU instance.
+# Spot prices are None where the provider has no spot market (Lambda).
+SNAPSHOT_DATE = "2026-11"
+SNAPSHOT: dict[tuple[str, str], tuple[float, float | None, float]] = {
+    # (gpu, provider): (on-demand $/h, spot $/h, device memory GiB)
+    ("A6000", "runpod"): (0.49, 0.25, 48.0),
+    ("A6000", "lambda"): (0.80, None, 48.0),
+    ("L4", "runpod"): (0.43, 0.22, 24.0),
+    ("A100-80GB", "runpod"): (1.64, 0.82, 80.0),
+    ("A100-80GB", "lambda"): (1.79, None, 80.0),
+    ("A100-40GB", "lambda"): (1.29, None, 40.0),
+    ("H100", "runpod"): (2.39, 1.25, 80.0),
+    ("H100", "lambda"): (2.49, None, 80.0),
+    ("T4", "aws"): (0.526, 0.21, 16.0),
+    ("T4", "gcp"): (0.54, 0.16, 16.0),
+    ("T4", "azure"): (0.526, 0.0526, 16.0),
+    ("L4", "aws"): (0.805, 0.32, 24.0),
+    ("L4", "gcp"): (0.71, 0.28, 24.0),
+    ("A10G", "aws"): (1.006, 0.40, 24.0),
+}
+
+
+@dataclass
+class Offer:
+    """One provider's cheapest 1-GPU instance for a fitburst GPU name."""
+
+    gpu: str  # fitburst name
+    provider: str  # runpod | lambda | aws | gcp | azure
+    accelerator: str  # SkyPilot catalog name on that provider
+    memory_gib: float | None
+    hourly_usd: float | None  # on-demand or spot, as asked
+    region: str | None
+    instance_type: str | None
+    source: str  # "skypilot-catalog" | "fitburst-snapshot-<date>"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def canonical_gpu(name: str) -> str:
+    """Map a user's spelling (``RTXA6000``, ``a100-80gb``, ``A100``) to the fitburst name."""
+    up = name.strip().upper()
+    for gpu in SKY_NAMES:
+        if up == gpu.upper():
+            return gpu
+    for gpu, per in SKY_NAMES.items():
+        if up in {n.upper() for n in per.values()}:
+            return gpu
+    raise ValueError(f"unknown GPU {name!r}: choose from {', '.join(SKY_NAMES)}")
+
+
+def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
+    """Ask SkyPilot's catalog (may raise when it cannot be fetched)."""
+    from sky import catalog  # heavy; only on the burst path
+
+    acc = SKY_NAMES[gpu][provider]
+    found = catalog.list_accelerators(
+        gpus_only=True,
+        name_filter=f"^{re.escape(acc)}$",
+        quantity_filter=1,
+        clouds=SKY_CLOUD[provider],
+        case_sensitive=False,
+        all_regions=True,
+    )
+    out = []
+    for name, infos in found.items():
+        if name.upper() != acc.upper():
+            continue
+        for info in infos:
+            if int(info.accelerator_count) != 1:
+                continue
+            price = info.spot_price if spot else info.price
+            if price is None or price != price:  # NaN: not offered that way
+                continue
+            out.append(
+                Offer(
+                    gpu,
+                    provider,
+                    name,
+                    info.device_memory,
+                    float(price),
+                    info.region,
+                    info.instance_type,
+                    "skypilot-catalog",
+                )
+            )
+    return out
+
+
+def offers(
+    gpus: list[str], providers: list[str], spot: bool = False, use_catalog: bool = True
+) -> list[Offer]:
+    """The cheapest offer per (gpu, provider) among ``providers`` for each GPU, cheapest first within a GPU.
+
+    SkyPilot's catalog is the source; a provider whose catalog cannot be read falls back to :data:`SNAPSHOT`
+    (the offer's ``source`` says so). Combinations the provider does not sell are left out.
+    """
+    result: list[Offer] = []
+    catalog_ok: dict[str, bool] = {}
+    for raw in gpus:
+        gpu = canonical_gpu(raw)
+        for provider in providers:
+            if provider not in SKY_NAMES[gpu]:
+                continue
+            found: list[Offer] = []
+            if use_catalog and catalog_ok.get(provider, True):
+                try:
+                    found = _catalog_offers(gpu, provider, spot)
+                    catalog_ok[provider] = True
+                except Exception as e:  # noqa: BLE001 - network errors, missing catalog, pandas errors
+                    log.warning(
+                        "SkyPilot catalog for %s unavailable (%s); using fitburst's %s price snapshot",
+                        provider,
+                        type(e).__name__,
+                        SNAPSHOT_DATE,
+                    )
+                    catalog_ok[provider] = False
+            if not catalog_ok.get(provider, False) or not use_catalog:
+                snap = SNAPSHOT.get((gpu, provider))
+                if snap is not None:
+                    price = snap[1] if spot else snap[0]
+                    if price is not None:
+                        found = [
+                            Offer(
+                                gpu,
+                                provider,
+                                SKY_NAMES[gpu][provider],
+                                snap[2],
+                                price,
+                                None,
+                                None,
+                                f"fitburst-snapshot-{SNAPSHOT_DATE}",
+                            )
+                        ]
+            if found:
+                result.append(min(found, key=lambda o: o.hourly_usd or float("inf")))
+    return result

@@ -1,0 +1,268 @@
+"""The SkyPilot task for one burst run: sky/train.yaml, filled in with resources, envs, mounts and secrets."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fitburst.cloud.gpus import SKY_CLOUD
+from fitburst.cloud.rank import Candidate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TASK_YAML = REPO_ROOT / "sky" / "train.yaml"
+JOB_DIR = "fitburst-job"  # relative to $HOME on the node; matches FITBURST_JOB_DIR in sky/train.yaml
+NODE_PACKAGES = [
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "datasets",
+    "tokenizers",
+    "pydantic",
+    "pyyaml",
+    "rich",
+    "mlflow",
+]
+# Secrets taken from the launcher's environment when set (never written to YAML, logs or MLflow).
+SECRET_ENV = [
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+]
+# Only when the node logs to the tracking server itself (its artifact store may be S3).
+REMOTE_TRACKING_SECRET_ENV = [
+    "MLFLOW_TRACKING_URI",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "MLFLOW_S3_ENDPOINT_URL",
+]
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+class BurstError(RuntimeError):
+    """A burst run that cannot start or did not finish; the message says what to do."""
+
+
+class BudgetError(BurstError):
+    """Every candidate breaks the policy's cost caps: refused before any cluster exists."""
+
+
+def node_packages() -> str:
+    """pip requirements for the node, pinned to the launcher's versions so both run the same stack."""
+    reqs = []
+    for name in NODE_PACKAGES:
+        try:
+            version = metadata.version(name).split("+")[0]  # 2.13.0+cpu -> 2.13.0 (CUDA build on the node)
+            reqs.append(f"{name}=={version}")
+        except metadata.PackageNotFoundError:
+            reqs.append(name)
+    return " ".join(reqs)
+
+
+def remote_tracking_uri() -> str | None:
+    """MLFLOW_TRACKING_URI when a cloud node could reach it (http(s) or databricks), else None."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    host = re.sub(r"^https?://([^@/]*@)?", "", uri).split("/")[0].split(":")[0]
+    if uri.startswith(("http://", "https://")) and host not in ("localhost", "127.0.0.1", "0.0.0.0", "::1"):
+        return uri
+    if uri.startswith("databricks"):
+        return uri
+    return None
+
+
+def collect_secrets(spec: Any, remote_tracking: bool) -> dict[str, str]:
+    """Secret values from the environment: the model's ${ENV} token reference, HF and MLflow credentials."""
+    names = list(SECRET_ENV)
+    ref = ENV_REF.match(spec.model.hf_token or "")
+    if ref:
+        names.insert(0, ref.group(1))
+    if remote_tracking:
+        names += REMOTE_TRACKING_SECRET_ENV
+    return {n: os.environ[n] for n in dict.fromkeys(names) if os.environ.get(n)}
+
+
+def usable(candidates: list[Candidate]) -> list[Candidate]:
+    return [c for c in candidates if c.usable]
+
+
+def check_budget(spec: Any, candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates a launch may use; raise BudgetError / BurstError (before any cluster exists) if none."""
+    if not candidates:
+        raise BurstError(
+            f"no GPU candidates: none of {spec.burst.gpus} is offered by {spec.burst.providers} "
+            "(T4 is sold by aws/gcp/azure, not RunPod or Lambda); widen burst.gpus or burst.providers"
+        )
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        tried = "; ".join(f"{c.label()}: {c.reason or 'does not fit'}" for c in candidates)
+        raise BurstError(
+            f"the run fits none of the burst GPUs ({tried}); add a larger GPU to burst.gpus "
+            "(e.g. A100-80GB) or let the planner change more (preflight.allow)"
+        )
+    ok = usable(candidates)
+    if not ok:
+        why = "; ".join(f"{c.label()}: {c.reason}" for c in fitting)
+        raise BudgetError(
+            f"refused before launch: every fitting GPU breaks the burst budget ({why}); "
+            "raise burst.max_hourly_usd / burst.max_total_usd or shorten the run"
+        )
+    return ok
+
+
+def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int) -> list[dict]:
+    """Resource configs (YAML form) for ``ordered``: one per usable candidate, cheapest total first."""
+    out = []
+    for c in candidates:
+        r: dict[str, Any] = {
+            "infra": SKY_CLOUD[c.provider].lower(),
+            "accelerators": {c.accelerator: 1},
+            "use_spot": spot,
+            "disk_size": 100,
+        }
+        if not spot:
+            # second guard after our own teardown; RunPod cannot stop, so autostop means down
+            r["autostop"] = {"idle_minutes": autostop_minutes, "down": True}
+        out.append(r)
+    return out
+
+
+def build_task(
+    spec: Any,
+    candidates: list[Candidate],
+    *,
+    prepared_dir: str | os.PathLike | None = None,
+    spec_path: str | os.PathLike | None = None,
+    mlflow_run_id: str | None = None,
+    workdir: str | os.PathLike | None = None,
+    task_yaml: str | os.PathLike = TASK_YAML,
+):
+    """Load sky/train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
+
+    ``spec_path``: the resolved spec to mount (written to a temp file from ``spec.to_yaml()`` when None).
+    ``prepared_dir``: the prepared data to mount. ``mlflow_run_id``: with a reachable MLFLOW_TRACKING_URI the
+    node logs into that run directly (URI and credentials go as secrets); otherwise outputs are pulled back.
+    """
+    import sky
+
+    ok = check_budget(spec, candidates)
+    task = sky.Task.from_yaml(str(task_yaml))
+    task.name = _task_name(spec)
+    task.update_workdir(str(workdir or REPO_ROOT), None, None)
+    if spec_path is None:
+        fd, spec_path = tempfile.mkstemp(prefix=f"fitburst-{spec.name}-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.to_yaml())
+    mounts = {f"~/{JOB_DIR}/spec.yaml": str(Path(spec_path).resolve())}
+    if prepared_dir is not None:
+        mounts[f"~/{JOB_DIR}/prepared"] = str(Path(prepared_dir).resolve())
+    task.set_file_mounts(mounts)
+    remote = remote_tracking_uri() if mlflow_run_id else None
+    envs = {
+        "FITBURST_JOB_DIR": JOB_DIR,
+        "FITBURST_NODE_PACKAGES": node_packages(),
+        "FITBURST_PIPELINE": spec.name,
+        "FITBURST_GPU": ok[0].gpu,
+        "FITBURST_PROVIDER": ok[0].provider,
+    }
+    if remote:
+        envs["FITBURST_MLFLOW_RUN_ID"] = mlflow_run_id
+    task.update_envs(envs)
+    secrets = collect_secrets(spec, remote_tracking=bool(remote))
+    if secrets:
+        task.update_secrets(secrets)
+    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes)
+    task.set_resources(sky.Resources.from_yaml_config({"ordered": resources}))
+    return task
+
+
+def _task_name(spec: Any) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", f"fitburst-{spec.name}".lower()).strip("-")
+    return name[:40].rstrip("-")
+
+
+def task_yaml(task) -> str:
+    """The task as SkyPilot YAML with secret values redacted (what dry-run prints and MLflow may store)."""
+    from sky.task import redact_task_yaml_dict
+
+    config = task.to_yaml_config()
+    redact_task_yaml_dict(config)
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def dry_run_report(
+    spec: Any,
+    candidates: list[Candidate],
+    task=None,
+    *,
+    local: dict | None = None,
+    optimizer_pick: str | None = None,
+) -> str:
+    """What a burst would do, without launching: local vs cloud side by side, the pick, cost, task YAML.
+
+    ``local``: ``{"device": ..., "fits": ..., "hours": ...}`` for the comparison row.
+    """
+    lines = [
+        f"burst plan for pipeline '{spec.name}' (policy {spec.burst.policy}, "
+        f"{'spot' if spec.burst.spot else 'on-demand'})"
+    ]
+    head = f"  {'where':<34} {'fits':<5} {'$/h':>7} {'hours':>7} {'total $':>8}  notes"
+    lines.append(head)
+    if local:
+        hours = local.get("hours")
+        lines.append(
+            f"  {'local ' + str(local.get('device', '')):<34} {_yn(local.get('fits')):<5} {'-':>7} "
+            f"{_num(hours):>7} {'-':>8}  {local.get('note', '')}"
+        )
+    for c in candidates:
+        notes = c.reason if not c.usable else ", ".join(c.changes)
+        if c.price_source and c.price_source != "skypilot-catalog":
+            notes = (notes + "; " if notes else "") + f"price from {c.price_source}"
+        lines.append(
+            f"  {c.label():<34} {_yn(c.fits):<5} {_num(c.hourly_usd):>7} {_num(c.est_hours):>7} "
+            f"{_num(c.est_total_usd):>8}  {notes}"
+        )
+    ok = usable(candidates)
+    if ok:
+        best = ok[0]
+        total = (
+            f"~${best.est_total_usd:.2f}" if best.est_total_usd is not None else "unknown (no token count)"
+        )
+        lines.append(
+            f"chosen: {best.gpu} on {best.provider} as {best.accelerator}, ${best.hourly_usd:.2f}/h, "
+            f"~{_num(best.est_hours)} h, total {total}; then in order: "
+            + (", ".join(c.label() for c in ok[1:]) or "none")
+        )
+        if optimizer_pick:
+            lines.append(f"SkyPilot optimizer pick: {optimizer_pick}")
+        caps = [
+            f"max_hourly_usd ${spec.burst.max_hourly_usd:g}" if spec.burst.max_hourly_usd else "",
+            f"max_total_usd ${spec.burst.max_total_usd:g}" if spec.burst.max_total_usd else "",
+        ]
+        lines.append(
+            "budget: "
+            + (", ".join(filter(None, caps)) or "no caps set")
+            + f"; autostop (down) after {spec.burst.autostop_minutes} idle minutes"
+        )
+    else:
+        lines.append("no usable candidate: " + "; ".join(f"{c.label()}: {c.reason}" for c in candidates))
+    if task is not None:
+        lines += ["", "SkyPilot task (secrets redacted):", task_yaml(task)]
+    return "\n".join(lines)
+
+
+def _yn(v: Any) -> str:
+    return "?" if v is None else ("yes" if v else "no")
+
+
+def _num(v: Any) -> str:
+    return "?" if v is None else f"{v:.2f}"

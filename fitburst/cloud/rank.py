@@ -121,22 +121,56 @@ def estimate_hours(
 # --- fit per GPU ------------------------------------------------------------------------------------------
 
 
+def _memory():
+    """The estimator's functions (package exports when present, else its submodules)."""
+    import importlib
+
+    m = importlib.import_module("fitburst.memory")
+    api = {}
+    for name, sub in (("resolve_device", "devices"), ("estimate", "estimator"), ("plan_fit", "planner")):
+        fn = getattr(m, name, None)
+        if fn is None:
+            try:
+                fn = getattr(importlib.import_module(f"fitburst.memory.{sub}"), name, None)
+            except ImportError:
+                fn = None
+        api[name] = fn
+    return api
+
+
+def _device_gib(gpu: str) -> float | None:
+    try:
+        return round(_memory()["resolve_device"](gpu).total_bytes / 2**30, 1)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _plan_on(gpu: str, shape: Any, settings: Any, spec: Any) -> tuple[bool, Any, list[str], dict, str]:
     """Re-run the planner for ``gpu``: (fits, settings, changes, estimate dict, reason)."""
-    from fitburst import memory
-
-    device = memory.resolve_device(gpu)
+    mem = _memory()
+    device = mem["resolve_device"](gpu)
     changes: list[str] = []
     if not getattr(device, "supports_bf16", True) and _get(settings, "dtype") == "bf16":
         settings = dataclasses.replace(settings, dtype="fp16")
         changes.append(f"dtype bf16 -> fp16 ({gpu} has no bf16)")
     if not getattr(device, "supports_bnb", True) and _get(settings, "quant", "none") not in (None, "none"):
         return False, settings, changes, {}, f"{gpu} cannot run bitsandbytes quantization"
-    plan = memory.plan_fit(shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow)
-    est = plan.estimate.to_dict() if hasattr(plan.estimate, "to_dict") else dict(plan.estimate or {})
-    changes += [str(c) for c in (plan.changes or [])]
-    reason = "" if plan.fits else f"does not fit in {gpu}: {getattr(plan, 'verdict', '')}".strip()
-    return bool(plan.fits), plan.settings, changes, est, reason
+    margin = spec.preflight.safety_margin
+    if mem["plan_fit"] is not None:
+        plan = mem["plan_fit"](shape, settings, device, margin, spec.preflight.allow)
+        fits, planned, est_obj = bool(plan.fits), plan.settings, plan.estimate
+        changes += [str(c) for c in (plan.changes or [])]
+        verdict = str(getattr(plan, "verdict", "") or "")
+    else:  # estimator without a planner: fit as configured
+        est_obj = mem["estimate"](shape, settings, device, margin)
+        fits, planned, verdict = bool(est_obj.fits), settings, ""
+    est = est_obj.to_dict() if hasattr(est_obj, "to_dict") else dict(est_obj or {})
+    if fits:
+        return True, planned, changes, est, ""
+    need = est.get("device_total_bytes")
+    budget = est.get("budget_bytes")
+    detail = f"needs {need / 2**30:.1f} GiB of {budget / 2**30:.1f} GiB" if need and budget else verdict
+    return False, planned, changes, est, f"does not fit in {gpu}" + (f": {detail}" if detail else "")
 
 
 def rank_candidates(
@@ -179,7 +213,7 @@ def rank_candidates(
             gpu=offer.gpu,
             provider=offer.provider,
             accelerator=offer.accelerator,
-            memory_gib=offer.memory_gib,
+            memory_gib=offer.memory_gib or _device_gib(offer.gpu),
             fits=fits,
             hourly_usd=offer.hourly_usd,
             est_hours=round(hours, 2) if hours is not None else None,

@@ -195,8 +195,23 @@ def task_yaml(task) -> str:
     from sky.task import redact_task_yaml_dict
 
     config = task.to_yaml_config()
+    config.pop("_user_specified_yaml", None)  # the raw sky/train.yaml, already shown as setup/run
     redact_task_yaml_dict(config)
-    return yaml.safe_dump(config, sort_keys=False)
+    return yaml.dump(config, Dumper=_BlockDumper, sort_keys=False)
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (setup, run) as literal blocks, so the printed task reads like sky/train.yaml."""
+
+
+def _str(dumper: yaml.SafeDumper, s: str):
+    if "\n" in s:
+        s = "\n".join(line.rstrip() for line in s.split("\n"))
+        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s)
+
+
+_BlockDumper.add_representer(str, _str)
 
 
 def dry_run_report(

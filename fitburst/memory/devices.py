@@ -1,0 +1,193 @@
+"""Device memory budgets: named GPUs / Apple parts, ``kind:SIZE`` strings, or the local machine as probed."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str  # cuda | mps | cpu
+    total_bytes: int  # what the runtime reports as the device's memory
+    budget_bytes: int  # what one run may use: total minus context / OS reserve
+    supports_bf16: bool = True
+    supports_bnb: bool = True  # bitsandbytes 4/8-bit usable
+    context_bytes: int = 0  # CUDA context / runtime overhead outside the allocator
+    hourly_hint: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# name: (kind, total MiB as torch reports it, context MiB, bf16, bnb)
+# totals are torch.cuda.mem_get_info()[1] on those cards; T4 and its context are measured (stack notes),
+# the others are the usual figures for torch 2.x (context: CUDA runtime + cuBLAS/cuDNN handles).
+_NAMED: dict[str, tuple[str, int, int, bool, bool]] = {
+    "T4": ("cuda", 14912, 141, False, True),
+    "V100-16GB": ("cuda", 16151, 300, False, True),
+    "V100-32GB": ("cuda", 32501, 300, False, True),
+    "L4": ("cuda", 22491, 300, True, True),
+    "A10G": ("cuda", 22491, 300, True, True),
+    "A10": ("cuda", 22491, 300, True, True),
+    "RTX3090": ("cuda", 24253, 300, True, True),
+    "RTX4090": ("cuda", 24210, 300, True, True),
+    "RTX5090": ("cuda", 32111, 350, True, True),
+    "A4000": ("cuda", 16101, 300, True, True),
+    "A5000": ("cuda", 24248, 300, True, True),
+    "A6000": ("cuda", 48670, 300, True, True),
+    "L40S": ("cuda", 45488, 350, True, True),
+    "A40": ("cuda", 45488, 300, True, True),
+    "A100-40GB": ("cuda", 40339, 400, True, True),
+    "A100-80GB": ("cuda", 81038, 400, True, True),
+    "H100": ("cuda", 81008, 500, True, True),
+    "H100-80GB": ("cuda", 81008, 500, True, True),
+    "H200": ("cuda", 143166, 500, True, True),
+}
+# Apple silicon: unified memory; MPS may use torch.mps.recommended_max_memory() (~75 % of RAM above 32 GB,
+# ~66 % below); bitsandbytes has no MPS backend, so no QLoRA there.
+_APPLE = {
+    "M1-16GB": 16, "M2-16GB": 16, "M3-18GB": 18, "M1-Pro-32GB": 32, "M2-Pro-32GB": 32, "M3-Pro-36GB": 36,
+    "M1-Max-32GB": 32, "M1-Max-64GB": 64, "M2-Max-32GB": 32, "M2-Max-64GB": 64, "M2-Max-96GB": 96,
+    "M3-Max-36GB": 36, "M3-Max-48GB": 48, "M3-Max-64GB": 64, "M3-Max-128GB": 128, "M4-Max-36GB": 36,
+    "M4-Max-64GB": 64, "M4-Max-128GB": 128, "M2-Ultra-192GB": 192,
+}
+ALIASES = {
+    "RTX-3090": "RTX3090", "RTX-4090": "RTX4090", "3090": "RTX3090", "4090": "RTX4090", "RTXA6000": "A6000",
+    "RTX-A6000": "A6000", "A100": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
+    "H100-SXM": "H100", "H100-PCIE": "H100",
+}
+CPU_RESERVE = 2 * GiB  # OS + python + torch runtime outside tensors
+CPU_CONTEXT = 600 * MiB  # torch + transformers imported, measured RSS before the model
+
+
+def known_devices() -> list[str]:
+    return sorted(_NAMED) + sorted(_APPLE)
+
+
+def _apple_budget(ram_gib: float) -> int:
+    frac = 0.75 if ram_gib > 32 else 2 / 3
+    return int(ram_gib * GiB * frac)
+
+
+_SIZE = re.compile(r"^(cuda|gpu|mps|cpu):\s*([0-9.]+)\s*(gib|gb|mib|mb|g|m)?$", re.I)
+
+
+def _parse_size(num: str, unit: str | None) -> int:
+    unit = (unit or "gib").lower()
+    mult = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": MiB, "m": MiB, "mb": 10**6}[unit]
+    return int(float(num) * mult)
+
+
+def resolve_device(name: str = "auto") -> Device:
+    """A named device, a ``kind:SIZE`` string (the size is the device's memory: for mps the budget MPS gets),
+    or ``auto`` / ``cuda`` / ``mps`` / ``cpu`` to probe this machine."""
+    raw = (name or "auto").strip()
+    key = raw.upper().replace(" ", "")
+    key = ALIASES.get(key, key)
+    if key in _NAMED:
+        kind, tot, ctx, bf16, bnb = _NAMED[key]
+        return Device(key, kind, tot * MiB, (tot - ctx) * MiB, bf16, bnb, ctx * MiB)
+    for apple, ram in _APPLE.items():
+        if key == apple.upper():
+            return Device(apple, "mps", ram * GiB, _apple_budget(ram), True, False, 0)
+    m = _SIZE.match(raw)
+    if m:
+        kind = "cuda" if m.group(1).lower() in ("cuda", "gpu") else m.group(1).lower()
+        size = _parse_size(m.group(2), m.group(3))
+        if kind == "cuda":
+            ctx = 300 * MiB
+            return Device(raw, "cuda", size, size - ctx, True, True, ctx)
+        if kind == "mps":
+            return Device(raw, "mps", size, size, True, False, 0)
+        return Device(raw, "cpu", size, max(size - CPU_RESERVE, size // 2), True, True, CPU_CONTEXT)
+    low = raw.lower()
+    if low in ("auto", "local", "cuda", "mps", "cpu"):
+        return probe_local(low)
+    raise ValueError(
+        f"unknown device {raw!r}: use auto, cuda, mps, cpu, cuda:24GiB / mps:36GiB / cpu:64GiB, "
+        f"or one of {', '.join(known_devices())}"
+    )
+
+
+def _cgroup_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            txt = open(path).read().strip()
+        except OSError:
+            continue
+        if txt.isdigit() and int(txt) < (1 << 60):
+            usage = None
+            for up in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+                try:
+                    usage = int(open(up).read().strip())
+                    break
+                except (OSError, ValueError):
+                    pass
+            return int(txt) - (usage or 0)
+    return None
+
+
+def _meminfo() -> tuple[int, int]:
+    total = avail = 0
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if not total:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            avail = total // 2
+        except (ValueError, OSError, AttributeError):
+            total, avail = 16 * GiB, 8 * GiB
+    return total, avail
+
+
+def _cpu_device() -> Device:
+    total, avail = _meminfo()
+    cg = _cgroup_limit()
+    if cg is not None:
+        avail = min(avail, cg)
+    budget = max(avail - CPU_RESERVE // 2, avail // 2)
+    try:
+        import bitsandbytes  # noqa: F401  (only to know whether QLoRA is possible here)
+
+        bnb = True
+    except Exception:
+        bnb = False
+    return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT)
+
+
+def probe_local(want: str = "auto") -> Device:
+    """Probe this machine; torch is imported lazily and only when a GPU may be there."""
+    if want in ("auto", "local", "cuda", "mps"):
+        try:
+            import torch
+        except ImportError:
+            torch = None  # type: ignore[assignment]
+        if torch is not None and want in ("auto", "local", "cuda") and torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            props = torch.cuda.get_device_properties(0)
+            used_by_others = total - free
+            ctx = max(used_by_others, 141 * MiB)
+            cap = torch.cuda.get_device_capability(0)
+            return Device(
+                f"cuda ({props.name})", "cuda", total, total - ctx, cap >= (8, 0), True, min(ctx, 600 * MiB)
+            )
+        mps = getattr(torch, "backends", None) and torch.backends.mps.is_available() if torch else False
+        if mps and want in ("auto", "local", "mps"):
+            rec = int(torch.mps.recommended_max_memory())
+            total, _ = _meminfo()
+            return Device("mps (local)", "mps", total, rec, True, False, 0)
+        if want in ("cuda", "mps"):
+            raise ValueError(f"no {want} device on this machine (use a named device such as RTX4090)")
+    return _cpu_device()

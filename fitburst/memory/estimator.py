@@ -1,0 +1,568 @@
+"""Analytic peak-memory model of one training step of transformers + peft (+ bitsandbytes).
+
+Everything here is arithmetic on the config: no torch, no weights. The activation terms follow what autograd
+saves op by op in the Hugging Face decoder layers (RMSNorm up-casts, projections, RoPE, attention kernel,
+gated MLP), with peft's fp32 LoRA path (an fp32 copy of each targeted module's input, dropout noise) and
+prepare_model_for_kbit_training's fp32 residual stream under k-bit quantization; the loss keeps fp32 copies
+of the logits. Each phase of the step (forward end, loss, backward, optimizer step, eval) is summed from
+components and the largest one is the peak. Constants that are measured rather than derived are named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from .devices import GiB, MiB, Device
+from .shapes import ModelShape
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# CUDA caching allocator: reserved / allocated at a training peak (block rounding, fragmentation), plus a
+# floor of segments; MPS heaps are coarser; on CPU glibc keeps freed memory (RSS above tensor bytes).
+RESERVED_FACTOR = {"cuda": 1.06, "mps": 1.15, "cpu": 1.25}
+RESERVED_FLOOR = {"cuda": 64 * MiB, "mps": 64 * MiB, "cpu": 0}
+BNB_MIN_8BIT = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
+BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
+
+
+@dataclass
+class TrainSettings:
+    method: str = "lora"  # full | lora | qlora
+    quant: str = "none"  # none | int8 | nf4 | fp4
+    double_quant: bool = True
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    batch: int = 1  # micro batch
+    seq_len: int = 512  # padded length (longest sample of the batch)
+    grad_checkpointing: bool = False
+    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit | sgd
+    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    attention: str = "sdpa"  # eager | sdpa | flash
+    grad_accum: int = 1
+    keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
+    eval_batch: int = 0  # > 0: an eval forward (no grad) at this batch size also runs during training
+    padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
+
+    def __post_init__(self) -> None:
+        if self.method == "qlora" and self.quant == "none":
+            self.quant = "nf4"
+        checks = {
+            "method": (self.method, ("full", "lora", "qlora")),
+            "quant": (self.quant, ("none", "int8", "nf4", "fp4")),
+            "optimizer": (self.optimizer, ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")),
+            "dtype": (self.dtype, ("bf16", "fp16", "fp32")),
+            "attention": (self.attention, ("eager", "sdpa", "flash")),
+        }
+        for k, (v, ok) in checks.items():
+            if v not in ok:
+                raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
+        if self.method == "full" and self.quant != "none":
+            raise ValueError("full fine-tuning cannot train quantized weights")
+        if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
+            raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
+
+    @property
+    def kbit(self) -> bool:
+        return self.quant != "none"
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch * self.grad_accum
+
+    def describe(self) -> str:
+        m = self.method + (f" r{self.rank}" if self.method != "full" else "")
+        q = f" {self.quant}{'+dq' if self.double_quant and self.quant in ('nf4', 'fp4') else ''}" if self.kbit else ""
+        ck = " ckpt" if self.grad_checkpointing else ""
+        return (f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
+                f"{self.optimizer} {self.attention}")
+
+
+def settings_from_spec(spec, device: Device | None = None, seq_len: int | None = None) -> TrainSettings:
+    """TrainSettings from a PipelineSpec (method, training, data.max_seq_len, eval)."""
+    m, t = spec.method, spec.training
+    dtype = t.precision
+    if dtype == "auto":
+        if device is not None and device.kind == "cpu":
+            dtype = "fp32" if m.type == "full" else "bf16"
+        dtype = "bf16" if device is None or device.supports_bf16 else "fp16"
+    attention = "sdpa" if t.attention == "auto" else t.attention
+    ev = getattr(spec, "eval", None)
+    return TrainSettings(
+        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
+        dropout=m.dropout, targets=m.target_modules, batch=t.micro_batch_size, grad_accum=t.grad_accum,
+        seq_len=seq_len or spec.data.max_seq_len, grad_checkpointing=t.gradient_checkpointing,
+        optimizer=t.optimizer, dtype=dtype, attention=attention,
+        eval_batch=(ev.batch_size if ev is not None and ev.enabled else 0),
+    )
+
+
+@dataclass
+class Estimate:
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    device_total_bytes: int
+    components: dict[str, int]
+    peak_phase: str
+    device: str
+    budget_bytes: int
+    fits: bool
+    params: dict[str, int]
+    plan: list[str] = field(default_factory=list)
+    phases: dict[str, int] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    model: str = ""
+    safety_margin: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["headroom_bytes"] = self.budget_bytes - self.device_total_bytes + self._context()
+        return d
+
+    def _context(self) -> int:
+        return self.device_total_bytes - self.reserved_peak_bytes
+
+    def to_markdown(self) -> str:
+        g = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+        lines = [
+            f"**{self.model}** on **{self.device}**: peak {g(self.device_total_bytes)} GiB of "
+            f"{g(self.budget_bytes + self._context())} GiB "
+            f"({'fits' if self.fits else 'does not fit'}; peak phase: {self.peak_phase})",
+            "",
+            "| component | GiB |",
+            "|---|---:|",
+        ]
+        for k, v in sorted(self.components.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {k} | {g(v)} |")
+        lines += [
+            f"| **allocated peak** | **{g(self.allocated_peak_bytes)}** |",
+            f"| reserved (allocator) | {g(self.reserved_peak_bytes)} |",
+            f"| + context = device total | {g(self.device_total_bytes)} |",
+            f"| budget | {g(self.budget_bytes)} |",
+        ]
+        if self.plan:
+            lines += ["", "Plan:"] + [f"- {c}" for c in self.plan]
+        if self.notes:
+            lines += [""] + [f"_{n}_" for n in self.notes]
+        return "\n".join(lines)
+
+
+# --- parameters ------------------------------------------------------------------------------------------
+
+def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
+    names = {lin.name for c, dec in shape.blocks() for lin in shape.layer_linears(dec)}
+    if targets == "all-linear" or targets == ["all-linear"]:
+        return names
+    want = {t.split(".")[-1] for t in targets}
+    hit = want & names
+    if not hit:
+        raise ValueError(
+            f"LoRA targets {sorted(want)} match no linear layer of {shape.name} (its layers: {', '.join(sorted(names))})"
+        )
+    return hit
+
+
+def lora_params(shape: ModelShape, s: TrainSettings) -> int:
+    t = resolve_targets(shape, s.targets)
+    return sum(
+        c * sum(s.rank * (lin.fan_in + lin.fan_out) for lin in shape.layer_linears(dec) if lin.name in t)
+        for c, dec in shape.blocks()
+    )
+
+
+def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
+    """numel of each LoRA tensor (A and B of each targeted module)."""
+    t = resolve_targets(shape, s.targets)
+    out: list[int] = []
+    for c, dec in shape.blocks():
+        per = [n for lin in shape.layer_linears(dec) if lin.name in t for n in (s.rank * lin.fan_in, s.rank * lin.fan_out)]
+        out += per * c
+    return out
+
+
+def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+    """Base model weights as loaded (and, for k-bit, after prepare_model_for_kbit_training)."""
+    d = DTYPE_BYTES[s.dtype]
+    total = shape.param_count()
+    if not s.kbit:
+        return {"weights": total * d}
+    lin_w = sum(c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
+    rest = total - lin_w  # embeddings, lm_head, norms, biases, vision extras: fp32 after k-bit preparation
+    if s.quant == "int8":
+        rows = sum(c * sum(lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
+        q = lin_w + rows * 4  # int8 weight + fp32 row scale (SCB)
+    else:
+        blocks = lin_w / 64
+        if s.double_quant:
+            q = lin_w / 2 + blocks + blocks / 256 * 4 + 256 * 4
+        else:
+            q = lin_w / 2 + blocks * 4
+    return {"weights_quantized": int(q), "weights_fp32": rest * 4}
+
+
+def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+    total = shape.param_count()
+    trainable = total if s.method == "full" else lora_params(shape, s)
+    return {"total": total + (0 if s.method == "full" else trainable), "trainable": trainable, "base": total}
+
+
+def optimizer_bytes(s: TrainSettings, tensors: list[int], pbytes: int, device: Device) -> tuple[int, int, int]:
+    """(state bytes, step-time temporary bytes, paged bytes outside the allocator)."""
+    if s.optimizer == "sgd":
+        return 0, 0, 0
+    if s.optimizer == "adamw":
+        state = 2 * pbytes * sum(tensors)
+        # torch AdamW: foreach on CUDA (one sqrt buffer over all params), per tensor elsewhere
+        if device.kind == "cpu":
+            temp = 2 * pbytes * max(tensors, default=0)
+        else:
+            temp = pbytes * sum(tensors)
+        return state, temp, 0
+    state = 0
+    for n in tensors:
+        if n < BNB_MIN_8BIT:
+            state += 8 * n
+        else:
+            state += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+    if s.optimizer == "paged_adamw8bit" and device.kind == "cuda":
+        return 0, 0, state  # unified memory: outside torch's allocator, evicted under pressure
+    return state, 0, 0
+
+
+# --- activations -----------------------------------------------------------------------------------------
+
+@dataclass
+class _Ctx:
+    T: int  # tokens in the micro batch
+    b: int
+    S: int
+    a: int  # activation bytes (residual stream dtype)
+    full: bool
+    lora: bool
+    targets: set[str]
+    rank: int
+    drop: bool
+    mask_b: int  # bytes per element of the dropout mask (CUDA fused: bool; elsewhere a float noise tensor)
+    attention: str  # flash | math | eager
+    padded: bool
+
+
+def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
+    """Saved tensors of one norm; returns requires_grad of its output."""
+    T, a = c.T, c.a
+    style = shape.norm_style
+    if style == "layernorm":
+        if rg_in or c.full:
+            saved[in_key] = a * T * width
+    elif style == "gemma":
+        if rg_in:
+            saved[in_key if a == 4 else key + ".f32"] = 4 * T * width
+        if c.full:
+            saved[key + ".normed"] = 4 * T * width
+    else:  # llama / t5 style: x.to(fp32); ... weight * x.to(dtype)
+        if rg_in:
+            saved[in_key if a == 4 else key + ".f32"] = 4 * T * width
+            if style == "t5" and a != 4:
+                saved[in_key] = a * T * width
+        if c.full:
+            saved[key + ".cast"] = a * T * width
+    return rg_in or c.full
+
+
+def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _Ctx) -> bool:
+    T = c.T
+    if c.full:
+        saved[in_key] = c.a * T * fan_in
+        return True
+    if name in c.targets:
+        src = in_key if c.a == 4 else f"{name}.cast"
+        if c.drop:
+            saved[f"{name}.noise"] = c.mask_b * T * fan_in
+            saved[f"{name}.drop"] = 4 * T * fan_in
+        else:
+            saved[src] = 4 * T * fan_in
+        saved[f"{name}.loraA"] = 4 * T * c.rank
+        return True
+    return rg_in
+
+
+def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool]:
+    """Saved-for-backward tensors of one block (name -> bytes; shared tensors share a name)."""
+    T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
+    qd, kvd = shape.q_dim, shape.kv_dim
+    sv: dict[str, int] = {}
+    rg_n1 = _norm(sv, "ln1", "x", rg_in, c, shape, h)
+    if shape.fused_qkv:
+        rg_qkv = _linear(sv, "qkv_proj", "n1", h, rg_n1, c)
+        rg_q = rg_k = rg_v = rg_qkv
+    else:
+        names = [lin.name for lin in shape.attn_linears()]
+        rg_q = _linear(sv, names[0], "n1", h, rg_n1, c)
+        rg_k = _linear(sv, names[1], "n1", h, rg_n1, c)
+        rg_v = _linear(sv, names[2], "n1", h, rg_n1, c)
+    rg_att = rg_q or rg_k or rg_v
+    if shape.qk_norm and rg_att:
+        sv["qnorm.f32"] = 4 * T * qd
+        sv["knorm.f32"] = 4 * T * kvd
+    if rg_att:
+        groups = shape.heads // shape.kv_heads
+        sv["q_rope"] = a * T * qd
+        repeat = groups > 1 and (c.attention != "flash" or c.padded) and shape.head_dim <= 256 or (
+            groups > 1 and shape.head_dim > 256)
+        kv_saved = a * T * (qd if repeat else kvd)
+        sv["k_rope"] = kv_saved
+        sv["v"] = kv_saved
+        if c.attention == "flash":
+            sv["attn_out"] = a * T * qd
+            sv["lse"] = 4 * T * shape.heads
+        else:  # eager / math: the probabilities are kept (fp32 softmax output, plus its cast)
+            sv["probs.f32"] = 4 * c.b * shape.heads * c.S * c.S
+            if a != 4:
+                sv["probs"] = a * c.b * shape.heads * c.S * c.S
+    o_name = shape.attn_linears()[-1].name
+    rg_o = _linear(sv, o_name, "ctx", qd, rg_att, c)
+    if shape.model_type == "t5" and decoder:  # cross attention: approximate like self attention
+        sub, _ = _attn_only(shape, c, rg_o)
+        sv.update({f"x.{k}": v for k, v in sub.items()})
+    rg_h1 = rg_in or rg_o
+    if shape.parallel_block:
+        rg_n2, n2 = rg_n1, "n1"
+    else:
+        extra_norms = max(0, shape.norms_per_layer - 2)
+        if extra_norms:  # gemma: post-attention norm on the attention output, pre/post feed-forward norms
+            _norm(sv, "ln_post_attn", "o", rg_o, c, shape, h)
+        rg_n2 = _norm(sv, "ln2", "h1", rg_h1, c, shape, h)
+        n2 = "n2"
+    mlp = shape.mlp_linears()
+    if shape.mlp == "gated" or shape.model_type == "t5":
+        if shape.fused_gate_up:
+            rg_g = rg_u = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
+        else:
+            rg_g = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
+            rg_u = _linear(sv, mlp[1].name, n2, h, rg_n2, c)
+        if rg_g:
+            sv["gate"] = a * T * i  # activation input
+            if shape.act == "gelu_new":
+                sv["gelu.tanh"] = a * T * i
+                sv["gelu.half"] = a * T * i
+                sv["gelu.1pt"] = a * T * i
+        if rg_u:
+            sv["act"] = a * T * i
+        if rg_g:
+            sv["up"] = a * T * i
+        rg_p = rg_g or rg_u
+        rg_m = _linear(sv, mlp[-1].name, "p", i, rg_p, c)
+    else:
+        rg_f = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
+        if rg_f:
+            sv["fc1"] = a * T * i
+            if shape.act == "gelu_new":
+                sv["gelu.pow"] = 0
+                sv["gelu.tanh"] = a * T * i
+                sv["gelu.half"] = a * T * i
+                sv["gelu.1pt"] = a * T * i
+        rg_m = _linear(sv, mlp[-1].name, "p", i, rg_f, c)
+    if shape.norms_per_layer > 2:
+        _norm(sv, "ln_post_ff", "m", rg_m, c, shape, h)
+    return sv, rg_h1 or rg_m
+
+
+def _attn_only(shape: ModelShape, c: _Ctx, rg_in: bool) -> tuple[dict, bool]:
+    T, a = c.T, c.a
+    sv: dict[str, int] = {}
+    if rg_in or c.full or c.lora:
+        sv["q_rope"] = a * T * shape.q_dim
+        sv["k_rope"] = a * T * shape.kv_dim
+        sv["v"] = a * T * shape.kv_dim
+        sv["probs.f32"] = 4 * c.b * shape.heads * c.S * c.S
+    return sv, True
+
+
+def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
+    """Gradient tensors alive inside one block's backward (beyond its saved tensors)."""
+    T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
+    mlp = 3 * a * T * i + 2 * a * T * h
+    if not c.full and shape.mlp_linears()[-1].name in c.targets:
+        mlp += 4 * T * i
+    if c.attention == "flash":
+        att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
+    else:
+        att = (8 + a) * c.b * shape.heads * c.S * c.S
+    return max(mlp, att)
+
+
+def _forward_transient(shape: ModelShape, c: _Ctx) -> int:
+    T, a = c.T, c.a
+    att = 0 if c.attention == "flash" else (4 + a) * c.b * shape.heads * c.S * c.S
+    return max(2 * a * T * shape.intermediate, att)
+
+
+def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0) -> Estimate:
+    s = settings
+    d = DTYPE_BYTES[s.dtype]
+    a = 4 if s.kbit else d
+    a_lm = 4 if s.kbit else d
+    T = s.batch * s.seq_len
+    full = s.method == "full"
+    targets = set() if full else resolve_targets(shape, s.targets)
+    attention = s.attention
+    if attention == "flash" and device.kind != "cuda":
+        attention = "sdpa"
+    if attention == "sdpa":
+        attention = "math" if device.kind == "mps" else "flash"
+    padded = s.batch > 1 if s.padded is None else s.padded
+    c = _Ctx(T=T, b=s.batch, S=s.seq_len, a=a, full=full, lora=not full, targets=targets, rank=s.rank,
+             drop=s.dropout > 0 and not full, mask_b=1 if device.kind == "cuda" else 4, attention=attention,
+             padded=padded)
+    V, h = shape.vocab, shape.hidden
+    notes: list[str] = []
+
+    # weights, trainable params, grads, optimizer
+    w = weight_bytes(shape, s)
+    W = sum(w.values())
+    if full:
+        tensors = _full_tensors(shape)
+        pbytes = d
+        lora_w = 0
+    else:
+        tensors = lora_tensors(shape, s)
+        pbytes = 4  # peft keeps adapters in fp32
+        lora_w = 4 * sum(tensors)
+    P_tr = sum(tensors)
+    G = pbytes * P_tr
+    O, O_tmp, O_paged = optimizer_bytes(s, tensors, pbytes, device)
+    if O_paged:
+        notes.append(f"paged optimizer state ({O_paged / GiB:.2f} GiB) lives in CUDA unified memory, outside "
+                     "torch's allocator; it pages to host RAM under pressure")
+    ckpt = s.grad_checkpointing
+    # enable_input_require_grads (ckpt, k-bit+ckpt) or trainable embeddings (full): layer 0 input needs grad
+    rg0 = full or ckpt
+    per_layer: list[int] = []
+    per_layer_full: list[dict] = []
+    rg = rg0
+    for count, dec in shape.blocks():
+        for _ in range(count):
+            sv, rg_out = _layer(shape, c, rg, dec)
+            per_layer.append(sum(sv.values()))
+            per_layer_full.append(sv)
+            rg = rg_out
+        if shape.encoder_layers and not dec:
+            rg = rg0
+    # final norm (on the last layer's output) and lm_head input
+    fin: dict[str, int] = {}
+    _norm(fin, "lnf", "xL", rg, c, shape, h)
+    if full:
+        fin["nf"] = a * T * h
+    A_final = sum(fin.values())
+    mask_bytes = c.b * c.S * c.S if (padded and attention != "flash" or padded) and attention != "eager" else 0
+    if attention == "eager":
+        mask_bytes = (a if a == 4 else a) * c.b * c.S * c.S  # additive float mask
+    rope = 2 * a * T * shape.head_dim
+    shared = rope + mask_bytes + 16 * T  # cos/sin, mask, ids/labels
+    logits = a_lm * T * V
+    L = len(per_layer)
+    if ckpt:
+        A_layers_kept = [a * T * h] * L  # non-reentrant checkpoint keeps each layer's input
+        recompute = [max(0, x - (a * T * h if "x" in sv else 0)) for x, sv in zip(per_layer, per_layer_full)]
+    else:
+        A_layers_kept = per_layer
+        recompute = [0] * L
+    A_all = sum(A_layers_kept) + A_final + shared
+    base = W + lora_w + O
+    G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
+    kept_logits = logits if s.keep_logits else 0
+    phases: dict[str, dict[str, int]] = {}
+    qtemp = 0
+    if s.kbit:  # bnb dequantizes the largest weight for each matmul (compute dtype), plus input/output casts
+        qtemp = 2 * shape.largest_linear() + 2 * T * (h + shape.intermediate)
+    # forward end: everything saved, the last block's transient
+    fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
+    phases["forward"] = _comp(w, lora_w, G_acc, O, A_all, 0, fwd_t)
+    # loss: logits (bf16 if not kept, fp32 copy), log_softmax output; backward of log_softmax: +2 fp32 grads
+    loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
+    loss_bwd = kept_logits + 12 * T * V
+    if not s.keep_logits:
+        loss_bwd = (logits if a_lm != 4 else 0) + 12 * T * V - (0 if a_lm != 4 else 0)
+    phases["loss"] = _comp(w, lora_w, G_acc, O, A_all, max(loss_fwd, loss_bwd), 0)
+    # backward through the blocks, top to bottom
+    head_grad = d * V * h if full and not shape.tied else (d * V * h if full else 0)
+    g_so_far = G_acc + head_grad if full else G_acc
+    remaining = sum(A_layers_kept) + shared
+    best_b = (0, 0, 0)
+    layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
+    bt = _layer_backward_transient(shape, c) + qtemp
+    for idx in range(L - 1, -1, -1):
+        tot = remaining + recompute[idx] + bt + g_so_far + kept_logits + d * T * h
+        if tot > sum(best_b):
+            best_b = (remaining + recompute[idx], g_so_far, bt + kept_logits + d * T * h)
+        remaining -= A_layers_kept[idx]
+        if full:
+            g_so_far += int(layer_params * d)
+    if full:  # embedding gradient (dense) arrives last
+        emb_g = d * V * h
+        tot = shared + g_so_far + emb_g + kept_logits
+        if tot > sum(best_b):
+            best_b = (shared, g_so_far + emb_g - (emb_g if shape.tied else 0), kept_logits + (emb_g if shape.tied else 0))
+    phases["backward"] = _comp(w, lora_w, best_b[1] if full else max(best_b[1], G_acc), O, best_b[0], 0, best_b[2])
+    if not full:
+        phases["backward"]["gradients"] = max(phases["backward"].get("gradients", 0), int(G * 0))
+    # optimizer step: all grads, states, the step's temporaries (logits still referenced by the loop)
+    phases["optimizer_step"] = _comp(w, lora_w, G, O, 0, kept_logits, O_tmp)
+    if s.eval_batch:
+        Te = s.eval_batch * s.seq_len
+        ev = a_lm * Te * V + 8 * Te * V + 4 * a * Te * max(h, shape.intermediate)
+        phases["eval"] = _comp(w, lora_w, 0, O, 0, ev, 0)
+    totals = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(totals, key=lambda k: totals[k])
+    alloc = totals[peak_phase]
+    reserved = int(alloc * RESERVED_FACTOR[device.kind]) + RESERVED_FLOOR[device.kind]
+    total = reserved + device.context_bytes
+    fits = reserved <= device.budget_bytes * (1 - safety_margin)
+    if shape.extra_note:
+        notes.append(f"{shape.extra_note}")
+    if s.dtype == "bf16" and not device.supports_bf16:
+        notes.append(f"{device.name} has no bf16: use fp16 (same memory, but bf16 would be emulated)")
+    if s.kbit and not device.supports_bnb:
+        notes.append(f"bitsandbytes quantization is not available on {device.name}")
+    return Estimate(
+        allocated_peak_bytes=int(alloc), reserved_peak_bytes=reserved, device_total_bytes=total,
+        components={k: int(v) for k, v in phases[peak_phase].items() if v}, peak_phase=peak_phase,
+        device=device.name, budget_bytes=device.budget_bytes, fits=fits, params=param_counts(shape, s),
+        phases={k: int(v) for k, v in totals.items()}, settings=asdict(s), model=shape.name,
+        safety_margin=safety_margin, notes=notes,
+    )
+
+
+def _comp(w: dict, lora_w: int, grads: int, opt: int, acts: int, loss: int, transient: int) -> dict[str, int]:
+    out = dict(w)
+    out.update({"lora_weights": lora_w, "gradients": grads, "optimizer_states": opt, "activations": acts,
+                "logits_loss": loss, "transient": transient})
+    return out
+
+
+def _embed_head_params(shape: ModelShape) -> int:
+    return shape.embed_params + shape.lm_head_params
+
+
+def _full_tensors(shape: ModelShape) -> list[int]:
+    out = [shape.embed_params]
+    if shape.lm_head_params:
+        out.append(shape.lm_head_params)
+    for c, dec in shape.blocks():
+        per = []
+        for lin in shape.layer_linears(dec):
+            per.append(lin.fan_in * lin.fan_out)
+            if lin.bias:
+                per.append(lin.fan_out)
+        per.append(shape.norm_params_per_layer(dec))
+        out += per * c
+    out.append(shape.final_norm_params)
+    if shape.extra_params:
+        out.append(shape.extra_params)
+    return out
+
+
+def with_settings(s: TrainSettings, **kw) -> TrainSettings:
+    return replace(s, **kw)

@@ -1,0 +1,315 @@
+"""Model shapes from config.json alone (no weights, no torch): what the estimator needs to count memory."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# suffixes stripped from a hub id's basename when looking for a bundled config
+_SUFFIXES = ("-instruct", "-it", "-hf", "-chat", "-base", "-4e1t", "-v0.1", "-v0.2", "-v0.3", "-4k", "-128k")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One nn.Linear of a block: peft targets it by ``name`` (the last part of the module path)."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    bias: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+
+@dataclass
+class ModelShape:
+    """The architecture facts that decide training memory."""
+
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    mlp: str = "gated"  # gated (gate/up/down) or plain (fc1/fc2)
+    act: str = "silu"  # silu | gelu_tanh (native) | gelu_new (python formula) | gelu | relu
+    norm: str = "rms"  # rms (weight only) | layer (weight + bias)
+    norm_style: str = "llama"  # llama (x.to(fp32)...) | gemma (fp32 math, 1+w) | layernorm (native)
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    parallel_block: bool = False  # phi-1.5: attention and MLP share one norm
+    lm_head_bias: bool = False
+    encoder_layers: int = 0  # encoder-decoder (T5): encoder depth; ``layers`` is then the decoder depth
+    extra_params: int = 0  # vision tower, relative position tables, ... (weights only, no text activations)
+    extra_note: str = ""
+    max_position: int | None = None
+    sliding_window: int | None = None
+    config_dtype: str | None = None
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    # --- derived ----------------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attn_linears(self, cross: bool = False) -> list[Linear]:
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        if self.model_type == "t5":
+            return [Linear("q", h, q), Linear("k", h, kv), Linear("v", h, kv), Linear("o", q, h)]
+        o_name = "dense" if self.model_type == "phi" else "o_proj"
+        if self.fused_qkv:
+            return [Linear("qkv_proj", h, q + 2 * kv, self.qkv_bias), Linear(o_name, q, h, self.o_bias)]
+        return [
+            Linear("q_proj", h, q, self.qkv_bias),
+            Linear("k_proj", h, kv, self.qkv_bias),
+            Linear("v_proj", h, kv, self.qkv_bias),
+            Linear(o_name, q, h, self.o_bias),
+        ]
+
+    def mlp_linears(self) -> list[Linear]:
+        h, i, b = self.hidden, self.intermediate, self.mlp_bias
+        if self.model_type == "t5":
+            return [Linear("wi_0", h, i), Linear("wi_1", h, i), Linear("wo", i, h)]
+        if self.mlp == "plain":
+            return [Linear("fc1", h, i, b), Linear("fc2", i, h, b)]
+        if self.fused_gate_up:
+            return [Linear("gate_up_proj", h, 2 * i, b), Linear("down_proj", i, h, b)]
+        return [Linear("gate_proj", h, i, b), Linear("up_proj", h, i, b), Linear("down_proj", i, h, b)]
+
+    def layer_linears(self, decoder: bool = True) -> list[Linear]:
+        """Linears of one block; T5 decoder blocks also hold cross-attention (same peft names q/k/v/o)."""
+        lins = self.attn_linears()
+        if self.model_type == "t5" and decoder:
+            lins = lins + self.attn_linears(cross=True)
+        return lins + self.mlp_linears()
+
+    def norm_params_per_layer(self, decoder: bool = True) -> int:
+        per = self.hidden * (2 if self.norm == "layer" else 1)
+        n = self.norms_per_layer + (1 if self.model_type == "t5" and decoder else 0)
+        extra = 2 * self.head_dim if self.qk_norm else 0
+        return n * per + extra
+
+    def blocks(self) -> list[tuple[int, bool]]:
+        """(count, is_decoder) per stack."""
+        if self.encoder_layers:
+            return [(self.encoder_layers, False), (self.layers, True)]
+        return [(self.layers, True)]
+
+    @property
+    def total_layers(self) -> int:
+        return self.layers + self.encoder_layers
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def lm_head_params(self) -> int:
+        """Separate lm_head weights (0 when tied to the embeddings)."""
+        return 0 if self.tied else self.vocab * self.hidden + (self.vocab if self.lm_head_bias else 0)
+
+    @property
+    def final_norm_params(self) -> int:
+        per = self.hidden * (2 if self.norm == "layer" else 1)
+        return per * (2 if self.encoder_layers else 1)
+
+    def linear_params(self) -> int:
+        return sum(c * sum(lin.numel for lin in self.layer_linears(dec)) for c, dec in self.blocks())
+
+    def param_count(self) -> int:
+        norms = sum(c * self.norm_params_per_layer(dec) for c, dec in self.blocks())
+        return (
+            self.embed_params
+            + self.lm_head_params
+            + self.linear_params()
+            + norms
+            + self.final_norm_params
+            + self.extra_params
+        )
+
+    def largest_linear(self) -> int:
+        return max(lin.fan_in * lin.fan_out for c, dec in self.blocks() for lin in self.layer_linears(dec))
+
+    # --- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: dict, name: str | None = None, source: str = "") -> ModelShape:
+        """Build a shape from a Hugging Face config.json dict."""
+        mt = str(cfg.get("model_type", "")).lower()
+        top = cfg
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+        if text and "hidden_size" in text:
+            merged = dict(text)
+            for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
+                if k in cfg and k not in merged:
+                    merged[k] = cfg[k]
+            cfg = merged
+        name = name or cfg.get("_name_or_path") or top.get("_name_or_path") or mt or "model"
+
+        def g(*keys, default=None):
+            for k in keys:
+                if cfg.get(k) is not None:
+                    return cfg[k]
+            return default
+
+        if mt == "t5" or "d_model" in cfg:
+            h = int(g("d_model"))
+            heads = int(g("num_heads"))
+            dkv = int(g("d_kv", default=h // heads))
+            gated = "gated" in str(g("feed_forward_proj", default="relu"))
+            dec = int(g("num_decoder_layers", default=g("num_layers")))
+            buckets = int(g("relative_attention_num_buckets", default=32))
+            shape = cls(
+                name=name, model_type="t5", hidden=h, layers=dec, heads=heads, kv_heads=heads, head_dim=dkv,
+                intermediate=int(g("d_ff")), vocab=int(g("vocab_size")),
+                tied=bool(g("tie_word_embeddings", default=True)), mlp="gated" if gated else "plain",
+                act="gelu_new" if gated else "relu", norm="rms", norm_style="t5", norms_per_layer=2,
+                encoder_layers=int(g("num_layers")), extra_params=2 * buckets * heads,
+                max_position=None, config_dtype=g("torch_dtype", "dtype"), source=source,
+            )
+            return shape
+
+        h = int(g("hidden_size", "n_embd", "d_model"))
+        layers = int(g("num_hidden_layers", "n_layer"))
+        heads = int(g("num_attention_heads", "n_head"))
+        kv = int(g("num_key_value_heads", default=heads) or heads)
+        head_dim = int(g("head_dim", default=h // heads) or h // heads)
+        inter = int(g("intermediate_size", "n_inner", default=4 * h) or 4 * h)
+        vocab = int(g("vocab_size"))
+        act_name = str(g("hidden_act", "hidden_activation", "activation_function", default="silu"))
+        act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}.get(
+            act_name, "silu"
+        )
+        kw: dict = dict(
+            name=name, model_type=mt, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
+            intermediate=inter, vocab=vocab, tied=bool(g("tie_word_embeddings", default=False)), act=act,
+            max_position=g("max_position_embeddings"), sliding_window=g("sliding_window"),
+            config_dtype=g("torch_dtype", "dtype"), source=source,
+        )
+        if mt in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
+            kw["qkv_bias"] = True
+        if mt in ("llama", "mistral"):
+            kw["qkv_bias"] = kw["o_bias"] = bool(g("attention_bias", default=False))
+            kw["mlp_bias"] = bool(g("mlp_bias", default=False))
+        if mt.startswith("gemma3"):
+            kw.update(norm_style="gemma", norms_per_layer=4, qk_norm=True)
+        elif mt == "gemma2":
+            kw.update(norm_style="gemma", norms_per_layer=4)
+        elif mt == "gemma":
+            kw.update(norm_style="gemma")
+        if mt == "phi3":
+            kw.update(fused_qkv=True, fused_gate_up=True)
+        if mt == "phi":
+            kw.update(mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True, norm="layer", norm_style="layernorm",
+                      norms_per_layer=1, parallel_block=True, lm_head_bias=True)
+        if mt == "stablelm":
+            kw.update(norm="layer", norm_style="layernorm", qkv_bias=bool(g("use_qkv_bias", default=False)))
+        if mt == "gpt_neox":
+            kw.update(norm="layer", norm_style="layernorm", mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True)
+        vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
+        if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
+            kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
+            kw["extra_note"] = "vision tower (weights only; image activations not modelled)"
+        elif vis:
+            kw["extra_note"] = "vision tower not counted"
+        return cls(**kw)
+
+
+def _qwen2_vl_vision_params(v: dict, out_hidden: int) -> int:
+    d = int(v.get("embed_dim", 1280))
+    depth = int(v.get("depth", 32))
+    mlp = int(d * float(v.get("mlp_ratio", 4)))
+    patch = int(v.get("patch_size", 14))
+    tp = int(v.get("temporal_patch_size", 2))
+    chans = int(v.get("in_chans", v.get("in_channels", 3)))
+    merge = int(v.get("spatial_merge_size", 2))
+    out = int(v.get("hidden_size", out_hidden))
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * mlp + mlp) + (mlp * d + d)
+    m = d * merge * merge
+    merger = 2 * d + (m * m + m) + (m * out + out)
+    return chans * tp * patch * patch * d + depth * block + merger
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def _candidates(base: str) -> list[str]:
+    base = base.lower().replace("_", ".") if base.lower().startswith("phi-1_5") else base.lower()
+    out = [base]
+    changed = True
+    while changed:
+        changed = False
+        for suf in _SUFFIXES:
+            if out[-1].endswith(suf):
+                out.append(out[-1][: -len(suf)])
+                changed = True
+    return out
+
+
+def _hf_cache_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def _read(path: Path, name: str) -> ModelShape:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read model config {path}: {e}") from None
+    return ModelShape.from_config(cfg, name=name, source=str(path))
+
+
+def load_shape(ref: str) -> ModelShape:
+    """A shape from a local dir / config.json path, the Hugging Face cache, or a bundled config."""
+    tried = []
+    p = Path(ref).expanduser()
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return _read(p / "config.json", p.name)
+        tried.append(f"{p}/config.json (missing)")
+    elif p.is_file():
+        return _read(p, p.parent.name if p.name == "config.json" else p.stem)
+    else:
+        tried.append(f"local path {p} (not found)")
+    if "/" in ref and not p.exists() and ref.count("/") == 1:
+        for d in _hf_cache_dirs():
+            pattern = str(d / ("models--" + ref.replace("/", "--")) / "snapshots" / "*" / "config.json")
+            hits = sorted(glob.glob(pattern), key=os.path.getmtime)
+            if hits:
+                return _read(Path(hits[-1]), ref)
+            tried.append(f"HF cache {d}")
+    base = ref.rstrip("/").split("/")[-1]
+    for cand in _candidates(base):
+        f = CONFIG_DIR / f"{cand}.json"
+        if f.exists():
+            return _read(f, base)
+    tried.append(f"bundled configs ({', '.join(bundled_names())})")
+    raise ValueError(f"unknown model {ref!r}: tried " + "; ".join(tried))

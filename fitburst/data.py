@@ -128,7 +128,6 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
                 items.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
                 items.append((lineno, DataError(f"not valid JSON: {e.msg}")))
-    where = "record" if path.suffix == ".json" else "line"
     out, skipped = [], 0
     for lineno, rec in items:
         try:
@@ -137,7 +136,7 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
             f = detect_format(rec) if fmt == "auto" and isinstance(rec, dict) else fmt
             out.append(to_messages(rec, f))
         except ValueError as e:
-            msg = f"{path}:{lineno}: {where} {lineno}: {e}"
+            msg = f"{path}: record {lineno}: {e}" if path.suffix == ".json" else f"{path}:{lineno}: {e}"
             if not skip_invalid:
                 raise DataError(msg + " (fix it, or set data.skip_invalid: true to count and skip bad records)")
             log.warning("skipping %s", msg)

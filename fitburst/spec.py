@@ -308,15 +308,12 @@ def _explain(err: dict, where: str, source: str) -> str:
         known = list(owner.model_fields) if owner else []
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known fields: {', '.join(known)}"
-        return f"{where}{source}: unknown field '{field}' ({hint})"
+        return f"{where}unknown field '{field}'{source} ({hint})"
     if err["type"] == "missing":
-        return f"{where}{source}: field '{field}' is required"
+        return f"{where}field '{field}' is required"
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" (got {value!r})"
-    expected = ""
-    if err["type"] == "literal_error":
-        expected = ""  # pydantic's message already lists the choices
-    return f"{where}{source}: field '{field}'{shown}: {msg}{expected}"
+    return f"{where}field '{field}'{source}{shown}: {msg}"
 
 
 def load_file(path: str | os.PathLike) -> tuple[dict, dict[tuple, int]]:
@@ -380,14 +377,12 @@ def _has_path(d: Any, loc: tuple) -> bool:
 
 
 def _locate(lines: dict, name: str, loc: tuple) -> int | None:
-    for root in (("pipelines", name), ("defaults",)):
-        for n in range(len(loc), -1, -1):
-            if n == 0 and root == ("defaults",):
-                break
-            hit = lines.get(root + loc[:n])
-            if hit:
+    """Line of the most specific key on the error's path, in the pipeline or else in the defaults."""
+    for n in range(len(loc), 0, -1):
+        for root in (("pipelines", name), ("defaults",)):
+            if hit := lines.get(root + loc[:n]):
                 return hit
-    return None
+    return lines.get(("pipelines", name))
 
 
 def load_pipeline(path: str | os.PathLike, name: str, overrides: dict | None = None) -> PipelineSpec:

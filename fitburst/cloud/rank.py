@@ -157,7 +157,12 @@ def _plan_on(gpu: str, shape: Any, settings: Any, spec: Any) -> tuple[bool, Any,
         return False, settings, changes, {}, f"{gpu} cannot run bitsandbytes quantization"
     margin = spec.preflight.safety_margin
     if mem["plan_fit"] is not None:
-        plan = mem["plan_fit"](shape, settings, device, margin, spec.preflight.allow)
+        allow = spec.preflight.allow
+        allow = allow.model_dump() if hasattr(allow, "model_dump") else dict(allow or {})
+        try:  # _burst=False: plan for this GPU only, no search over other GPUs
+            plan = mem["plan_fit"](shape, settings, device, margin, allow, _burst=False)
+        except TypeError:
+            plan = mem["plan_fit"](shape, settings, device, margin, allow)
         fits, planned, est_obj = bool(plan.fits), plan.settings, plan.estimate
         changes += [str(c) for c in (plan.changes or [])]
         verdict = str(getattr(plan, "verdict", "") or "")

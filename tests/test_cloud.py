@@ -1,0 +1,199 @@
+"""fitburst.cloud without SkyPilot: policy validation, GPU naming, per-GPU re-plan, ranking, budget caps."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fitburst.cloud import (
+    BudgetError,
+    BurstError,
+    Candidate,
+    canonical_gpu,
+    check_budget,
+    dry_run_report,
+    estimate_hours,
+    offers,
+    rank_candidates,
+    should_burst,
+)
+from fitburst.memory.estimator import TrainSettings, settings_from_spec
+from fitburst.memory.shapes import load_shape
+from fitburst.spec import SpecError, load_all, load_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINES = REPO / "pipelines.yaml"
+SNAPSHOT = dict(use_catalog=False)  # priced from the snapshot; the catalog path is in test_cloud_sky
+
+
+def _offers(spec):
+    return offers(spec.burst.gpus, spec.burst.providers, spot=spec.burst.spot, **SNAPSHOT)
+
+
+def seven_b(**over):
+    spec = load_pipeline(PIPELINES, "qwen7b-lora", {"burst.providers": ["runpod", "lambda", "azure"], **over})
+    settings = TrainSettings(**{**settings_from_spec(spec).__dict__, "batch": 1, "grad_checkpointing": True})
+    return spec, load_shape(spec.model.name), settings
+
+
+def small_qlora(**over):
+    spec = load_pipeline(PIPELINES, "qwen1.5b-qlora",
+                         {"burst.providers": ["azure", "lambda"], "burst.gpus": ["T4", "A6000"], **over})
+    return spec, load_shape(spec.model.name), settings_from_spec(spec)
+
+
+def test_fitburst_cloud_does_not_import_sky_or_prefect():
+    import subprocess
+
+    code = "import sys, fitburst.cloud; assert 'sky' not in sys.modules and 'prefect' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --- policy validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("burst, expected", [
+    ("{gpus: [V100]}", "unknown GPU 'V100'"),
+    ("{gpus: [T4], providers: [runpod, lambda]}", "T4 is on aws, gcp, azure"),
+    ("{spot: true, providers: [lambda]}", "Lambda has no spot instances"),
+    ("{policy: sometimes}", "burst.policy"),
+    ("{max_hourly_usd: -1}", "burst.max_hourly_usd"),
+    ("{bucket: my-bucket}", "bucket must be a URL"),
+    ("{providers: [coreweave]}", "burst.providers"),
+    ("{gpus: []}", "at least one GPU"),
+    ("{max_hourly_usd: 2, max_total_usd: 0.1}", "less than 15 minutes"),
+    ("{autostop: 10}", "did you mean 'autostop_minutes'"),
+])
+def test_bad_burst_policy_fails_validation_with_a_located_message(tmp_path, burst, expected):
+    f = tmp_path / "pipelines.yaml"
+    f.write_text(textwrap.dedent(f"""\
+        pipelines:
+          p:
+            model: {{name: fitburst/tiny-demo}}
+            data: {{path: d.jsonl}}
+            burst: {burst}
+        """))
+    with pytest.raises(SpecError) as e:
+        load_all(f)
+    assert expected in str(e.value)
+    assert "line 5" in str(e.value)
+
+
+def test_good_policy_normalises_gpu_names():
+    spec = load_pipeline(PIPELINES, "qwen7b-lora", {"burst.gpus": ["RTXA6000", "a100-80gb", "A6000"]})
+    assert spec.burst.gpus == ["A6000", "A100-80GB"]
+    assert canonical_gpu("A100") == "A100-40GB"  # Lambda's and AWS's "A100" is the 40 GB card
+
+
+# --- naming and offers ---------------------------------------------------------------------------------
+
+def test_offers_use_each_providers_catalog_name():
+    found = offers(["A6000", "T4"], ["runpod", "lambda"], **SNAPSHOT)
+    got = {(o.gpu, o.provider): o.accelerator for o in found}
+    assert got == {("A6000", "runpod"): "RTXA6000", ("A6000", "lambda"): "A6000"}  # no T4 on RunPod/Lambda
+    spot = offers(["A6000"], ["runpod", "lambda"], spot=True, **SNAPSHOT)
+    assert [o.provider for o in spot] == ["runpod"]  # Lambda sells no spot
+
+
+# --- ranking -------------------------------------------------------------------------------------------
+
+def test_7b_lora_fits_48gb_not_16gb_and_ranks_runpod_a6000_first():
+    spec, shape, settings = seven_b()
+    cands = rank_candidates(spec, shape, settings, tokens=3_000_000, offer_list=_offers(spec))
+    by = {(c.gpu, c.provider): c for c in cands}
+    assert by[("A6000", "runpod")].fits and by[("A6000", "lambda")].fits
+    t4 = by[("T4", "azure")]
+    assert not t4.fits and "does not fit in T4" in t4.reason
+    assert "dtype bf16 -> fp16 (T4 has no bf16)" in t4.changes
+    assert (cands[0].gpu, cands[0].provider, cands[0].accelerator) == ("A6000", "runpod", "RTXA6000")
+    assert cands[0].est_total_usd == pytest.approx(cands[0].hourly_usd * cands[0].est_hours, rel=0.02)
+    assert [c.usable for c in cands] == [True, True, False]
+    d = cands[0].to_dict()
+    assert d["usable"] and d["estimate"]["fits"] and d["settings"]["dtype"] == "bf16"
+
+
+def test_small_qlora_fits_a_t4_and_a_short_run_is_cheapest_there():
+    spec, shape, settings = small_qlora()
+    cands = rank_candidates(spec, shape, settings, tokens=200_000, offer_list=_offers(spec))
+    assert all(c.fits for c in cands)
+    assert (cands[0].gpu, cands[0].provider) == ("T4", "azure")
+    assert cands[0].settings["dtype"] == "fp16"
+
+
+def test_a_long_run_prefers_the_faster_gpu_even_at_a_higher_hourly_price():
+    spec, shape, settings = small_qlora()
+    cands = rank_candidates(spec, shape, settings, tokens=200_000_000, offer_list=_offers(spec))
+    t4 = next(c for c in cands if c.gpu == "T4")
+    assert cands[0].gpu == "A6000" and cands[0].hourly_usd > t4.hourly_usd
+
+
+def test_measured_hours_replace_the_flops_estimate():
+    spec, shape, settings = small_qlora()
+    measured = {"T4": 10.0, "A6000": 1.0}
+    cands = rank_candidates(spec, shape, settings, est_hours_fn=lambda gpu, s: measured[gpu],
+                            offer_list=_offers(spec))
+    assert cands[0].gpu == "A6000" and cands[0].est_hours == 1.0
+
+
+def test_time_estimates_order_devices():
+    spec, shape, settings = small_qlora()
+    h = {d: estimate_hours(shape, settings, d, 10_000_000) for d in ("cpu", "T4", "A6000", "H100")}
+    assert h["cpu"] > h["T4"] > h["A6000"] > h["H100"] > 0
+    assert estimate_hours(shape, settings, "T4", None) is None
+
+
+# --- budget caps and placement -------------------------------------------------------------------------
+
+def test_budget_caps_refuse_before_any_cluster_exists(monkeypatch):
+    spec, shape, settings = seven_b(**{"burst.max_hourly_usd": 0.3})
+    cands = rank_candidates(spec, shape, settings, tokens=3_000_000, offer_list=_offers(spec))
+    assert not any(c.usable for c in cands)
+    assert "over max_hourly_usd $0.30" in cands[0].reason
+    with pytest.raises(BudgetError, match="refused before launch"):
+        check_budget(spec, cands)
+
+    spec, shape, settings = seven_b(**{"burst.max_total_usd": 0.5})
+    cands = rank_candidates(spec, shape, settings, tokens=30_000_000, offer_list=_offers(spec))
+    with pytest.raises(BudgetError, match="over max_total_usd"):
+        check_budget(spec, cands)
+
+    # burst_train refuses at the same point: no SkyPilot call is ever made
+    from fitburst.cloud import burst_train
+
+    with pytest.raises(BudgetError):
+        burst_train(spec, "unused", "unused", cands)
+
+
+def test_no_fitting_gpu_is_a_clear_error():
+    spec, shape, settings = seven_b(**{"burst.gpus": ["T4"], "burst.providers": ["azure"]})
+    cands = rank_candidates(spec, shape, settings, tokens=1_000, offer_list=_offers(spec))
+    with pytest.raises(BurstError, match="fits none of the burst GPUs.*T4 on azure"):
+        check_budget(spec, cands)
+    with pytest.raises(BurstError, match="no GPU candidates"):
+        check_budget(spec, [])
+
+
+@pytest.mark.parametrize("policy, fits, hours, cap, expected", [
+    ("auto", False, None, None, True),
+    ("auto", True, 2.0, None, False),
+    ("auto", True, 30.0, 8.0, True),  # fits, but too slow locally
+    ("never", False, None, None, False),
+    ("always", True, 0.1, None, True),
+])
+def test_placement_policy(policy, fits, hours, cap, expected):
+    spec = load_pipeline(PIPELINES, "demo", {"burst.policy": policy, "burst.max_local_hours": cap})
+    burst, why = should_burst(spec, fits, hours)
+    assert burst is expected and why
+
+
+def test_dry_run_report_shows_local_and_cloud_side_by_side():
+    spec, shape, settings = seven_b()
+    cands = rank_candidates(spec, shape, settings, tokens=3_000_000, offer_list=_offers(spec))
+    text = dry_run_report(spec, cands, local={"device": "cpu", "fits": False, "hours": 310.0})
+    assert "local cpu" in text and "310.00" in text
+    assert "chosen: A6000 on runpod as RTXA6000, $0.49/h" in text
+    assert "price from fitburst-snapshot" in text  # offline: the source of the price is said
+    assert Candidate(gpu="T4", provider="aws", accelerator="T4", memory_gib=16, fits=True,
+                     hourly_usd=0.5).label() == "T4 on aws (T4)"

@@ -1,0 +1,296 @@
+"""fitburst.cloud against SkyPilot itself: task validation, the optimizer and a dry-run launch on a seeded
+catalog, and the launch lifecycle at the SDK boundary (the only fakes: no cloud is reachable from here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+FIXTURES = HERE / "fixtures" / "sky"
+SECRET = "hf_fitburstTEST_SECRET_0123456789"
+
+# SkyPilot fixes its catalog directory when first imported: seed one for this process (SKY_RUNTIME_DIR, not
+# HOME, so nothing else in the test session moves) before anything imports sky.
+if "sky" not in sys.modules:
+    _runtime = tempfile.mkdtemp(prefix="fitburst-sky-runtime-")
+    shutil.copytree(FIXTURES / "catalogs", Path(_runtime) / ".sky" / "catalogs")
+    os.environ["SKY_RUNTIME_DIR"] = _runtime
+os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
+
+from sky.skylet import job_lib  # noqa: E402
+
+import sky  # noqa: E402
+from fitburst import cloud  # noqa: E402
+from fitburst.cloud import BurstFailed, build_task, burst_train, dry_run_report, task_yaml  # noqa: E402
+from fitburst.cloud.rank import Candidate  # noqa: E402
+from fitburst.spec import load_pipeline  # noqa: E402
+from sky import exceptions as sx  # noqa: E402
+
+
+def offline(request: dict, timeout: int = 120) -> dict:
+    """Run tests/fixtures/sky/offline.py (a fresh process with a seeded HOME) and return its JSON result."""
+    env = {k: v for k, v in os.environ.items() if k != "SKY_RUNTIME_DIR"}
+    cmd = [sys.executable, str(FIXTURES / "offline.py"), json.dumps(request)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("@@RESULT@@")[-1])
+
+
+# --- SkyPilot's optimizer and dry run on a seeded catalog ---------------------------------------------------
+
+def test_optimizer_picks_runpod_a6000_for_7b_lora_and_dry_run_launch_completes():
+    out = offline({"pipeline": "qwen7b-lora", "settings": {"batch": 1, "grad_checkpointing": True},
+                   "tokens": 3_000_000, "dryrun": True,
+                   "overrides": {"burst.gpus": ["A6000", "T4"],
+                                 "burst.providers": ["runpod", "lambda", "azure"]}})
+    assert out["best"]["cloud"] == "RunPod" and out["best"]["accelerators"] == {"RTXA6000": 1}
+    assert out["best"]["hourly_usd"] == pytest.approx(0.49)
+    cands = {(c["gpu"], c["provider"]): c for c in out["candidates"]}
+    assert cands[("A6000", "runpod")]["price_source"] == "skypilot-catalog"  # priced from SkyPilot's catalog
+    assert not cands[("T4", "azure")]["fits"]
+    assert out["dryrun"]["seconds"] < 30
+    assert "SkyPilot optimizer pick: RunPod {'RTXA6000': 1}" in out["report"]
+
+
+def test_optimizer_picks_azure_t4_for_a_short_small_qlora():
+    out = offline({"pipeline": "qwen1.5b-qlora", "tokens": 200_000,
+                   "overrides": {"burst.gpus": ["T4", "A6000"], "burst.providers": ["azure", "lambda"]}})
+    assert out["best"]["cloud"] == "Azure" and out["best"]["accelerators"] == {"T4": 1}
+    assert out["candidates"][0]["settings"]["dtype"] == "fp16"
+
+
+# --- the generated task --------------------------------------------------------------------------------
+
+def _candidates() -> list[Candidate]:
+    return [Candidate("A6000", "runpod", "RTXA6000", 48, True, 0.49, 1.0, 0.49, region="CA"),
+            Candidate("A6000", "lambda", "A6000", 48, True, 0.80, 1.0, 0.80, region="us-east-1"),
+            Candidate("T4", "azure", "T4", 16, False, 0.53, reason="does not fit in T4")]
+
+
+@pytest.fixture
+def demo(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", SECRET + "pw")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = load_pipeline(REPO / "pipelines.yaml", "qwen7b-lora")
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "prepared.json").write_text("{}")
+    return spec, prepared
+
+
+def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
+    spec, prepared = demo
+    task = build_task(spec, _candidates(), prepared_dir=prepared)
+    assert isinstance(task.resources, list)  # ordered: cheapest total first, SkyPilot fails over in order
+    assert [(str(r.cloud), r.accelerators) for r in task.resources] == [
+        ("RunPod", {"RTXA6000": 1}), ("Lambda", {"A6000": 1})]
+    assert all(r.autostop_config.down and r.autostop_config.idle_minutes == 30 for r in task.resources)
+    assert task.file_mounts["~/fitburst-job/prepared"] == str(prepared)
+    spec_file = Path(task.file_mounts["~/fitburst-job/spec.yaml"])
+    assert "qwen7b-lora" in spec_file.read_text() and SECRET not in spec_file.read_text()
+    assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET
+    assert "fitburst train --spec" in task.run and Path(task.workdir) == REPO
+    # SkyPilot's own schema validation, both ways
+    text = task_yaml(task)
+    again = sky.Task.from_yaml_str(text)
+    assert [(str(r.cloud), r.accelerators) for r in again.resources] == [
+        ("RunPod", {"RTXA6000": 1}), ("Lambda", {"A6000": 1})]
+    assert again.envs["FITBURST_JOB_DIR"] == "fitburst-job" and again.run == task.run
+
+
+def test_no_secret_value_in_task_yaml_or_dry_run_report(demo):
+    spec, prepared = demo
+    task = build_task(spec, _candidates(), prepared_dir=prepared)
+    report = dry_run_report(spec, _candidates(), task)
+    for text in (task_yaml(task), report, (REPO / "sky" / "train.yaml").read_text()):
+        assert SECRET not in text
+    assert "HF_TOKEN: <redacted>" in report
+
+
+def test_spec_validation_errors_surface_from_skypilot_for_a_broken_task_yaml(tmp_path, demo):
+    spec, prepared = demo
+    bad = tmp_path / "train.yaml"
+    bad.write_text((REPO / "sky" / "train.yaml").read_text().replace("run: |", "runn: |"))
+    with pytest.raises(ValueError, match="run"):
+        build_task(spec, _candidates(), prepared_dir=prepared, task_yaml=bad)
+
+
+# --- lifecycle at the SDK boundary --------------------------------------------------------------------------
+
+class FakeSky:
+    """Records SkyPilot SDK calls; each behaviour is set per test."""
+
+    def __init__(self, monkeypatch, *, launch_error=None, log_code=0, status=job_lib.JobStatus.SUCCEEDED,
+                 tail_error=None, down_error=None):
+        self.calls: list[tuple] = []
+        self.launch_error, self.log_code, self.status = launch_error, log_code, status
+        self.tail_error, self.down_error = tail_error, down_error
+        handle = type("Handle", (), {"launched_resources": sky.Resources(infra="runpod/CA",
+                                                                          accelerators={"RTXA6000": 1})})()
+        self.handle = handle
+        for name in ("launch", "stream_and_get", "tail_logs", "job_status", "down", "api_cancel"):
+            monkeypatch.setattr(sky, name, getattr(self, name))
+
+    def launch(self, task, cluster_name=None, **kw):
+        self.calls.append(("launch", cluster_name, kw))
+        self.task = task
+        return "req-launch"
+
+    def stream_and_get(self, request_id=None, output_stream=None, **kw):
+        self.calls.append(("get", request_id))
+        if request_id == "req-launch":
+            if output_stream is not None:
+                output_stream.write("provisioning RunPod RTXA6000 ...\n")
+            if self.launch_error:
+                raise self.launch_error
+            return 1, self.handle
+        if request_id == "req-status":
+            return {1: self.status}
+        if request_id == "req-down" and self.down_error:
+            raise self.down_error
+        return None
+
+    def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **kw):
+        self.calls.append(("tail", cluster_name, job_id))
+        output_stream.write("step 10 loss 2.1\nstep 20 loss 1.7")
+        if self.tail_error:
+            raise self.tail_error
+        return self.log_code
+
+    def job_status(self, cluster_name, job_ids=None):
+        self.calls.append(("job_status", cluster_name, job_ids))
+        return "req-status"
+
+    def down(self, cluster_name, **kw):
+        self.calls.append(("down", cluster_name))
+        return "req-down"
+
+    def api_cancel(self, request_ids=None, **kw):
+        self.calls.append(("cancel", request_ids))
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+def _pull(cluster, run_dir, log):
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "train_result.json").write_text("{}")
+
+
+def test_success_streams_logs_pulls_outputs_and_tears_down(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    fake, lines = FakeSky(monkeypatch), []
+    res = burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lines.append, pull=_pull)
+    assert res.ok and res.job_status == "SUCCEEDED" and res.torn_down
+    assert fake.names()[-2:] == ["down", "get"] and fake.calls[0][2]["down"] is True
+    assert fake.calls[0][2]["idle_minutes_to_autostop"] == 30
+    assert "step 20 loss 1.7" in lines  # the last partial line is flushed too
+    assert (tmp_path / "run" / "train_result.json").exists()
+    assert res.provider == "runpod" and res.accelerator == "RTXA6000" and res.region == "CA"
+    tags = res.tags()
+    assert tags["path"] == "cloud" and tags["cloud.gpu"] == "A6000" and "cloud.cost_usd" in tags
+    assert not any(SECRET in line for line in lines)
+
+
+@pytest.mark.parametrize("code, status, expected", [
+    (100, job_lib.JobStatus.FAILED, "FAILED"),
+    (100, job_lib.JobStatus.FAILED_SETUP, "FAILED_SETUP"),
+])
+def test_job_failure_tears_down_and_raises(demo, tmp_path, monkeypatch, code, status, expected):
+    spec, prepared = demo
+    fake = FakeSky(monkeypatch, log_code=code, status=status)
+    with pytest.raises(BurstFailed) as e:
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, pull=_pull)
+    assert e.value.result.job_status == expected and e.value.result.torn_down
+    assert ("down", e.value.result.cluster) in fake.calls
+    if expected == "FAILED_SETUP":
+        assert "setup" in str(e.value)
+
+
+@pytest.mark.parametrize("error, expected", [
+    (sx.ResourcesUnavailableError("Failed to provision all possible launchable resources."),
+     "no GPU available in any region for: A6000 on runpod (RTXA6000), A6000 on lambda (A6000)"),
+    (sx.NoCloudAccessError("No cloud is enabled."), "`sky check runpod`"),
+    (RuntimeError("InsufficientQuota: GPU quota exceeded"), "quota"),
+])
+def test_launch_errors_are_explained_and_tear_down(demo, tmp_path, monkeypatch, error, expected):
+    spec, prepared = demo
+    fake = FakeSky(monkeypatch, launch_error=error)
+    with pytest.raises(BurstFailed) as e:
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None)
+    assert expected in str(e.value)
+    assert "down" in fake.names() and e.value.result.job_status == "LAUNCH_FAILED"
+
+
+def test_ctrl_c_cancels_the_request_and_tears_down(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    fake = FakeSky(monkeypatch, tail_error=KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None)
+    assert ("cancel", "req-launch") in fake.calls and "down" in fake.names()
+
+
+def test_an_error_in_our_code_still_tears_down(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+
+    def broken_pull(cluster, run_dir, log):
+        raise OSError("rsync: connection closed")
+
+    fake = FakeSky(monkeypatch)
+    with pytest.raises(BurstFailed, match="pulling outputs .* failed"):
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, pull=broken_pull)
+    assert "down" in fake.names()
+
+
+def test_failed_teardown_is_reported_not_hidden(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    lines = []
+    FakeSky(monkeypatch, log_code=100, status=job_lib.JobStatus.FAILED, down_error=RuntimeError("api down"))
+    with pytest.raises(BurstFailed) as e:
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lines.append)
+    assert not e.value.result.torn_down
+    assert any("may still be running: run `sky down" in line for line in lines)
+
+
+def test_dry_run_launches_nothing(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    fake, lines = FakeSky(monkeypatch), []
+    res = burst_train(spec, prepared, tmp_path / "run", _candidates(), dry_run=True, log=lines.append)
+    assert res.ok and res.job_status == "DRY_RUN" and fake.calls == []
+    assert "chosen: A6000 on runpod as RTXA6000, $0.49/h" in res.report and "ordered:" in res.report
+    assert SECRET not in "\n".join(lines)
+
+
+def test_spot_uses_a_managed_job_and_cancels_it_on_interrupt(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    spec = spec.model_copy(update={"burst": spec.burst.model_copy(update={"spot": True})})
+    with pytest.raises(cloud.BurstError, match="managed jobs"):  # outputs would be lost with the cluster
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None)
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    calls = []
+    monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: calls.append(("launch", task)) or "j")
+    monkeypatch.setattr(sky, "stream_and_get", lambda rid=None, **kw: ([7], None) if rid == "j" else None)
+
+    def tail(**kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sky.jobs, "tail_logs", tail)
+    monkeypatch.setattr(sky.jobs, "cancel", lambda job_ids=None, **kw: calls.append(("cancel", job_ids)))
+    with pytest.raises(KeyboardInterrupt):
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=print, mlflow_run_id="abc123")
+    task = calls[0][1]
+    assert task.envs["FITBURST_MLFLOW_RUN_ID"] == "abc123"
+    assert task.secrets["MLFLOW_TRACKING_URI"].get_secret_value() == "https://mlflow.example.com"
+    assert all(r.use_spot and r.job_recovery["strategy"] == "FAILOVER" for r in task.resources)
+    assert ("cancel", [7]) in calls

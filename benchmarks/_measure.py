@@ -18,6 +18,9 @@ ARCHS = {
     "llama": dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=3,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=8000,
                   tie_word_embeddings=False, max_position_embeddings=4096),
+    "llama_deep": dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=2000,
+                       tie_word_embeddings=False, max_position_embeddings=4096),
     "qwen2": dict(model_type="qwen2", hidden_size=192, intermediate_size=1024, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=12000,
                   tie_word_embeddings=True, max_position_embeddings=4096),
@@ -156,4 +159,10 @@ def Tracker():  # noqa: N802
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))))
+    arg = json.loads(sys.argv[1])
+    for one in arg if isinstance(arg, list) else [arg]:
+        try:
+            res = run(one)
+        except Exception as e:  # report, keep going
+            res = {"error": f"{type(e).__name__}: {e}"}
+        print("RESULT " + json.dumps(res), flush=True)

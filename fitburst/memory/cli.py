@@ -1,0 +1,114 @@
+"""`fitburst estimate`: will this training run fit? (no pipeline file, no torch for named devices)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .devices import GiB
+
+
+def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--model", required=True, help="hub id, local model dir, config.json path, or a bundled name")
+    p.add_argument("--method", choices=["full", "lora", "qlora"], default="lora")
+    p.add_argument("--quant", choices=["none", "int8", "nf4", "fp4"], default=None,
+                   help="weight quantization (default: nf4 for qlora, none otherwise)")
+    p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--dropout", type=float, default=0.05, help="lora dropout")
+    p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated module names, or all-linear")
+    p.add_argument("--batch", type=int, default=1, help="micro batch size")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=512, help="padded length (longest sample in a batch)")
+    p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "paged_adamw8bit", "sgd"], default="adamw")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="default: bf16, or fp16 on devices without bf16")
+    p.add_argument("--attention", choices=["eager", "sdpa", "flash"], default="sdpa")
+    p.add_argument("--device", default="auto", help="auto, a named device (T4, RTX4090, A100-80GB, M2-Max-64GB...), "
+                   "or cuda:24GiB / mps:36GiB / cpu:64GiB")
+    p.add_argument("--safety-margin", type=float, default=0.1, help="headroom the plan keeps (fraction of budget)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from . import TrainSettings, load_shape, plan_fit, resolve_device
+
+    try:
+        shape = load_shape(args.model)
+        device = resolve_device(args.device)
+        dtype = args.dtype or ("bf16" if device.supports_bf16 else "fp16")
+        targets = "all-linear" if args.targets.strip() == "all-linear" else [
+            t.strip() for t in args.targets.split(",") if t.strip()]
+        quant = args.quant or ("nf4" if args.method == "qlora" else "none")
+        settings = TrainSettings(
+            method=args.method, quant=quant, double_quant=args.double_quant, rank=args.rank, alpha=args.alpha,
+            dropout=args.dropout, targets=targets, batch=args.batch, seq_len=args.seq_len,
+            grad_checkpointing=args.grad_checkpointing, optimizer=args.optimizer, dtype=dtype,
+            attention=args.attention, grad_accum=args.grad_accum,
+        )
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .estimator import estimate
+
+    est = estimate(shape, settings, device, args.safety_margin)
+    est.plan = [] if est.fits else list(plan.changes)
+    if args.json:
+        d = est.to_dict()
+        d["verdict"] = plan.verdict
+        d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
+        if plan.burst_gpu:
+            d["burst_gpu"] = plan.burst_gpu
+        print(json.dumps(d, indent=2))
+        return 0 if est.fits or plan.fits else 1
+    _print_human(shape, settings, device, est, plan)
+    return 0 if est.fits or plan.fits else 1
+
+
+def _print_human(shape, settings, device, est, plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    g = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+    con = Console()
+    t = Table(title=f"{shape.name}: {settings.describe()} on {device.name} (peak phase: {est.peak_phase})")
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    for k, v in sorted(est.components.items(), key=lambda kv: -kv[1]):
+        t.add_row(k, g(v))
+    t.add_section()
+    t.add_row("allocated peak", g(est.allocated_peak_bytes))
+    t.add_row("reserved (allocator)", g(est.reserved_peak_bytes))
+    t.add_row("device total (+ context)", g(est.device_total_bytes))
+    t.add_row(f"budget ({est.safety_margin:.0%} margin kept)", g(est.budget_bytes))
+    con.print(t)
+    p = est.params
+    con.print(f"params: {p['total'] / 1e9:.3f} B total, {p['trainable'] / 1e6:.2f} M trainable")
+    if est.fits:
+        con.print("[green]fits[/green] as configured")
+    elif plan.fits:
+        con.print("[yellow]does not fit as configured[/yellow]; plan:")
+        for c in plan.changes:
+            con.print(f"  - {c}")
+        con.print(f"  -> peak {g(plan.estimate.device_total_bytes)} GiB")
+    else:
+        con.print("[red]does not fit[/red] here: verdict burst")
+        for c in plan.changes:
+            con.print(f"  - {c}")
+    for n in est.notes:
+        con.print(f"[dim]{n}[/dim]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fitburst estimate")
+    add_estimate_arguments(parser)
+    return run_estimate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

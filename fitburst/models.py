@@ -41,6 +41,7 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
                     num_attention_heads=max(4, hidden_size // 64), num_key_value_heads=max(2, hidden_size // 128))
     if num_hidden_layers:
         arch["num_hidden_layers"] = num_hidden_layers
+    pretrain = arch == DEMO_ARCH  # scaled variants are for speed/memory benchmarks: random weights will do
     tag = f"h{arch['hidden_size']}-l{arch['num_hidden_layers']}-v{DEMO_VERSION}"
     dest = cache_root() / "models" / f"tiny-demo-{tag}"
     if (dest / "config.json").exists():
@@ -48,7 +49,7 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        build_demo_model(tmp, **arch)
+        build_demo_model(tmp, pretrain=pretrain, **arch)
         try:
             tmp.rename(dest)
         except OSError:  # someone else finished first
@@ -58,7 +59,7 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
     return dest
 
 
-def build_demo_model(dest: Path, vocab_size: int, **arch: int) -> None:
+def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, **arch: int) -> None:
     """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -83,7 +84,8 @@ def build_demo_model(dest: Path, vocab_size: int, **arch: int) -> None:
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                          **arch)
     model = LlamaForCausalLM(config)
-    _pretrain(model, tok, [t for t in texts if t])
+    if pretrain:
+        _pretrain(model, tok, [t for t in texts if t])
     model.save_pretrained(dest)
 
 

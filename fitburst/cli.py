@@ -1,0 +1,204 @@
+"""The ``fitburst`` command line.
+
+validate   check pipelines.yaml before any compute (file, line, field, value, fix)
+run        run a pipeline as the Prefect DAG: data prep -> preflight -> train (local or cloud) -> eval
+prepare    tokenize and split a pipeline's data, print token-length statistics
+preflight  estimate the run's peak memory on a device and plan a fit
+estimate   "will it fit?" for a model without a pipeline file
+train      one training step of the DAG with no Prefect (what the cloud node runs)
+serve      register every pipeline as a Prefect deployment with its schedule
+calibrate  fit the estimator's correction constants from MLflow history
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+DEFAULT_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``--set training.max_steps=5`` pairs -> a dotted-key dict; values parse as YAML scalars."""
+    import yaml
+
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE (e.g. training.max_steps=20), got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def cmd_validate(args) -> int:
+    from fitburst.spec import load_all
+
+    specs = load_all(args.file)
+    con = _console()
+    for name, s in specs.items():
+        sched = f", nightly {s.schedule.cron} {s.schedule.timezone}" if s.schedule.cron else ""
+        con.print(f"[green]ok[/] {name}: {s.model.name}, {s.method.type} r{s.method.rank}, burst {s.burst.policy}{sched}")
+    con.print(f"{args.file}: {len(specs)} pipeline(s) valid")
+    return 0
+
+
+def _prepare(spec):
+    from fitburst.data import prepare
+    from fitburst.models import cache_root, load_tokenizer
+    from fitburst.spec import resolve_env
+
+    m = spec.model
+    tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
+    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+
+
+def cmd_prepare(args) -> int:
+    from fitburst.spec import load_pipeline
+
+    spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
+    prepared = _prepare(spec)
+    print(prepared.to_json())
+    return 0
+
+
+def cmd_preflight(args) -> int:
+    from fitburst.preflight import preflight
+    from fitburst.spec import load_pipeline
+
+    spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
+    if args.seq_len:
+        seq = args.seq_len
+    else:
+        try:
+            seq = _prepare(spec).stats["max"]
+        except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
+            seq = spec.data.max_seq_len
+            logging.getLogger(__name__).warning("could not tokenize the data (%s); using data.max_seq_len=%d",
+                                                e, seq)
+    report = preflight(spec, seq, args.device)
+    if report.verdict == "burst" and spec.burst.policy != "never":
+        from fitburst.preflight import attach_candidates
+
+        attach_candidates(report, spec)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        from rich.markdown import Markdown
+
+        _console().print(Markdown(report.to_markdown()))
+    return 0 if report.verdict != "fail" else 3
+
+
+def cmd_run(args) -> int:
+    from flows.finetune import finetune
+
+    summary = finetune(pipeline=args.pipeline, overrides=parse_overrides(args.set), pipelines_file=args.file,
+                       dry_run=args.dry_run)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_train(args) -> int:
+    """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed."""
+    from fitburst.data import PreparedData
+    from fitburst.evaluate import evaluate
+    from fitburst.spec import load_resolved
+    from fitburst.tracking import RUN_ID_ENV, Tracker
+    from fitburst.train import train
+
+    spec = load_resolved(args.spec)
+    prepared = PreparedData.from_dir(args.prepared)
+    tracker = None
+    if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
+        tracker = Tracker.attach(os.environ[RUN_ID_ENV])
+    result = train(spec, prepared, args.run_dir, device=args.device,
+                   on_metrics=tracker.log_metrics if tracker else None, progress=not args.quiet)
+    print(f"trained {result.steps} steps on {result.device} in {result.seconds:.1f}s; adapter: {result.adapter_dir}")
+    if args.eval and spec.eval.enabled:
+        ev = evaluate(spec, prepared, result.adapter_dir, device=result.device, precision=result.precision)
+        ev.save(args.run_dir)
+        print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fitburst", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_pipeline(sp):
+        sp.add_argument("pipeline")
+        sp.add_argument("--file", "-f", default=DEFAULT_FILE, help="pipelines file (default: %(default)s)")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. training.max_steps=20")
+
+    sp = sub.add_parser("validate", help="check pipelines.yaml")
+    sp.add_argument("file", nargs="?", default=DEFAULT_FILE)
+    sp.set_defaults(func=cmd_validate)
+
+    sp = sub.add_parser("run", help="run a pipeline end to end (Prefect flow)")
+    with_pipeline(sp)
+    sp.add_argument("--dry-run", action="store_true", help="prep + preflight, print the decision, train nothing")
+    sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("prepare", help="tokenize and split a pipeline's data")
+    with_pipeline(sp)
+    sp.set_defaults(func=cmd_prepare)
+
+    sp = sub.add_parser("preflight", help="estimate peak memory and plan a fit")
+    with_pipeline(sp)
+    sp.add_argument("--device", help="auto, cpu, cuda, mps, a named device (T4, RTX4090, A6000, M2-Max-32GB) "
+                                     "or cuda:24GiB / mps:36GiB / cpu:64GiB")
+    sp.add_argument("--seq-len", type=int, help="plan for this sequence length instead of the data's longest")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_preflight)
+
+    from fitburst.memory.cli import add_estimate_arguments, run_estimate
+
+    sp = sub.add_parser("estimate", help="will a model fit? (no pipeline file)")
+    add_estimate_arguments(sp)
+    sp.set_defaults(func=run_estimate)
+
+    sp = sub.add_parser("train", help="train a resolved spec on prepared data (the cloud node's command)")
+    sp.add_argument("--spec", required=True, help="resolved pipeline YAML (PipelineSpec.to_yaml)")
+    sp.add_argument("--prepared", required=True, help="prepared data folder (fitburst prepare)")
+    sp.add_argument("--run-dir", required=True)
+    sp.add_argument("--device", default=None)
+    sp.add_argument("--eval", action="store_true", help="evaluate base vs tuned afterwards")
+    sp.add_argument("--quiet", action="store_true")
+    sp.set_defaults(func=cmd_train)
+
+    sp = sub.add_parser("serve", help="serve every pipeline as a Prefect deployment")
+    sp.add_argument("--file", "-f", default=DEFAULT_FILE)
+    sp.set_defaults(func=lambda a: __import__("flows.serve", fromlist=["main"]).main(a.file))
+
+    sp = sub.add_parser("calibrate", help="fit estimator corrections from MLflow history")
+    sp.set_defaults(func=lambda a: __import__("fitburst.memory.calibrate", fromlist=["main"]).main(a))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fitburst.data import DataError
+    from fitburst.spec import SpecError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args) or 0
+    except (SpecError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

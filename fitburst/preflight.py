@@ -1,0 +1,145 @@
+"""Preflight: will this run fit on this device? Estimate, plan, verdict, before any weights are loaded.
+
+It maps a pipeline to the memory model's :class:`TrainSettings` (sequence length from the prepared data's
+longest sample, since batches pad to their longest), asks the planner for the fastest configuration that fits
+the device with the configured safety margin, and writes the plan back into the spec the train step runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
+from fitburst.spec import PipelineSpec
+
+GIB = 1024**3
+
+
+def auto_precision(kind: str, supports_bf16: bool) -> str:
+    """``precision: auto``: bf16 where the device has it (fp16 on CUDA cards without, e.g. T4), fp32 on CPU."""
+    if kind == "cpu":
+        return "fp32"
+    return "bf16" if supports_bf16 or kind == "mps" else "fp16"
+
+
+def model_ref(spec: PipelineSpec) -> str:
+    """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
+    from fitburst.models import DEMO_MODEL, resolve_model_ref
+
+    return resolve_model_ref(spec.model.name) if spec.model.name == DEMO_MODEL else spec.model.name
+
+
+def settings_from_spec(spec: PipelineSpec, seq_len: int, device) -> TrainSettings:
+    m, t = spec.method, spec.training
+    precision = t.precision if t.precision != "auto" else auto_precision(device.kind, device.supports_bf16)
+    return TrainSettings(
+        method=m.type, quant=m.quant, double_quant=m.double_quant, rank=m.rank, alpha=m.alpha, dropout=m.dropout,
+        targets=m.target_modules if m.target_modules == "all-linear" else list(m.target_modules),
+        batch=t.micro_batch_size, seq_len=seq_len, grad_checkpointing=t.gradient_checkpointing,
+        optimizer=t.optimizer, dtype=precision, attention="sdpa" if t.attention == "auto" else t.attention,
+        grad_accum=t.grad_accum)
+
+
+def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
+    """The spec with the planner's settings written back (what the train step then runs)."""
+    method = spec.method.model_copy(update={
+        "type": "qlora" if s.quant != "none" and spec.method.type == "lora" else spec.method.type,
+        "quant": s.quant, "double_quant": s.double_quant, "dropout": s.dropout})
+    training = spec.training.model_copy(update={
+        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
+        "optimizer": s.optimizer, "precision": s.dtype,
+        "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
+        else s.attention})
+    return spec.model_copy(update={"method": method, "training": training})
+
+
+@dataclass
+class PreflightReport:
+    pipeline: str
+    verdict: str  # local | burst | fail
+    reason: str
+    device: dict
+    estimate: dict
+    changes: list[str]
+    settings: dict
+    seq_len: int
+    spec_yaml: str  # the resolved spec with the plan applied
+    candidates: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> PreflightReport:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def planned_spec(self) -> PipelineSpec:
+        import yaml
+
+        return PipelineSpec.model_validate(yaml.safe_load(self.spec_yaml))
+
+    def to_markdown(self) -> str:
+        e = self.estimate
+        rows = "\n".join(f"| {k} | {v / GIB:.3f} |" for k, v in sorted(e["components"].items(), key=lambda kv: -kv[1]))
+        plan = "\n".join(f"- {c}" for c in self.changes) or "- none needed"
+        cands = ""
+        if self.candidates:
+            cands = "\n\n### Cloud candidates\n| GPU | fits | est. peak GiB | $/h | hours | total $ |\n|---|---|---|---|---|---|\n"
+            cands += "\n".join(
+                f"| {c.get('gpu')} | {c.get('fits')} | {c.get('estimate', {}).get('device_total_bytes', 0) / GIB:.1f} "
+                f"| {c.get('hourly_usd') or '-'} | {c.get('est_hours') or '-'} | {c.get('est_total_usd') or '-'} |"
+                for c in self.candidates)
+        return (
+            f"## Preflight: `{self.pipeline}` on {self.device['name']}\n\n"
+            f"**Verdict: {self.verdict}** - {self.reason}\n\n"
+            f"Estimated peak {e['device_total_bytes'] / GIB:.3f} GiB (allocated {e['allocated_peak_bytes'] / GIB:.3f}, "
+            f"reserved {e['reserved_peak_bytes'] / GIB:.3f}) of a {e['budget_bytes'] / GIB:.3f} GiB budget; "
+            f"peak phase: {e['peak_phase']}; sequence length {self.seq_len}.\n\n"
+            f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
+
+
+def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None) -> PreflightReport:
+    """Estimate ``spec`` at ``seq_len`` on the device, plan a fit, and decide local / burst / fail."""
+    device = resolve_device(device_name or spec.preflight.device)
+    shape = load_shape(model_ref(spec))
+    settings = settings_from_spec(spec, seq_len, device)
+    plan = plan_fit(shape, settings, device, safety_margin=spec.preflight.safety_margin,
+                    allow=spec.preflight.allow.model_dump())
+    policy = spec.burst.policy
+    est = plan.estimate.to_dict()
+    budget = est["budget_bytes"] * (1 - spec.preflight.safety_margin)
+    if policy == "always":
+        verdict, reason = "burst", "burst.policy is always"
+    elif plan.fits:
+        verdict = "local"
+        reason = (f"fits in {budget / GIB:.2f} GiB (budget less {spec.preflight.safety_margin:.0%} margin)"
+                  + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured"))
+    elif policy == "never":
+        verdict = "fail"
+        reason = (f"does not fit {device.name} even with every allowed change, and burst.policy is never: "
+                  "allow more changes under preflight.allow, shorten data.max_seq_len, or set burst.policy: auto")
+    else:
+        verdict, reason = "burst", f"does not fit {device.name} with any allowed change: bursting to a cloud GPU"
+    planned = apply_settings(spec, plan.settings) if plan.fits else spec
+    est["plan"] = list(plan.changes)
+    return PreflightReport(
+        pipeline=spec.name, verdict=verdict, reason=reason,
+        device={"name": device.name, "kind": device.kind, "total_bytes": device.total_bytes,
+                "budget_bytes": device.budget_bytes},
+        estimate=est, changes=list(plan.changes), settings=asdict(replace(plan.settings)), seq_len=seq_len,
+        spec_yaml=planned.to_yaml())
+
+
+def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
+    """Fill ``report.candidates`` with the cloud GPUs the burst policy allows, re-estimated on each, cheapest
+    first (the burst path launches from this list)."""
+    from fitburst.cloud import rank_candidates
+
+    device = resolve_device(spec.preflight.device)
+    settings = settings_from_spec(spec, report.seq_len, device)
+    report.candidates = [c.to_dict() for c in rank_candidates(spec, load_shape(model_ref(spec)), settings)]

@@ -1,0 +1,24 @@
+"""DAG node 1: tokenize and split the pipeline's data (cached by content hash)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from fitburst.data import PreparedData, prepare
+from fitburst.models import cache_root, load_tokenizer
+from fitburst.spec import PipelineSpec, resolve_env
+from fitburst.tracking import Tracker
+
+
+@task(name="data-prep", cache_policy=NONE)
+def data_prep(spec: PipelineSpec, tracker: Tracker) -> PreparedData:
+    m = spec.model
+    tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
+    prepared = prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+    s = prepared.stats
+    get_run_logger().info("%d train / %d val records (%d skipped); tokens p50 %d, p95 %d, max %d; cache %s",
+                          prepared.n_train, prepared.n_val, prepared.n_skipped, s["p50"], s["p95"], s["max"],
+                          prepared.dir)
+    tracker.log_prepared(prepared)
+    return prepared

@@ -1,0 +1,31 @@
+"""DAG node 2: estimate peak memory on this device, plan a fit, decide local / burst / fail."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from fitburst.data import PreparedData
+from fitburst.preflight import PreflightReport, attach_candidates, preflight
+from fitburst.spec import PipelineSpec
+from fitburst.tracking import Tracker
+
+
+@task(name="preflight", cache_policy=NONE)
+def preflight_task(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker) -> PreflightReport:
+    report = preflight(spec, prepared.stats["max"])
+    if report.verdict == "burst":
+        attach_candidates(report, spec)
+    log = get_run_logger()
+    log.info("preflight %s: %s (%s)", spec.name, report.verdict, report.reason)
+    for change in report.changes:
+        log.info("plan: %s", change)
+    create_markdown_artifact(key=f"preflight-{_key(spec.name)}", markdown=report.to_markdown(),
+                             description=f"memory preflight for {spec.name}")
+    tracker.log_preflight(report)
+    return report
+
+
+def _key(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower())

@@ -1,0 +1,31 @@
+"""DAG node 3 (local path): train in this process on the local device, into a run folder of its own."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from fitburst.data import PreparedData
+from fitburst.rundir import open_run_dir, release
+from fitburst.spec import PipelineSpec
+from fitburst.tracking import Tracker
+from fitburst.train import TrainResult, train
+
+LOCAL_TRAIN_TAG = "fitburst-local-train"
+
+
+@task(name="train-local", cache_policy=NONE, tags=[LOCAL_TRAIN_TAG])
+def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: dict) -> TrainResult:
+    log = get_run_logger()
+    run_dir, resumed = open_run_dir(spec)
+    tracker.set_tags({"run_dir": str(run_dir)})
+    log.info("%s run folder %s", "resuming in" if resumed else "training into", run_dir)
+    try:
+        result = train(spec, prepared, run_dir, on_metrics=tracker.log_metrics)
+    finally:
+        release(run_dir)
+    log.info("%d steps in %.1fs (%.1f steps/s) on %s; measured peak %s bytes", result.steps, result.seconds,
+             result.steps_per_sec, result.device, result.peak.get("allocated_bytes"))
+    tracker.log_train(result, path="local")
+    tracker.log_memory_comparison(estimate, result)
+    return result

@@ -1,0 +1,119 @@
+"""The DAG end to end on the local path, against a real Prefect server and a real MLflow store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SENTINEL = "hf_fitburstSENTINEL0123456789"
+
+
+@pytest.fixture(scope="module")
+def demo_run(prefect_server, pipelines_file, tmp_path_factory, monkeypatch_module):
+    """The demo pipeline as the README runs it, with an HF token in the environment that must never leak."""
+    from flows.finetune import finetune
+
+    monkeypatch_module.setenv("HF_TOKEN", SENTINEL)
+    return finetune(pipeline="demo", pipelines_file=str(pipelines_file))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def client():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient()
+
+
+def test_demo_run_is_recorded_in_mlflow(demo_run):
+    run = client().get_run(demo_run["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    p, m, t = run.data.params, run.data.metrics, run.data.tags
+    assert p["model.name"] == "fitburst/tiny-demo" and p["method.type"] == "lora"
+    assert p["training.max_steps"] == "150" and "data.content_hash" in p
+    assert t["pipeline"] == "demo" and t["path"] == "local" and t["device"] == "cpu"
+    assert t["verdict"] == "local" and t["fitburst.version"]
+    for key in ("memory.estimated_peak_bytes", "memory.measured_peak_bytes", "eval.base_loss", "eval.tuned_loss"):
+        assert m[key] > 0, key
+    # the headline: fine-tuning clearly lowered the validation loss
+    assert m["eval.tuned_loss"] < m["eval.base_loss"] - 1.0
+    history = client().get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) == 15 and history[-1].value < history[0].value
+    names = {a.path for a in client().list_artifacts(run.info.run_id)}
+    assert {"adapter", "config", "preflight", "train", "eval"} <= names
+    files = {a.path for d in ("preflight", "train", "config", "eval") for a in client().list_artifacts(run.info.run_id, d)}
+    assert {"preflight/report.md", "preflight/memory_breakdown.png", "train/loss.png", "train/memory.png",
+            "config/pipeline.yaml", "eval/samples.json"} <= files
+
+
+def test_adapter_from_mlflow_reproduces_the_logged_eval_loss(demo_run, demo_spec, demo_prepared, tmp_path):
+    import mlflow
+
+    from fitburst.evaluate import evaluate
+
+    run_id = demo_run["mlflow_run_id"]
+    adapter = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="adapter", dst_path=str(tmp_path))
+    ev = evaluate(demo_spec, demo_prepared, adapter, device="cpu", precision="fp32")
+    logged = client().get_run(run_id).data.metrics
+    assert ev.tuned_loss == pytest.approx(logged["eval.tuned_loss"], rel=1e-4)
+    assert ev.base_loss == pytest.approx(logged["eval.base_loss"], rel=1e-4)
+
+
+def test_no_secret_reaches_mlflow(demo_run, tmp_path):
+    import mlflow
+
+    run = client().get_run(demo_run["mlflow_run_id"])
+    assert SENTINEL not in json.dumps([run.data.params, run.data.tags])
+    root = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path)))
+    for f in root.rglob("*"):
+        if f.is_file():
+            assert SENTINEL.encode() not in f.read_bytes(), f
+
+
+def test_prefect_records_the_dag_and_artifacts(demo_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def fetch():
+        async with get_client() as c:
+            runs = await c.read_task_runs()
+            arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["preflight-demo", "summary-demo"])))
+            return runs, arts
+
+    runs, arts = asyncio.run(fetch())
+    names = {r.name.rsplit("-", 1)[0] for r in runs if r.state and r.state.is_completed()}
+    assert {"data-prep", "preflight", "train-local", "evaluate"} <= names
+    assert {a.key for a in arts} == {"preflight-demo", "summary-demo"}
+    assert any("Verdict: local" in (a.data or "") for a in arts)
+
+
+def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
+    from flows.finetune import finetune
+    from fitburst.data import DataError
+    from fitburst.models import DEMO_DATA
+
+    bad = tmp_path / "data.jsonl"
+    bad.write_text(DEMO_DATA.read_text().splitlines()[0] + "\n{broken\n")
+    pf = tmp_path / "pipelines.yaml"
+    pf.write_text(f"pipelines:\n  broken:\n    model: {{name: fitburst/tiny-demo}}\n    data: {{path: {bad}}}\n")
+    with pytest.raises(DataError, match=r"data.jsonl:2"):
+        finetune(pipeline="broken", pipelines_file=str(pf))
+    runs = client().search_runs([client().get_experiment_by_name("fitburst").experiment_id],
+                                "tags.pipeline = 'broken'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):
+    from flows.finetune import finetune
+    from fitburst.spec import SpecError
+
+    with pytest.raises(SpecError, match="max_steps"):
+        finetune(pipeline="demo", overrides={"training.max_steps": 0}, pipelines_file=str(pipelines_file))

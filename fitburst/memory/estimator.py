@@ -317,6 +317,8 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         if c.attention == "flash":
             sv["attn_out"] = a * T * qd
             sv["lse"] = 4 * T * shape.heads
+            if c.padded:
+                sv["attn_bias"] = a * c.b * c.S * c.S
         else:  # eager / math: the probabilities are kept (fp32 softmax output, plus its cast)
             sv["probs.f32"] = 4 * c.b * shape.heads * c.S * c.S
             if a != 4:
@@ -381,11 +383,18 @@ def _attn_only(shape: ModelShape, c: _Ctx, rg_in: bool) -> tuple[dict, bool]:
 
 
 def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
-    """Gradient tensors alive inside one block's backward (beyond its saved tensors)."""
+    """Gradient tensors alive inside one block's backward beyond its saved tensors (the MLP's input grads
+    while its own saved inputs are released node by node; or the attention's grads)."""
     T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
-    mlp = 3 * a * T * i + 2 * a * T * h
-    if not c.full and shape.mlp_linears()[-1].name in c.targets:
-        mlp += 4 * T * i
+    down = shape.mlp_linears()[-1].name
+    if c.full:
+        down_saved = a * T * i
+    elif down in c.targets:
+        down_saved = (4 + c.mask_b) * T * i if c.drop else 4 * T * i
+    else:
+        down_saved = 0
+    mlp = max(3 * a * T * i - down_saved, ((4 + a) * T * i if not c.full and down in c.targets else a * T * i))
+    mlp += a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
     else:
@@ -456,9 +465,9 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
     if full:
         fin["nf"] = a * T * h
     A_final = sum(fin.values())
-    mask_bytes = c.b * c.S * c.S if (padded and attention != "flash" or padded) and attention != "eager" else 0
+    mask_bytes = c.b * c.S * c.S if padded else 0  # boolean padding mask, built once per forward
     if attention == "eager":
-        mask_bytes = (a if a == 4 else a) * c.b * c.S * c.S  # additive float mask
+        mask_bytes = a * c.b * c.S * c.S  # eager always gets an additive float mask
     rope = 2 * a * T * shape.head_dim
     shared = rope + mask_bytes + 16 * T  # cos/sin, mask, ids/labels
     logits = a_lm * T * V
@@ -492,7 +501,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
     remaining = sum(A_layers_kept) + shared
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
-    bt = _layer_backward_transient(shape, c) + qtemp
+    bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0)
     for idx in range(L - 1, -1, -1):
         tot = remaining + recompute[idx] + bt + g_so_far + kept_logits + d * T * h
         if tot > sum(best_b):

@@ -1,0 +1,278 @@
+"""fitburst.memory: component formulas pinned to exact counts, a measured step, devices, planner seeds, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fitburst.memory import (
+    TrainSettings,
+    estimate,
+    load_shape,
+    plan_fit,
+    resolve_device,
+)
+from fitburst.memory.estimator import lora_params, optimizer_bytes, weight_bytes
+from fitburst.memory.shapes import bundled_names
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCH_CSV = Path("/work/shared/memory/architectures.csv")
+GiB = 1 << 30
+
+
+# --- shapes and bundled configs --------------------------------------------------------------------------
+
+def _csv_params() -> dict[str, float]:
+    if not ARCH_CSV.exists():
+        pytest.skip("shared architectures.csv not present")
+    out = {}
+    for r in csv.DictReader(open(ARCH_CSV)):
+        p = r["params"].split("B")[0]
+        out[r["model"].lower()] = float(p) * 1e9
+        if "LLM +" in r["params"]:  # "7.6B LLM + 0.676B ViT"
+            out[r["model"].lower()] += float(r["params"].split("+")[1].strip().split("B")[0]) * 1e9
+    return out
+
+
+def test_bundled_configs_match_published_param_counts():
+    want = _csv_params()
+    alias = {"mistral-7b": "mistral-7b-v0.1", "phi-3-mini": "phi-3-mini-4k"}
+    checked = 0
+    for name in bundled_names():
+        key = alias.get(name, name)
+        if key not in want:
+            continue
+        got = load_shape(name).param_count()
+        assert abs(got / want[key] - 1) < 0.012, (name, got, want[key])
+        checked += 1
+    assert checked >= 18
+
+
+@pytest.mark.parametrize(
+    "ref,expect",
+    [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+     ("google/gemma-3-270m-it", "gemma-3-270m"), ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini"),
+     ("microsoft/phi-1_5", "phi-1.5"), ("meta-llama/Llama-2-7b-hf", "llama-2-7b"), ("QWEN2.5-0.5B", "qwen2.5-0.5b")],
+)
+def test_hub_ids_map_to_bundled_configs(ref, expect):
+    assert Path(load_shape(ref).source).stem == expect
+
+
+def test_unknown_model_names_what_was_tried(tmp_path):
+    with pytest.raises(ValueError, match="bundled configs"):
+        load_shape("nobody/no-such-model-7b")
+    cfg = json.loads((ROOT / "fitburst/configs/llama-3.2-1b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_shape(str(tmp_path)).hidden == 2048
+    assert load_shape(str(tmp_path / "config.json")).layers == 16
+
+
+def test_nested_text_config_and_vision_tower():
+    cfg = json.loads((ROOT / "fitburst/configs/qwen2-vl-7b.json").read_text())
+    s = load_shape("Qwen2-VL-7B")
+    assert abs(s.extra_params - 0.676e9) < 0.002e9
+    nested = {"model_type": "qwen2_vl", "vision_config": cfg["vision_config"],
+              "text_config": {k: v for k, v in cfg.items() if k != "vision_config"}}
+    from fitburst.memory import ModelShape
+
+    assert ModelShape.from_config(nested).param_count() == s.param_count()
+
+
+# --- exact counts against transformers / peft on the meta device ----------------------------------------
+
+def _meta_model(name: str):
+    pytest.importorskip("transformers")
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(ROOT / "fitburst/configs" / f"{name}.json"))
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-3-270m", "phi-3-mini", "mistral-7b"])
+def test_param_count_and_weight_bytes_match_meta_model(name):
+    model = _meta_model(name)
+    n = sum(p.numel() for p in model.parameters())
+    shape = load_shape(name)
+    assert shape.param_count() == n
+    s = TrainSettings(method="lora", dtype="bf16")
+    assert weight_bytes(shape, s)["weights"] == 2 * n
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], "all-linear"])
+def test_lora_param_count_matches_peft(targets):
+    from peft import LoraConfig, get_peft_model
+
+    model = _meta_model("qwen2.5-0.5b")
+    pm = get_peft_model(model, LoraConfig(r=16, target_modules=targets))
+    n = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    assert lora_params(load_shape("qwen2.5-0.5b"), TrainSettings(rank=16, targets=targets)) == n
+
+
+def test_nf4_weight_bytes_match_bitsandbytes():
+    torch = pytest.importorskip("torch")
+    import bitsandbytes as bnb
+
+    for dq in (False, True):
+        lin = bnb.nn.Linear4bit(512, 1024, bias=False, quant_type="nf4", compress_statistics=dq)
+        lin.load_state_dict({"weight": torch.randn(1024, 512)})
+        lin = lin.to("cpu")
+        w = lin.weight
+        if w.quant_state is None:  # quantizes on first .to(device)
+            lin.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type="nf4", compress_statistics=dq)
+            lin.weight = lin.weight._quantize("cpu")
+        qs = lin.weight.quant_state
+        real = lin.weight.untyped_storage().nbytes() + qs.absmax.untyped_storage().nbytes()
+        if dq:
+            real += qs.state2.absmax.untyped_storage().nbytes() + qs.state2.code.untyped_storage().nbytes()
+        shape = load_shape("llama-3.2-1b")
+        one = replace(shape, layers=1, vocab=0, intermediate=0, hidden=512)  # noqa: F841  (formula below)
+        numel = 512 * 1024
+        formula = numel / 2 + (numel / 64 + numel / 64 / 256 * 4 + 256 * 4 if dq else numel / 64 * 4)
+        assert abs(real - formula) / real < 0.01, (dq, real, formula)
+
+
+def test_8bit_optimizer_small_tensor_rule_and_paging():
+    cpu, gpu = resolve_device("cpu:16GiB"), resolve_device("A100-40GB")
+    s = TrainSettings(optimizer="adamw8bit")
+    state, tmp, paged = optimizer_bytes(s, [4095, 4096], 4, cpu)
+    assert state == 8 * 4095 + 2 * 4096 + 2 * 4 * 16 and tmp == 0 and paged == 0
+    state, _, paged = optimizer_bytes(replace(s, optimizer="paged_adamw8bit"), [4096], 4, gpu)
+    assert state == 0 and paged > 0
+    state, tmp, _ = optimizer_bytes(replace(s, optimizer="adamw"), [10, 1000], 2, gpu)
+    assert state == 2 * 2 * 1010 and tmp == 2 * 1010  # foreach: one sqrt buffer over all params on CUDA
+
+
+# --- one real step measured against the estimate ------------------------------------------------------------
+
+def test_measured_cpu_step_matches_estimate(tmp_path):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _measure
+
+    cfg = dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=["q_proj", "v_proj"], batch=1,
+               seq_len=128, dropout=0.0, root=str(tmp_path))
+    m = _measure.run(cfg)
+    s = TrainSettings(method="lora", rank=8, targets=["q_proj", "v_proj"], batch=1, seq_len=128, dropout=0.0)
+    e = estimate(load_shape(str(tmp_path / "llama")), s, resolve_device("cpu:8GiB"))
+    assert abs(e.allocated_peak_bytes / m["peak"] - 1) < 0.03, (e.allocated_peak_bytes, m["peak"])
+    assert e.peak_phase == "loss"
+
+
+# --- devices ----------------------------------------------------------------------------------------------
+
+def test_named_and_sized_devices():
+    t4 = resolve_device("t4")
+    assert t4.kind == "cuda" and not t4.supports_bf16 and t4.total_bytes == 14912 << 20
+    assert t4.budget_bytes == t4.total_bytes - t4.context_bytes
+    c = resolve_device("cuda:24GiB")
+    assert c.total_bytes == 24 * GiB and c.budget_bytes < c.total_bytes
+    m = resolve_device("mps:36GiB")
+    assert m.kind == "mps" and m.budget_bytes == 36 * GiB and not m.supports_bnb
+    assert resolve_device("cpu:64GiB").kind == "cpu"
+    assert resolve_device("M2-Max-64GB").budget_bytes == 48 * GiB
+    assert resolve_device("RTX-4090").name == "RTX4090"
+    with pytest.raises(ValueError, match="A100-80GB"):
+        resolve_device("Z9000")
+    local = resolve_device("auto")
+    assert local.budget_bytes > 0 and local.kind in ("cpu", "cuda", "mps")
+
+
+# --- planner: the seeds' cases ---------------------------------------------------------------------------
+
+def test_seed_qwen7b_lora_r128_on_24gb():
+    shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
+    s = TrainSettings(method="lora", rank=128, alpha=256, targets="all-linear", batch=4, seq_len=512)
+    dev = resolve_device("RTX4090")
+    assert not estimate(shape, s, dev, 0.1).fits
+    plan = plan_fit(shape, s, dev)
+    assert plan.fits and plan.verdict == "local" and plan.changes
+    assert plan.estimate.device_total_bytes <= dev.total_bytes
+    assert plan.settings.batch * plan.settings.grad_accum == 4
+    # the pipeline forbids quantization and checkpointing: still a plan, or a burst with a GPU named
+    p2 = plan_fit(shape, s, dev, allow={"quantize": False, "gradient_checkpointing": False, "reduce_batch": False})
+    assert p2.settings.method == "lora" and not p2.settings.grad_checkpointing
+    if not p2.fits:
+        assert p2.verdict == "burst" and p2.burst_gpu in ("A6000", "A100-40GB", "A100-80GB", "H100", "L40S")
+
+
+def test_seed_gemma_270m_at_131072_tokens_on_16gb():
+    shape = load_shape("google/gemma-3-270m")
+    s = TrainSettings(method="full", dtype="bf16", batch=1, seq_len=131072, attention="eager")
+    dev = resolve_device("cuda:16GB")
+    e = estimate(shape, s, dev, 0.1)
+    assert not e.fits and e.components["logits_loss"] > 100 * GiB
+    plan = plan_fit(shape, s, dev)
+    assert not plan.fits and plan.verdict == "burst"
+    assert any("max_seq_len" in c for c in plan.changes)
+    fine = estimate(shape, replace(s, seq_len=2048), dev, 0.1)
+    assert fine.fits
+
+
+def test_seed_qwen2_vl_7b_fp32_lora_on_mps_42gib():
+    shape = load_shape("Qwen/Qwen2-VL-7B-Instruct")
+    s = TrainSettings(method="lora", dtype="fp32", rank=8, batch=1, seq_len=1024)
+    dev = resolve_device("mps:42GiB")
+    assert not estimate(shape, s, dev, 0.1).fits
+    plan = plan_fit(shape, s, dev)
+    # no bitsandbytes on MPS: the planner must not quantize
+    assert plan.settings.quant == "none"
+    assert plan.fits or plan.verdict == "burst"
+
+
+def test_quantize_only_where_bnb_and_when_allowed():
+    shape = load_shape("Llama-3.1-8B")
+    s = TrainSettings(method="lora", rank=16, batch=1, seq_len=1024, grad_checkpointing=True)
+    plan = plan_fit(shape, s, resolve_device("T4"))
+    assert plan.fits and plan.settings.quant == "nf4"
+    nq = plan_fit(shape, s, resolve_device("T4"), allow={"quantize": False})
+    assert nq.settings.quant == "none" and (not nq.fits) and nq.verdict == "burst" and nq.burst_gpu
+
+
+def test_fitting_run_is_left_alone_and_phases_are_monotone_in_batch():
+    shape = load_shape("Qwen2.5-0.5B")
+    s = TrainSettings(batch=1, seq_len=512)
+    plan = plan_fit(shape, s, resolve_device("A100-80GB"))
+    assert plan.fits and plan.changes == [] and plan.settings == s
+    e1 = estimate(shape, s, resolve_device("A100-80GB"))
+    e2 = estimate(shape, replace(s, batch=2), resolve_device("A100-80GB"))
+    assert e2.allocated_peak_bytes > e1.allocated_peak_bytes
+    ck = estimate(shape, replace(s, batch=8, seq_len=2048, grad_checkpointing=True), resolve_device("H100"))
+    no = estimate(shape, replace(s, batch=8, seq_len=2048), resolve_device("H100"))
+    assert ck.components["activations"] < no.components["activations"] / 5
+
+
+# --- CLI and import hygiene -----------------------------------------------------------------------------
+
+def test_estimate_cli_json_contract():
+    r = subprocess.run(
+        [sys.executable, "-m", "fitburst.memory.cli", "--model", "Llama-3.1-70B", "--method", "qlora",
+         "--rank", "16", "--seq-len", "1024", "--device", "A100-80GB", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=30,
+    )
+    d = json.loads(r.stdout)
+    for k in ("allocated_peak_bytes", "reserved_peak_bytes", "device_total_bytes", "components", "peak_phase",
+              "device", "budget_bytes", "fits", "plan"):
+        assert k in d
+    assert d["reserved_peak_bytes"] >= d["allocated_peak_bytes"]
+    assert d["device_total_bytes"] > d["reserved_peak_bytes"]
+    assert sum(d["components"].values()) == d["allocated_peak_bytes"]
+    assert d["fits"] == (not d["plan"])
+
+
+def test_import_is_light_and_70b_estimate_is_fast():
+    code = ("import sys, time; t=time.time(); import fitburst.memory as m; "
+            "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), "
+            "m.resolve_device('RTX4090')); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; "
+            "print(time.time()-t)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) < 1.0

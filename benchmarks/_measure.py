@@ -15,15 +15,42 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ARCHS = {
     # small but not toy: vocab / hidden / intermediate ratios like real models, so every term shows
-    "llama": dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=8000,
-                  tie_word_embeddings=False, max_position_embeddings=4096),
-    "llama_deep": dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=2000,
-                       tie_word_embeddings=False, max_position_embeddings=4096),
-    "qwen2": dict(model_type="qwen2", hidden_size=192, intermediate_size=1024, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, head_dim=32, vocab_size=12000,
-                  tie_word_embeddings=True, max_position_embeddings=4096),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=8000,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    "llama_deep": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=2000,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=192,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=12000,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -53,8 +80,11 @@ def run(cfg: dict) -> dict:
     quant = cfg.get("quant", "none")
     if quant in ("nf4", "fp4"):
         kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=cfg.get("double_quant", True),
-            bnb_4bit_compute_dtype=dtype)
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant,
+            bnb_4bit_use_double_quant=cfg.get("double_quant", True),
+            bnb_4bit_compute_dtype=dtype,
+        )
     elif quant == "int8":
         kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -64,7 +94,8 @@ def run(cfg: dict) -> dict:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False})
+            model, use_gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
         for m in model.modules():  # stack notes: the avx512_bf16 repack bug
             if isinstance(m, bnb.nn.Linear4bit):
                 m.support_avx512bf16_for_cpu = False
@@ -74,9 +105,16 @@ def run(cfg: dict) -> dict:
     if cfg["method"] != "full":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            r=cfg["rank"], lora_alpha=cfg.get("alpha", 16), lora_dropout=cfg.get("dropout", 0.0),
-            target_modules=cfg["targets"], task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg["rank"],
+                lora_alpha=cfg.get("alpha", 16),
+                lora_dropout=cfg.get("dropout", 0.0),
+                target_modules=cfg["targets"],
+                task_type="CAUSAL_LM",
+            ),
+        )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt_name = cfg.get("optimizer", "adamw")
@@ -89,11 +127,15 @@ def run(cfg: dict) -> dict:
 
         opt = (bnb.optim.AdamW8bit if opt_name == "adamw8bit" else bnb.optim.PagedAdamW8bit)(params, lr=1e-4)
     b, s = cfg["batch"], cfg["seq_len"]
-    V = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
+    V = (
+        model.config.vocab_size
+        if hasattr(model.config, "vocab_size")
+        else model.config.get_text_config().vocab_size
+    )
     ids = torch.randint(0, V, (b, s))
     am = torch.ones(b, s, dtype=torch.long)
     if b > 1:  # padded to the longest sample: the others end in padding
-        am[1:, s - max(1, s // 8):] = 0
+        am[1:, s - max(1, s // 8) :] = 0
     labels = ids.masked_fill(am == 0, -100)
     tr = Tracker()
     tr.add(list(model.parameters()) + list(model.buffers()) + [ids, am, labels])

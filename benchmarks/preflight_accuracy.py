@@ -30,44 +30,114 @@ QV = ["q_proj", "v_proj"]
 CPU_CASES = [
     dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=256),
     dict(arch="llama", dtype="fp32", method="lora", rank=8, targets=QV, batch=1, seq_len=256),
-    dict(arch="llama", dtype="bf16", method="lora", rank=16, targets="all-linear", batch=1, seq_len=256, dropout=0.05),
-    dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=256, grad_checkpointing=True),
+    dict(
+        arch="llama",
+        dtype="bf16",
+        method="lora",
+        rank=16,
+        targets="all-linear",
+        batch=1,
+        seq_len=256,
+        dropout=0.05,
+    ),
+    dict(
+        arch="llama",
+        dtype="bf16",
+        method="lora",
+        rank=8,
+        targets=QV,
+        batch=1,
+        seq_len=256,
+        grad_checkpointing=True,
+    ),
     dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=QV, batch=2, seq_len=256),
-    dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=256, attention="eager"),
+    dict(
+        arch="llama", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=256, attention="eager"
+    ),
     dict(arch="llama", dtype="bf16", method="qlora", quant="nf4", rank=8, targets=QV, batch=1, seq_len=256),
     dict(arch="llama", dtype="bf16", method="full", batch=1, seq_len=256),
     dict(arch="qwen2", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=256),
     dict(arch="qwen2", dtype="fp32", method="lora", rank=32, targets="all-linear", batch=2, seq_len=128),
-    dict(arch="qwen2", dtype="bf16", method="qlora", quant="nf4", double_quant=False, rank=16, targets=QV, batch=1,
-         seq_len=384, grad_checkpointing=True),
+    dict(
+        arch="qwen2",
+        dtype="bf16",
+        method="qlora",
+        quant="nf4",
+        double_quant=False,
+        rank=16,
+        targets=QV,
+        batch=1,
+        seq_len=384,
+        grad_checkpointing=True,
+    ),
     dict(arch="llama_deep", dtype="bf16", method="lora", rank=8, targets=QV, batch=2, seq_len=512),
     dict(arch="llama_deep", dtype="bf16", method="full", batch=1, seq_len=256),
-    dict(arch="llama_deep", dtype="bf16", method="lora", rank=8, targets=QV, batch=1, seq_len=1024, dropout=0.05),
-    dict(arch="llama_deep", dtype="fp32", method="lora", rank=16, targets="all-linear", batch=1, seq_len=512,
-         grad_checkpointing=True),
-    dict(arch="llama_deep", dtype="bf16", method="qlora", quant="nf4", rank=8, targets="all-linear", batch=1,
-         seq_len=512, grad_checkpointing=True, optimizer="adamw8bit"),
+    dict(
+        arch="llama_deep",
+        dtype="bf16",
+        method="lora",
+        rank=8,
+        targets=QV,
+        batch=1,
+        seq_len=1024,
+        dropout=0.05,
+    ),
+    dict(
+        arch="llama_deep",
+        dtype="fp32",
+        method="lora",
+        rank=16,
+        targets="all-linear",
+        batch=1,
+        seq_len=512,
+        grad_checkpointing=True,
+    ),
+    dict(
+        arch="llama_deep",
+        dtype="bf16",
+        method="qlora",
+        quant="nf4",
+        rank=8,
+        targets="all-linear",
+        batch=1,
+        seq_len=512,
+        grad_checkpointing=True,
+        optimizer="adamw8bit",
+    ),
 ]
 
 
 def settings_of(c: dict) -> TrainSettings:
     return TrainSettings(
-        method=c["method"], quant=c.get("quant", "none"), double_quant=c.get("double_quant", True),
-        rank=c.get("rank", 8), dropout=c.get("dropout", 0.0), targets=c.get("targets", QV), batch=c["batch"],
-        seq_len=c["seq_len"], grad_checkpointing=c.get("grad_checkpointing", False),
-        optimizer=c.get("optimizer", "adamw"), dtype=c["dtype"], attention=c.get("attention", "sdpa"),
+        method=c["method"],
+        quant=c.get("quant", "none"),
+        double_quant=c.get("double_quant", True),
+        rank=c.get("rank", 8),
+        dropout=c.get("dropout", 0.0),
+        targets=c.get("targets", QV),
+        batch=c["batch"],
+        seq_len=c["seq_len"],
+        grad_checkpointing=c.get("grad_checkpointing", False),
+        optimizer=c.get("optimizer", "adamw"),
+        dtype=c["dtype"],
+        attention=c.get("attention", "sdpa"),
     )
 
 
 def label(c: dict) -> str:
     s = settings_of(c)
-    return f"{c['arch']}: {s.describe()}" + (f" drop{s.dropout:g}" if s.dropout and s.method != "full" else "")
+    return f"{c['arch']}: {s.describe()}" + (
+        f" drop{s.dropout:g}" if s.dropout and s.method != "full" else ""
+    )
 
 
 def measure(cases: list[dict], root: str) -> list[dict]:
     cases = [dict(c, root=root) for c in cases]
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_measure.py"), json.dumps(cases)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "_measure.py"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+    )
     out = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     if len(out) != len(cases):
         raise SystemExit(f"measurement failed:\n{r.stderr[-4000:]}")
@@ -80,7 +150,7 @@ def part_a(quick: bool) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         results = measure(cases, root)
-        for c, m in zip(cases, results):
+        for c, m in zip(cases, results, strict=True):
             if "error" in m:
                 rows.append(dict(case=label(c), error=m["error"]))
                 continue
@@ -89,16 +159,32 @@ def part_a(quick: bool) -> list[dict]:
             err = e.allocated_peak_bytes / m["peak"] - 1
             # fit verdicts against budgets 5 % above and below the measured peak
             agree = sum(
-                (e.allocated_peak_bytes <= budget) == (m["peak"] <= budget) for budget in (m["peak"] * 1.05, m["peak"] * 0.95)
+                (e.allocated_peak_bytes <= budget) == (m["peak"] <= budget)
+                for budget in (m["peak"] * 1.05, m["peak"] * 0.95)
             )
-            rows.append(dict(case=label(c), measured=m["peak"], estimated=e.allocated_peak_bytes, err=err,
-                             phase=e.peak_phase, agree=agree))
+            rows.append(
+                dict(
+                    case=label(c),
+                    measured=m["peak"],
+                    estimated=e.allocated_peak_bytes,
+                    err=err,
+                    phase=e.peak_phase,
+                    agree=agree,
+                )
+            )
     return rows
 
 
 GPU_OF = {"A100-40GB": "A100-40GB", "RTX-4090": "RTX4090", "A100-80GB": "A100-80GB"}
-TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-           "down": "down_proj"}
+TARGETS = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
 
 
 def part_b() -> list[dict]:
@@ -112,24 +198,40 @@ def part_b() -> list[dict]:
         if method.startswith("qlora"):
             quant, dq, method = "nf4", method.endswith("-dq"), "qlora"
         s = TrainSettings(
-            method=method, quant=quant, double_quant=dq, rank=int(r["lora_rank"] or 8),
+            method=method,
+            quant=quant,
+            double_quant=dq,
+            rank=int(r["lora_rank"] or 8),
             targets=[TARGETS[t] for t in r["lora_targets"].split(",")] if r["lora_targets"] else QV,
-            batch=int(r["batch"]), seq_len=int(r["seq_len"]), grad_checkpointing=r["grad_ckpt"] == "yes",
-            optimizer="adamw", dtype="bf16", attention="sdpa", dropout=0.05 if r["id"].startswith("L") else 0.0,
+            batch=int(r["batch"]),
+            seq_len=int(r["seq_len"]),
+            grad_checkpointing=r["grad_ckpt"] == "yes",
+            optimizer="adamw",
+            dtype="bf16",
+            attention="sdpa",
+            dropout=0.05 if r["id"].startswith("L") else 0.0,
         )
         dev = resolve_device(GPU_OF[r["gpu"]])
         e = estimate(load_shape(r["model"]), s, dev)
         unit = 1e9 if r["unit"] == "GB" else 2**30
         published = float(r["peak"]) * unit
-        rows.append(dict(case=f"{r['id']} {r['model']} {s.describe()}", measured=published,
-                         estimated=e.allocated_peak_bytes, err=e.allocated_peak_bytes / published - 1,
-                         phase=e.peak_phase, agree=int(e.fits), source=r["source"].split()[0]))
+        rows.append(
+            dict(
+                case=f"{r['id']} {r['model']} {s.describe()}",
+                measured=published,
+                estimated=e.allocated_peak_bytes,
+                err=e.allocated_peak_bytes / published - 1,
+                phase=e.peak_phase,
+                agree=int(e.fits),
+                source=r["source"].split()[0],
+            )
+        )
     return rows
 
 
 def show(title: str, rows: list[dict], verdict_note: str) -> dict:
     print(f"\n## {title}\n")
-    print(f"| case | measured MiB | estimated MiB | error | peak phase | verdicts |")
+    print("| case | measured MiB | estimated MiB | error | peak phase | verdicts |")
     print("|---|---:|---:|---:|---|---:|")
     errs, agree, total = [], 0, 0
     for r in rows:
@@ -139,12 +241,20 @@ def show(title: str, rows: list[dict], verdict_note: str) -> dict:
         errs.append(abs(r["err"]))
         agree += r["agree"]
         total += 2 if "source" not in r else 1
-        print(f"| {r['case']} | {r['measured'] / 2**20:,.1f} | {r['estimated'] / 2**20:,.1f} | {r['err']:+.1%} "
-              f"| {r['phase']} | {r['agree']} |")
-    summary = dict(n=len(errs), median=statistics.median(errs) if errs else None, worst=max(errs) if errs else None,
-                   verdict_agreement=f"{agree}/{total}")
-    print(f"\nmedian |error| {summary['median']:.1%}, worst {summary['worst']:.1%}, "
-          f"fit verdicts agree {agree}/{total} ({verdict_note})")
+        print(
+            f"| {r['case']} | {r['measured'] / 2**20:,.1f} | {r['estimated'] / 2**20:,.1f} | {r['err']:+.1%} "
+            f"| {r['phase']} | {r['agree']} |"
+        )
+    summary = dict(
+        n=len(errs),
+        median=statistics.median(errs) if errs else None,
+        worst=max(errs) if errs else None,
+        verdict_agreement=f"{agree}/{total}",
+    )
+    print(
+        f"\nmedian |error| {summary['median']:.1%}, worst {summary['worst']:.1%}, "
+        f"fit verdicts agree {agree}/{total} ({verdict_note})"
+    )
     return summary
 
 
@@ -154,11 +264,13 @@ def main() -> int:
     ap.add_argument("--json", help="write rows and summaries here")
     args = ap.parse_args()
     a = part_a(args.quick)
-    sa = show("(a) CPU training steps, measured vs estimate (device cpu)", a,
-              "budgets at measured +-5 %")
+    sa = show("(a) CPU training steps, measured vs estimate (device cpu)", a, "budgets at measured +-5 %")
     b = part_b()
-    sb = show("(b) published peaks (calibration.csv; LitGPT / torchtune code paths, not transformers+peft)", b,
-              "estimate fits the GPU the row ran on")
+    sb = show(
+        "(b) published peaks (calibration.csv; LitGPT / torchtune code paths, not transformers+peft)",
+        b,
+        "estimate fits the GPU the row ran on",
+    )
     ok = sa["median"] <= 0.04 and sa["worst"] <= 0.10
     print(f"\ntargets on (a): median <= 4 %, worst <= 10 %: {'MET' if ok else 'NOT MET'}")
     if args.json:

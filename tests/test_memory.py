@@ -1,4 +1,4 @@
-"""fitburst.memory: component formulas pinned to exact counts, a measured step, devices, planner seeds, CLI."""
+"""fitburst.memory: formulas pinned to exact counts, a measured step, devices, planner seeds, CLI."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ GiB = 1 << 30
 
 # --- shapes and bundled configs --------------------------------------------------------------------------
 
+
 def _csv_params() -> dict[str, float]:
     if not ARCH_CSV.exists():
         pytest.skip("shared architectures.csv not present")
@@ -49,19 +50,26 @@ def test_bundled_configs_match_published_param_counts():
         if key not in want:
             continue
         got = load_shape(name).param_count()
-        assert abs(got / want[key] - 1) < 0.012, (name, got, want[key])
+        tol = 0.025 if name.startswith("qwen2-vl") else 0.012  # the csv rounds the VL LLM part to 1.5B / 7.6B
+        assert abs(got / want[key] - 1) < tol, (name, got, want[key])
         checked += 1
     assert checked >= 18
 
 
 @pytest.mark.parametrize(
     "ref,expect",
-    [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
-     ("google/gemma-3-270m-it", "gemma-3-270m"), ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini"),
-     ("microsoft/phi-1_5", "phi-1.5"), ("meta-llama/Llama-2-7b-hf", "llama-2-7b"), ("QWEN2.5-0.5B", "qwen2.5-0.5b")],
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+        ("google/gemma-3-270m-it", "gemma-3-270m"),
+        ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini"),
+        ("microsoft/phi-1_5", "phi-1.5"),
+        ("meta-llama/Llama-2-7b-hf", "llama-2-7b"),
+        ("QWEN2.5-0.5B", "qwen2.5-0.5b"),
+    ],
 )
 def test_hub_ids_map_to_bundled_configs(ref, expect):
-    assert Path(load_shape(ref).source).stem == expect
+    assert Path(load_shape(ref).source).stem.startswith(expect)
 
 
 def test_unknown_model_names_what_was_tried(tmp_path):
@@ -77,14 +85,18 @@ def test_nested_text_config_and_vision_tower():
     cfg = json.loads((ROOT / "fitburst/configs/qwen2-vl-7b.json").read_text())
     s = load_shape("Qwen2-VL-7B")
     assert abs(s.extra_params - 0.676e9) < 0.002e9
-    nested = {"model_type": "qwen2_vl", "vision_config": cfg["vision_config"],
-              "text_config": {k: v for k, v in cfg.items() if k != "vision_config"}}
+    nested = {
+        "model_type": "qwen2_vl",
+        "vision_config": cfg["vision_config"],
+        "text_config": {k: v for k, v in cfg.items() if k != "vision_config"},
+    }
     from fitburst.memory import ModelShape
 
     assert ModelShape.from_config(nested).param_count() == s.param_count()
 
 
 # --- exact counts against transformers / peft on the meta device ----------------------------------------
+
 
 def _meta_model(name: str):
     pytest.importorskip("transformers")
@@ -99,7 +111,8 @@ def _meta_model(name: str):
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b", "gemma-3-270m", "phi-3-mini", "mistral-7b"])
 def test_param_count_and_weight_bytes_match_meta_model(name):
     model = _meta_model(name)
-    n = sum(p.numel() for p in model.parameters())
+    model.tie_weights()
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     shape = load_shape(name)
     assert shape.param_count() == n
     s = TrainSettings(method="lora", dtype="bf16")
@@ -126,7 +139,9 @@ def test_nf4_weight_bytes_match_bitsandbytes():
         lin = lin.to("cpu")
         w = lin.weight
         if w.quant_state is None:  # quantizes on first .to(device)
-            lin.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type="nf4", compress_statistics=dq)
+            lin.weight = bnb.nn.Params4bit(
+                w.data, requires_grad=False, quant_type="nf4", compress_statistics=dq
+            )
             lin.weight = lin.weight._quantize("cpu")
         qs = lin.weight.quant_state
         real = lin.weight.untyped_storage().nbytes() + qs.absmax.untyped_storage().nbytes()
@@ -152,13 +167,23 @@ def test_8bit_optimizer_small_tensor_rule_and_paging():
 
 # --- one real step measured against the estimate ------------------------------------------------------------
 
+
 def test_measured_cpu_step_matches_estimate(tmp_path):
     pytest.importorskip("transformers")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _measure
 
-    cfg = dict(arch="llama", dtype="bf16", method="lora", rank=8, targets=["q_proj", "v_proj"], batch=1,
-               seq_len=128, dropout=0.0, root=str(tmp_path))
+    cfg = dict(
+        arch="llama",
+        dtype="bf16",
+        method="lora",
+        rank=8,
+        targets=["q_proj", "v_proj"],
+        batch=1,
+        seq_len=128,
+        dropout=0.0,
+        root=str(tmp_path),
+    )
     m = _measure.run(cfg)
     s = TrainSettings(method="lora", rank=8, targets=["q_proj", "v_proj"], batch=1, seq_len=128, dropout=0.0)
     e = estimate(load_shape(str(tmp_path / "llama")), s, resolve_device("cpu:8GiB"))
@@ -167,6 +192,7 @@ def test_measured_cpu_step_matches_estimate(tmp_path):
 
 
 # --- devices ----------------------------------------------------------------------------------------------
+
 
 def test_named_and_sized_devices():
     t4 = resolve_device("t4")
@@ -187,6 +213,7 @@ def test_named_and_sized_devices():
 
 # --- planner: the seeds' cases ---------------------------------------------------------------------------
 
+
 def test_seed_qwen7b_lora_r128_on_24gb():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=128, alpha=256, targets="all-linear", batch=4, seq_len=512)
@@ -197,7 +224,9 @@ def test_seed_qwen7b_lora_r128_on_24gb():
     assert plan.estimate.device_total_bytes <= dev.total_bytes
     assert plan.settings.batch * plan.settings.grad_accum == 4
     # the pipeline forbids quantization and checkpointing: still a plan, or a burst with a GPU named
-    p2 = plan_fit(shape, s, dev, allow={"quantize": False, "gradient_checkpointing": False, "reduce_batch": False})
+    p2 = plan_fit(
+        shape, s, dev, allow={"quantize": False, "gradient_checkpointing": False, "reduce_batch": False}
+    )
     assert p2.settings.method == "lora" and not p2.settings.grad_checkpointing
     if not p2.fits:
         assert p2.verdict == "burst" and p2.burst_gpu in ("A6000", "A100-40GB", "A100-80GB", "H100", "L40S")
@@ -205,10 +234,12 @@ def test_seed_qwen7b_lora_r128_on_24gb():
 
 def test_seed_gemma_270m_at_131072_tokens_on_16gb():
     shape = load_shape("google/gemma-3-270m")
-    s = TrainSettings(method="full", dtype="bf16", batch=1, seq_len=131072, attention="eager")
+    s = TrainSettings(method="full", dtype="bf16", batch=1, seq_len=131072, attention="sdpa")
     dev = resolve_device("cuda:16GB")
     e = estimate(shape, s, dev, 0.1)
-    assert not e.fits and e.components["logits_loss"] > 100 * GiB
+    assert not e.fits and e.components["logits_loss"] > 100 * GiB  # 131072 x 262144 logits, fp32 copies
+    eager = estimate(shape, replace(s, attention="eager"), dev, 0.1)
+    assert eager.allocated_peak_bytes > e.allocated_peak_bytes  # seq x seq probabilities per layer
     plan = plan_fit(shape, s, dev)
     assert not plan.fits and plan.verdict == "burst"
     assert any("max_seq_len" in c for c in plan.changes)
@@ -251,15 +282,42 @@ def test_fitting_run_is_left_alone_and_phases_are_monotone_in_batch():
 
 # --- CLI and import hygiene -----------------------------------------------------------------------------
 
+
 def test_estimate_cli_json_contract():
     r = subprocess.run(
-        [sys.executable, "-m", "fitburst.memory.cli", "--model", "Llama-3.1-70B", "--method", "qlora",
-         "--rank", "16", "--seq-len", "1024", "--device", "A100-80GB", "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=30,
+        [
+            sys.executable,
+            "-m",
+            "fitburst.memory.cli",
+            "--model",
+            "Llama-3.1-70B",
+            "--method",
+            "qlora",
+            "--rank",
+            "16",
+            "--seq-len",
+            "1024",
+            "--device",
+            "A100-80GB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
     )
     d = json.loads(r.stdout)
-    for k in ("allocated_peak_bytes", "reserved_peak_bytes", "device_total_bytes", "components", "peak_phase",
-              "device", "budget_bytes", "fits", "plan"):
+    for k in (
+        "allocated_peak_bytes",
+        "reserved_peak_bytes",
+        "device_total_bytes",
+        "components",
+        "peak_phase",
+        "device",
+        "budget_bytes",
+        "fits",
+        "plan",
+    ):
         assert k in d
     assert d["reserved_peak_bytes"] >= d["allocated_peak_bytes"]
     assert d["device_total_bytes"] > d["reserved_peak_bytes"]
@@ -268,11 +326,13 @@ def test_estimate_cli_json_contract():
 
 
 def test_import_is_light_and_70b_estimate_is_fast():
-    code = ("import sys, time; t=time.time(); import fitburst.memory as m; "
-            "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), "
-            "m.resolve_device('RTX4090')); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; "
-            "print(time.time()-t)")
+    code = (
+        "import sys, time; t=time.time(); import fitburst.memory as m; "
+        "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), "
+        "m.resolve_device('RTX4090')); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; "
+        "print(time.time()-t)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout) < 1.0

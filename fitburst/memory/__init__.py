@@ -9,6 +9,15 @@ from .planner import Plan, plan_fit
 from .shapes import ModelShape, load_shape
 
 __all__ = [
-    "Device", "Estimate", "ModelShape", "Plan", "TrainSettings", "estimate", "known_devices", "load_shape",
-    "plan_fit", "resolve_device", "settings_from_spec",
+    "Device",
+    "Estimate",
+    "ModelShape",
+    "Plan",
+    "TrainSettings",
+    "estimate",
+    "known_devices",
+    "load_shape",
+    "plan_fit",
+    "resolve_device",
+    "settings_from_spec",
 ]

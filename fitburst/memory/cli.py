@@ -11,10 +11,16 @@ from .devices import GiB
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--model", required=True, help="hub id, local model dir, config.json path, or a bundled name")
+    p.add_argument(
+        "--model", required=True, help="hub id, local model dir, config.json path, or a bundled name"
+    )
     p.add_argument("--method", choices=["full", "lora", "qlora"], default="lora")
-    p.add_argument("--quant", choices=["none", "int8", "nf4", "fp4"], default=None,
-                   help="weight quantization (default: nf4 for qlora, none otherwise)")
+    p.add_argument(
+        "--quant",
+        choices=["none", "int8", "nf4", "fp4"],
+        default=None,
+        help="weight quantization (default: nf4 for qlora, none otherwise)",
+    )
     p.add_argument("--double-quant", action="store_true", help="bitsandbytes double quantization")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
@@ -25,12 +31,22 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="padded length (longest sample in a batch)")
     p.add_argument("--grad-checkpointing", action="store_true")
     p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "paged_adamw8bit", "sgd"], default="adamw")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16, or fp16 on devices without bf16")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="default: bf16, or fp16 on devices without bf16",
+    )
     p.add_argument("--attention", choices=["eager", "sdpa", "flash"], default="sdpa")
-    p.add_argument("--device", default="auto", help="auto, a named device (T4, RTX4090, A100-80GB, M2-Max-64GB...), "
-                   "or cuda:24GiB / mps:36GiB / cpu:64GiB")
-    p.add_argument("--safety-margin", type=float, default=0.1, help="headroom the plan keeps (fraction of budget)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto, a named device (T4, RTX4090, A100-80GB, M2-Max-64GB...), "
+        "or cuda:24GiB / mps:36GiB / cpu:64GiB",
+    )
+    p.add_argument(
+        "--safety-margin", type=float, default=0.1, help="headroom the plan keeps (fraction of budget)"
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
@@ -41,14 +57,27 @@ def run_estimate(args: argparse.Namespace) -> int:
         shape = load_shape(args.model)
         device = resolve_device(args.device)
         dtype = args.dtype or ("bf16" if device.supports_bf16 else "fp16")
-        targets = "all-linear" if args.targets.strip() == "all-linear" else [
-            t.strip() for t in args.targets.split(",") if t.strip()]
+        targets = (
+            "all-linear"
+            if args.targets.strip() == "all-linear"
+            else [t.strip() for t in args.targets.split(",") if t.strip()]
+        )
         quant = args.quant or ("nf4" if args.method == "qlora" else "none")
         settings = TrainSettings(
-            method=args.method, quant=quant, double_quant=args.double_quant, rank=args.rank, alpha=args.alpha,
-            dropout=args.dropout, targets=targets, batch=args.batch, seq_len=args.seq_len,
-            grad_checkpointing=args.grad_checkpointing, optimizer=args.optimizer, dtype=dtype,
-            attention=args.attention, grad_accum=args.grad_accum,
+            method=args.method,
+            quant=quant,
+            double_quant=args.double_quant,
+            rank=args.rank,
+            alpha=args.alpha,
+            dropout=args.dropout,
+            targets=targets,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            grad_checkpointing=args.grad_checkpointing,
+            optimizer=args.optimizer,
+            dtype=dtype,
+            attention=args.attention,
+            grad_accum=args.grad_accum,
         )
         plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin)
     except ValueError as e:

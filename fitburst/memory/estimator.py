@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .devices import GiB, MiB, Device
+from .devices import Device, GiB, MiB
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -73,10 +73,16 @@ class TrainSettings:
 
     def describe(self) -> str:
         m = self.method + (f" r{self.rank}" if self.method != "full" else "")
-        q = f" {self.quant}{'+dq' if self.double_quant and self.quant in ('nf4', 'fp4') else ''}" if self.kbit else ""
+        q = (
+            f" {self.quant}{'+dq' if self.double_quant and self.quant in ('nf4', 'fp4') else ''}"
+            if self.kbit
+            else ""
+        )
         ck = " ckpt" if self.grad_checkpointing else ""
-        return (f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
-                f"{self.optimizer} {self.attention}")
+        return (
+            f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
+            f"{self.optimizer} {self.attention}"
+        )
 
 
 def settings_from_spec(spec, device: Device | None = None, seq_len: int | None = None) -> TrainSettings:
@@ -90,10 +96,20 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
     attention = "sdpa" if t.attention == "auto" else t.attention
     ev = getattr(spec, "eval", None)
     return TrainSettings(
-        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
-        dropout=m.dropout, targets=m.target_modules, batch=t.micro_batch_size, grad_accum=t.grad_accum,
-        seq_len=seq_len or spec.data.max_seq_len, grad_checkpointing=t.gradient_checkpointing,
-        optimizer=t.optimizer, dtype=dtype, attention=attention,
+        method=m.type,
+        quant=m.quant or "none",
+        double_quant=m.double_quant,
+        rank=m.rank,
+        alpha=m.alpha,
+        dropout=m.dropout,
+        targets=m.target_modules,
+        batch=t.micro_batch_size,
+        grad_accum=t.grad_accum,
+        seq_len=seq_len or spec.data.max_seq_len,
+        grad_checkpointing=t.gradient_checkpointing,
+        optimizer=t.optimizer,
+        dtype=dtype,
+        attention=attention,
         eval_batch=(ev.batch_size if ev is not None and ev.enabled else 0),
     )
 
@@ -151,6 +167,7 @@ class Estimate:
 
 # --- parameters ------------------------------------------------------------------------------------------
 
+
 def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
     names = {lin.name for c, dec in shape.blocks() for lin in shape.layer_linears(dec)}
     if targets == "all-linear" or targets == ["all-linear"]:
@@ -159,7 +176,8 @@ def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
     hit = want & names
     if not hit:
         raise ValueError(
-            f"LoRA targets {sorted(want)} match no linear layer of {shape.name} (its layers: {', '.join(sorted(names))})"
+            f"LoRA targets {sorted(want)} match no linear layer of {shape.name} "
+            f"(its layers: {', '.join(sorted(names))})"
         )
     return hit
 
@@ -177,7 +195,12 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
     t = resolve_targets(shape, s.targets)
     out: list[int] = []
     for c, dec in shape.blocks():
-        per = [n for lin in shape.layer_linears(dec) if lin.name in t for n in (s.rank * lin.fan_in, s.rank * lin.fan_out)]
+        per = [
+            n
+            for lin in shape.layer_linears(dec)
+            if lin.name in t
+            for n in (s.rank * lin.fan_in, s.rank * lin.fan_out)
+        ]
         out += per * c
     return out
 
@@ -188,7 +211,9 @@ def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     total = shape.param_count()
     if not s.kbit:
         return {"weights": total * d}
-    lin_w = sum(c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
+    lin_w = sum(
+        c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks()
+    )
     rest = total - lin_w  # embeddings, lm_head, norms, biases, vision extras: fp32 after k-bit preparation
     if s.quant == "int8":
         rows = sum(c * sum(lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
@@ -208,7 +233,9 @@ def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     return {"total": total + (0 if s.method == "full" else trainable), "trainable": trainable, "base": total}
 
 
-def optimizer_bytes(s: TrainSettings, tensors: list[int], pbytes: int, device: Device) -> tuple[int, int, int]:
+def optimizer_bytes(
+    s: TrainSettings, tensors: list[int], pbytes: int, device: Device
+) -> tuple[int, int, int]:
     """(state bytes, step-time temporary bytes, paged bytes outside the allocator)."""
     if s.optimizer == "sgd":
         return 0, 0, 0
@@ -232,6 +259,7 @@ def optimizer_bytes(s: TrainSettings, tensors: list[int], pbytes: int, device: D
 
 
 # --- activations -----------------------------------------------------------------------------------------
+
 
 @dataclass
 class _Ctx:
@@ -309,8 +337,12 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     if rg_att:
         groups = shape.heads // shape.kv_heads
         sv["q_rope"] = a * T * qd
-        repeat = groups > 1 and (c.attention != "flash" or c.padded) and shape.head_dim <= 256 or (
-            groups > 1 and shape.head_dim > 256)
+        repeat = (
+            groups > 1
+            and (c.attention != "flash" or c.padded)
+            and shape.head_dim <= 256
+            or (groups > 1 and shape.head_dim > 256)
+        )
         kv_saved = a * T * (qd if repeat else kvd)
         sv["k_rope"] = kv_saved
         sv["v"] = kv_saved
@@ -393,7 +425,9 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
         down_saved = (4 + c.mask_b) * T * i if c.drop else 4 * T * i
     else:
         down_saved = 0
-    mlp = max(3 * a * T * i - down_saved, ((4 + a) * T * i if not c.full and down in c.targets else a * T * i))
+    mlp = max(
+        3 * a * T * i - down_saved, ((4 + a) * T * i if not c.full and down in c.targets else a * T * i)
+    )
     mlp += a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
@@ -408,7 +442,9 @@ def _forward_transient(shape: ModelShape, c: _Ctx) -> int:
     return max(2 * a * T * shape.intermediate, att)
 
 
-def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0) -> Estimate:
+def estimate(
+    shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0
+) -> Estimate:
     s = settings
     d = DTYPE_BYTES[s.dtype]
     a = 4 if s.kbit else d
@@ -422,9 +458,20 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
     if attention == "sdpa":
         attention = "math" if device.kind == "mps" else "flash"
     padded = s.batch > 1 if s.padded is None else s.padded
-    c = _Ctx(T=T, b=s.batch, S=s.seq_len, a=a, full=full, lora=not full, targets=targets, rank=s.rank,
-             drop=s.dropout > 0 and not full, mask_b=1 if device.kind == "cuda" else 4, attention=attention,
-             padded=padded)
+    c = _Ctx(
+        T=T,
+        b=s.batch,
+        S=s.seq_len,
+        a=a,
+        full=full,
+        lora=not full,
+        targets=targets,
+        rank=s.rank,
+        drop=s.dropout > 0 and not full,
+        mask_b=1 if device.kind == "cuda" else 4,
+        attention=attention,
+        padded=padded,
+    )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = []
 
@@ -441,10 +488,12 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
         lora_w = 4 * sum(tensors)
     P_tr = sum(tensors)
     G = pbytes * P_tr
-    O, O_tmp, O_paged = optimizer_bytes(s, tensors, pbytes, device)
+    OPT, O_tmp, O_paged = optimizer_bytes(s, tensors, pbytes, device)
     if O_paged:
-        notes.append(f"paged optimizer state ({O_paged / GiB:.2f} GiB) lives in CUDA unified memory, outside "
-                     "torch's allocator; it pages to host RAM under pressure")
+        notes.append(
+            f"paged optimizer state ({O_paged / GiB:.2f} GiB) lives in CUDA unified memory, outside "
+            "torch's allocator; it pages to host RAM under pressure"
+        )
     ckpt = s.grad_checkpointing
     # enable_input_require_grads (ckpt, k-bit+ckpt) or trainable embeddings (full): layer 0 input needs grad
     rg0 = full or ckpt
@@ -474,12 +523,14 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
     L = len(per_layer)
     if ckpt:
         A_layers_kept = [a * T * h] * L  # non-reentrant checkpoint keeps each layer's input
-        recompute = [max(0, x - (a * T * h if "x" in sv else 0)) for x, sv in zip(per_layer, per_layer_full)]
+        recompute = [
+            max(0, x - (a * T * h if "x" in sv else 0))
+            for x, sv in zip(per_layer, per_layer_full, strict=True)
+        ]
     else:
         A_layers_kept = per_layer
         recompute = [0] * L
     A_all = sum(A_layers_kept) + A_final + shared
-    base = W + lora_w + O
     G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
     kept_logits = logits if s.keep_logits else 0
     phases: dict[str, dict[str, int]] = {}
@@ -488,13 +539,13 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
         qtemp = 2 * shape.largest_linear() + 2 * T * (h + shape.intermediate)
     # forward end: everything saved, the last block's transient
     fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
-    phases["forward"] = _comp(w, lora_w, G_acc, O, A_all, 0, fwd_t)
+    phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t)
     # loss: logits (bf16 if not kept, fp32 copy), log_softmax output; backward of log_softmax: +2 fp32 grads
     loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
     loss_bwd = kept_logits + 12 * T * V
     if not s.keep_logits:
         loss_bwd = (logits if a_lm != 4 else 0) + 12 * T * V - (0 if a_lm != 4 else 0)
-    phases["loss"] = _comp(w, lora_w, G_acc, O, A_all, max(loss_fwd, loss_bwd), 0)
+    phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), 0)
     # backward through the blocks, top to bottom
     head_grad = d * V * h if full and not shape.tied else (d * V * h if full else 0)
     g_so_far = G_acc + head_grad if full else G_acc
@@ -513,16 +564,22 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
         emb_g = d * V * h
         tot = shared + g_so_far + emb_g + kept_logits
         if tot > sum(best_b):
-            best_b = (shared, g_so_far + emb_g - (emb_g if shape.tied else 0), kept_logits + (emb_g if shape.tied else 0))
-    phases["backward"] = _comp(w, lora_w, best_b[1] if full else max(best_b[1], G_acc), O, best_b[0], 0, best_b[2])
+            best_b = (
+                shared,
+                g_so_far + emb_g - (emb_g if shape.tied else 0),
+                kept_logits + (emb_g if shape.tied else 0),
+            )
+    phases["backward"] = _comp(
+        w, lora_w, best_b[1] if full else max(best_b[1], G_acc), OPT, best_b[0], 0, best_b[2]
+    )
     if not full:
         phases["backward"]["gradients"] = max(phases["backward"].get("gradients", 0), int(G * 0))
     # optimizer step: all grads, states, the step's temporaries (logits still referenced by the loop)
-    phases["optimizer_step"] = _comp(w, lora_w, G, O, 0, kept_logits, O_tmp)
+    phases["optimizer_step"] = _comp(w, lora_w, G, OPT, 0, kept_logits, O_tmp)
     if s.eval_batch:
         Te = s.eval_batch * s.seq_len
         ev = a_lm * Te * V + 8 * Te * V + 4 * a * Te * max(h, shape.intermediate)
-        phases["eval"] = _comp(w, lora_w, 0, O, 0, ev, 0)
+        phases["eval"] = _comp(w, lora_w, 0, OPT, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]
@@ -536,18 +593,35 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, safety_
     if s.kbit and not device.supports_bnb:
         notes.append(f"bitsandbytes quantization is not available on {device.name}")
     return Estimate(
-        allocated_peak_bytes=int(alloc), reserved_peak_bytes=reserved, device_total_bytes=total,
-        components={k: int(v) for k, v in phases[peak_phase].items() if v}, peak_phase=peak_phase,
-        device=device.name, budget_bytes=device.budget_bytes, fits=fits, params=param_counts(shape, s),
-        phases={k: int(v) for k, v in totals.items()}, settings=asdict(s), model=shape.name,
-        safety_margin=safety_margin, notes=notes,
+        allocated_peak_bytes=int(alloc),
+        reserved_peak_bytes=reserved,
+        device_total_bytes=total,
+        components={k: int(v) for k, v in phases[peak_phase].items() if v},
+        peak_phase=peak_phase,
+        device=device.name,
+        budget_bytes=device.budget_bytes,
+        fits=fits,
+        params=param_counts(shape, s),
+        phases={k: int(v) for k, v in totals.items()},
+        settings=asdict(s),
+        model=shape.name,
+        safety_margin=safety_margin,
+        notes=notes,
     )
 
 
 def _comp(w: dict, lora_w: int, grads: int, opt: int, acts: int, loss: int, transient: int) -> dict[str, int]:
     out = dict(w)
-    out.update({"lora_weights": lora_w, "gradients": grads, "optimizer_states": opt, "activations": acts,
-                "logits_loss": loss, "transient": transient})
+    out.update(
+        {
+            "lora_weights": lora_w,
+            "gradients": grads,
+            "optimizer_states": opt,
+            "activations": acts,
+            "logits_loss": loss,
+            "transient": transient,
+        }
+    )
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from .devices import GiB, Device, resolve_device
+from .devices import Device, GiB, resolve_device
 from .estimator import Estimate, TrainSettings, estimate
 from .shapes import ModelShape
 
@@ -37,10 +37,21 @@ class Plan:
         from dataclasses import asdict
 
         return {
-            "fits": self.fits, "verdict": self.verdict, "changes": self.changes, "settings": asdict(self.settings),
-            "estimate": self.estimate.to_dict(), "burst_gpu": self.burst_gpu,
-            "candidates": {k: {"fits": v.fits, "device_total_bytes": v.device_total_bytes,
-                               "budget_bytes": v.budget_bytes, "plan": v.plan} for k, v in self.candidates.items()},
+            "fits": self.fits,
+            "verdict": self.verdict,
+            "changes": self.changes,
+            "settings": asdict(self.settings),
+            "estimate": self.estimate.to_dict(),
+            "burst_gpu": self.burst_gpu,
+            "candidates": {
+                k: {
+                    "fits": v.fits,
+                    "device_total_bytes": v.device_total_bytes,
+                    "budget_bytes": v.budget_bytes,
+                    "plan": v.plan,
+                }
+                for k, v in self.candidates.items()
+            },
         }
 
 
@@ -53,21 +64,66 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
     out: list[tuple[str, list]] = []
     if allow.get("attention", True) and s.attention == "eager":
         target = "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
-        out.append(("attention", [(lambda x, t=target: replace(x, attention=t),
-                                   f"attention eager -> {target}: no seq x seq probability matrix kept")]))
+        out.append(
+            (
+                "attention",
+                [
+                    (
+                        lambda x, t=target: replace(x, attention=t),
+                        f"attention eager -> {target}: no seq x seq probability matrix kept",
+                    )
+                ],
+            )
+        )
     if allow.get("dropout", True) and s.method != "full" and s.dropout > 0:
-        out.append(("dropout", [(lambda x: replace(x, dropout=0.0),
-                                 f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input")]))
+        out.append(
+            (
+                "dropout",
+                [
+                    (
+                        lambda x: replace(x, dropout=0.0),
+                        f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input",
+                    )
+                ],
+            )
+        )
     if allow.get("optimizer_8bit", True) and s.optimizer == "adamw" and device.supports_bnb:
-        out.append(("optimizer_8bit", [(lambda x: replace(x, optimizer="adamw8bit"),
-                                        "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8")]))
+        out.append(
+            (
+                "optimizer_8bit",
+                [
+                    (
+                        lambda x: replace(x, optimizer="adamw8bit"),
+                        "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8",
+                    )
+                ],
+            )
+        )
     if allow.get("gradient_checkpointing", True) and not s.grad_checkpointing:
-        out.append(("gradient_checkpointing", [(lambda x: replace(x, grad_checkpointing=True),
-                                                "gradient checkpointing on: keep one tensor per layer, "
-                                                "recompute the rest in backward (~30 % slower)")]))
+        out.append(
+            (
+                "gradient_checkpointing",
+                [
+                    (
+                        lambda x: replace(x, grad_checkpointing=True),
+                        "gradient checkpointing on: keep one tensor per layer, "
+                        "recompute the rest in backward (~30 % slower)",
+                    )
+                ],
+            )
+        )
     if allow.get("quantize", True) and device.supports_bnb and s.method == "lora" and s.quant == "none":
-        out.append(("quantize", [(lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
-                                  "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)")]))
+        out.append(
+            (
+                "quantize",
+                [
+                    (
+                        lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
+                        "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)",
+                    )
+                ],
+            )
+        )
     return out
 
 
@@ -114,8 +170,11 @@ def plan_fit(
                 if e.fits:
                     w = list(why)
                     if k:
-                        w.append(f"micro batch {settings.batch} -> {sk.batch}, grad_accum {settings.grad_accum} -> "
-                                 f"{sk.grad_accum} (same effective batch {settings.effective_batch})")
+                        w.append(
+                            f"micro batch {settings.batch} -> {sk.batch}, "
+                            f"grad_accum {settings.grad_accum} -> "
+                            f"{sk.grad_accum} (same effective batch {settings.effective_batch})"
+                        )
                     best = (cost * _COST["reduce_batch"] ** k, sk, w, e)
                     break
     if best is not None:
@@ -123,8 +182,10 @@ def plan_fit(
         e.plan = why
         return Plan(True, s, why, e, "local")
     # nothing fits here: burst, with the estimate (and plan) on each candidate GPU
-    changes = [f"nothing fits {device.name} ({_gib(device.budget_bytes)} budget, {safety_margin:.0%} margin): "
-               f"as configured the peak is {_gib(base.device_total_bytes)}"]
+    changes = [
+        f"nothing fits {device.name} ({_gib(device.budget_bytes)} budget, {safety_margin:.0%} margin): "
+        f"as configured the peak is {_gib(base.device_total_bytes)}"
+    ]
     plan = Plan(False, settings, changes, base, "burst")
     if not _burst:
         return plan
@@ -138,13 +199,16 @@ def plan_fit(
         if p.fits and plan.burst_gpu is None:
             plan.burst_gpu = g
             extra = f" with {'; '.join(p.changes)}" if p.changes else ""
-            changes.append(f"burst to {g} ({_gib(dev.budget_bytes)}): peak {_gib(p.estimate.device_total_bytes)}"
-                           f"{extra}")
+            changes.append(
+                f"burst to {g} ({_gib(dev.budget_bytes)}): peak {_gib(p.estimate.device_total_bytes)}{extra}"
+            )
     if plan.burst_gpu is None:
         longest = max_seq_len_that_fits(shape, settings, resolve_device(burst_gpus[-1]), safety_margin)
         local = max_seq_len_that_fits(shape, settings, device, safety_margin)
-        changes.append(f"no candidate GPU ({', '.join(burst_gpus)}) fits seq_len {settings.seq_len}: "
-                       f"cut max_seq_len to {local} to fit {device.name}, or {longest} on {burst_gpus[-1]}")
+        changes.append(
+            f"no candidate GPU ({', '.join(burst_gpus)}) fits seq_len {settings.seq_len}: "
+            f"cut max_seq_len to {local} to fit {device.name}, or {longest} on {burst_gpus[-1]}"
+        )
     base.plan = list(changes)
     return plan
 

@@ -180,12 +180,26 @@ class ModelShape:
             dec = int(g("num_decoder_layers", default=g("num_layers")))
             buckets = int(g("relative_attention_num_buckets", default=32))
             shape = cls(
-                name=name, model_type="t5", hidden=h, layers=dec, heads=heads, kv_heads=heads, head_dim=dkv,
-                intermediate=int(g("d_ff")), vocab=int(g("vocab_size")),
-                tied=bool(g("tie_word_embeddings", default=True)), mlp="gated" if gated else "plain",
-                act="gelu_new" if gated else "relu", norm="rms", norm_style="t5", norms_per_layer=2,
-                encoder_layers=int(g("num_layers")), extra_params=2 * buckets * heads,
-                max_position=None, config_dtype=g("torch_dtype", "dtype"), source=source,
+                name=name,
+                model_type="t5",
+                hidden=h,
+                layers=dec,
+                heads=heads,
+                kv_heads=heads,
+                head_dim=dkv,
+                intermediate=int(g("d_ff")),
+                vocab=int(g("vocab_size")),
+                tied=bool(g("tie_word_embeddings", default=True)),
+                mlp="gated" if gated else "plain",
+                act="gelu_new" if gated else "relu",
+                norm="rms",
+                norm_style="t5",
+                norms_per_layer=2,
+                encoder_layers=int(g("num_layers")),
+                extra_params=2 * buckets * heads,
+                max_position=None,
+                config_dtype=g("torch_dtype", "dtype"),
+                source=source,
             )
             return shape
 
@@ -201,10 +215,21 @@ class ModelShape:
             act_name, "silu"
         )
         kw: dict = dict(
-            name=name, model_type=mt, hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
-            intermediate=inter, vocab=vocab, tied=bool(g("tie_word_embeddings", default=False)), act=act,
-            max_position=g("max_position_embeddings"), sliding_window=g("sliding_window"),
-            config_dtype=g("torch_dtype", "dtype"), source=source,
+            name=name,
+            model_type=mt,
+            hidden=h,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            intermediate=inter,
+            vocab=vocab,
+            tied=bool(g("tie_word_embeddings", default=False)),
+            act=act,
+            max_position=g("max_position_embeddings"),
+            sliding_window=g("sliding_window"),
+            config_dtype=g("torch_dtype", "dtype"),
+            source=source,
         )
         if mt in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
             kw["qkv_bias"] = True
@@ -220,12 +245,23 @@ class ModelShape:
         if mt == "phi3":
             kw.update(fused_qkv=True, fused_gate_up=True)
         if mt == "phi":
-            kw.update(mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True, norm="layer", norm_style="layernorm",
-                      norms_per_layer=1, parallel_block=True, lm_head_bias=True)
+            kw.update(
+                mlp="plain",
+                qkv_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+                norm="layer",
+                norm_style="layernorm",
+                norms_per_layer=1,
+                parallel_block=True,
+                lm_head_bias=True,
+            )
         if mt == "stablelm":
             kw.update(norm="layer", norm_style="layernorm", qkv_bias=bool(g("use_qkv_bias", default=False)))
         if mt == "gpt_neox":
-            kw.update(norm="layer", norm_style="layernorm", mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True)
+            kw.update(
+                norm="layer", norm_style="layernorm", mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True
+            )
         vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
         if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
             kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
@@ -251,6 +287,7 @@ def _qwen2_vl_vision_params(v: dict, out_hidden: int) -> int:
 
 
 # --- loading ---------------------------------------------------------------------------------------------
+
 
 def bundled_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))

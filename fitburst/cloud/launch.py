@@ -180,6 +180,7 @@ def burst_train(
     failed setup, launch error or interrupt the cluster is torn down and BurstFailed (or the interrupt) is
     raised, so the flow can mark its MLflow run FAILED.
     """
+    candidates = [Candidate.from_dict(c) for c in candidates]
     ok = check_budget(spec, candidates)
     task = build_task(spec, candidates, prepared_dir=prepared_dir, mlflow_run_id=mlflow_run_id)
     report = dry_run_report(spec, candidates, task, local=local)

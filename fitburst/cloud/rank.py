@@ -56,6 +56,14 @@ class Candidate:
         d["usable"] = self.usable
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict | Candidate) -> Candidate:
+        """Back from :meth:`to_dict` (the preflight report stores candidates as dicts)."""
+        if isinstance(d, Candidate):
+            return d
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
     def label(self) -> str:
         return f"{self.gpu} on {self.provider} ({self.accelerator})"
 

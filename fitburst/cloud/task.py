@@ -97,6 +97,7 @@ def usable(candidates: list[Candidate]) -> list[Candidate]:
 
 def check_budget(spec: Any, candidates: list[Candidate]) -> list[Candidate]:
     """The candidates a launch may use; raise BudgetError / BurstError (before any cluster exists) if none."""
+    candidates = [Candidate.from_dict(c) for c in candidates]
     if not candidates:
         raise BurstError(
             f"no GPU candidates: none of {spec.burst.gpus} is offered by {spec.burst.providers} "
@@ -226,6 +227,7 @@ def dry_run_report(
 
     ``local``: ``{"device": ..., "fits": ..., "hours": ...}`` for the comparison row.
     """
+    candidates = [Candidate.from_dict(c) for c in candidates]
     lines = [
         f"burst plan for pipeline '{spec.name}' (policy {spec.burst.policy}, "
         f"{'spot' if spec.burst.spot else 'on-demand'})"

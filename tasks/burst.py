@@ -1,0 +1,61 @@
+"""DAG node 3 (burst path): the same `fitburst train` on a rented GPU via SkyPilot (fitburst.cloud).
+
+Thin: fitburst.cloud.burst_train decides nothing new here; this task streams its log lines into Prefect's log,
+tags the MLflow run (path=cloud, provider, GPU, region, price, cost), logs the pulled-back outputs when the
+node could not log itself, and re-raises failures so the flow ends the MLflow run FAILED.
+The cluster teardown is inside burst_train (try/finally): Prefect cancellation and Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from fitburst.cloud import BurstFailed, BurstResult, burst_train
+from fitburst.data import PreparedData
+from fitburst.spec import PipelineSpec
+from fitburst.tracking import Tracker, redact
+
+
+@task(name="train-cloud", cache_policy=NONE)
+def train_cloud(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker | None, candidates: list,
+                run_dir: str | Path, *, dry_run: bool = False, local: dict | None = None):
+    """Returns the TrainResult read from the pulled-back run folder (or the BurstResult for a dry run)."""
+    log = get_run_logger()
+
+    def emit(line: str) -> None:
+        log.info("%s", redact(line))
+
+    run_id = getattr(tracker, "run_id", None) if tracker is not None else None
+    try:
+        res: BurstResult = burst_train(spec, prepared.dir, run_dir, candidates, dry_run=dry_run, log=emit,
+                                       mlflow_run_id=run_id, local=local)
+    except BurstFailed as e:
+        if tracker is not None:
+            tracker.set_tags(e.result.tags())
+            tracker.log_text(redact(str(e)), "cloud/failure.txt")
+        raise
+    create_markdown_artifact(f"```\n{redact(res.report)}\n```", key=f"burst-{_key(spec.name)}",
+                             description="burst plan: local vs cloud, chosen GPU, cost, SkyPilot task")
+    if dry_run:
+        return res
+    if tracker is not None:
+        tracker.set_tags(res.tags())
+        tracker.log_text(redact(res.report), "cloud/plan.txt")
+    from fitburst.train import TrainResult
+
+    result = TrainResult.load(res.run_dir)
+    result.run_dir, result.adapter_dir = str(res.run_dir), str(Path(res.run_dir) / "adapter")
+    if tracker is not None and not res.logged_remotely:
+        tracker.log_train(result, path="cloud")
+        tracker.set_tags(res.tags())  # log_train sets device/path; keep the cloud facts on top
+    log.info("cloud run %s on %s (%s): %s, ~$%.2f", res.cluster, res.accelerator, res.provider,
+             res.job_status, res.cost_usd or 0.0)
+    return result
+
+
+def _key(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower())

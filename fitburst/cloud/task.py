@@ -248,6 +248,15 @@ def dry_run_report(
             f"  {c.label():<34} {_yn(c.fits):<5} {_num(c.hourly_usd):>7} {_num(c.est_hours):>7} "
             f"{_num(c.est_total_usd):>8}  {notes}"
         )
+    from fitburst.cloud.gpus import SKY_NAMES
+
+    offered = {c.gpu for c in candidates}
+    for gpu in spec.burst.gpus:
+        if gpu not in offered and gpu in SKY_NAMES:
+            lines.append(
+                f"  {gpu}: not offered by {', '.join(spec.burst.providers)} "
+                f"(sold by {', '.join(SKY_NAMES[gpu])})"
+            )
     ok = usable(candidates)
     if ok:
         best = ok[0]

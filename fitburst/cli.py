@@ -76,16 +76,18 @@ def cmd_preflight(args) -> int:
     from fitburst.spec import load_pipeline
 
     spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
+    n_train = mean = None
     if args.seq_len:
         seq = args.seq_len
     else:
         try:
-            seq = _prepare(spec).stats["max"]
+            prepared = _prepare(spec)
+            seq, n_train, mean = prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
         except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
             seq = spec.data.max_seq_len
-            logging.getLogger(__name__).warning("could not tokenize the data (%s); using data.max_seq_len=%d",
-                                                e, seq)
-    report = preflight(spec, seq, args.device)
+            logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
+                                                "data.max_seq_len=%d", type(e).__name__, seq)
+    report = preflight(spec, seq, args.device, n_train=n_train, mean_len=mean)
     if report.verdict == "burst" and spec.burst.policy != "never":
         from fitburst.preflight import attach_candidates
 
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args) or 0
     except (SpecError, DataError) as e:

@@ -11,17 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
+from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device, settings_from_spec
 from fitburst.spec import PipelineSpec
 
 GIB = 1024**3
-
-
-def auto_precision(kind: str, supports_bf16: bool) -> str:
-    """``precision: auto``: bf16 where the device has it (fp16 on CUDA cards without, e.g. T4), fp32 on CPU."""
-    if kind == "cpu":
-        return "fp32"
-    return "bf16" if supports_bf16 or kind == "mps" else "fp16"
 
 
 def model_ref(spec: PipelineSpec) -> str:
@@ -29,17 +22,6 @@ def model_ref(spec: PipelineSpec) -> str:
     from fitburst.models import DEMO_MODEL, resolve_model_ref
 
     return resolve_model_ref(spec.model.name) if spec.model.name == DEMO_MODEL else spec.model.name
-
-
-def settings_from_spec(spec: PipelineSpec, seq_len: int, device) -> TrainSettings:
-    m, t = spec.method, spec.training
-    precision = t.precision if t.precision != "auto" else auto_precision(device.kind, device.supports_bf16)
-    return TrainSettings(
-        method=m.type, quant=m.quant, double_quant=m.double_quant, rank=m.rank, alpha=m.alpha, dropout=m.dropout,
-        targets=m.target_modules if m.target_modules == "all-linear" else list(m.target_modules),
-        batch=t.micro_batch_size, seq_len=seq_len, grad_checkpointing=t.gradient_checkpointing,
-        optimizer=t.optimizer, dtype=precision, attention="sdpa" if t.attention == "auto" else t.attention,
-        grad_accum=t.grad_accum)
 
 
 def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
@@ -66,6 +48,8 @@ class PreflightReport:
     settings: dict
     seq_len: int
     spec_yaml: str  # the resolved spec with the plan applied
+    tokens: int | None = None  # tokens the run will process (time and cost estimates)
+    local_hours: float | None = None
     candidates: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -103,28 +87,35 @@ class PreflightReport:
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
 
 
-def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None) -> PreflightReport:
-    """Estimate ``spec`` at ``seq_len`` on the device, plan a fit, and decide local / burst / fail."""
+def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, *, n_train: int | None = None,
+              mean_len: float | None = None) -> PreflightReport:
+    """Estimate ``spec`` at ``seq_len`` on the device, plan a fit, and decide local / burst / fail.
+
+    ``n_train`` and ``mean_len`` (from the prepared data) give the token count behind the time estimate that
+    ``burst.max_local_hours`` is checked against."""
+    from fitburst.cloud.rank import estimate_hours, should_burst, train_tokens
+
     device = resolve_device(device_name or spec.preflight.device)
     shape = load_shape(model_ref(spec))
-    settings = settings_from_spec(spec, seq_len, device)
+    settings = settings_from_spec(spec, device, seq_len)
     plan = plan_fit(shape, settings, device, safety_margin=spec.preflight.safety_margin,
                     allow=spec.preflight.allow.model_dump())
-    policy = spec.burst.policy
     est = plan.estimate.to_dict()
+    tokens = train_tokens(spec, n_train, mean_len)
+    local_hours = estimate_hours(shape, plan.settings, device.kind, tokens) if plan.fits else None
+    burst, why = should_burst(spec, plan.fits, local_hours)
     budget = est["budget_bytes"] * (1 - spec.preflight.safety_margin)
-    if policy == "always":
-        verdict, reason = "burst", "burst.policy is always"
+    if burst:
+        verdict, reason = "burst", f"{why}: bursting to a cloud GPU"
     elif plan.fits:
         verdict = "local"
         reason = (f"fits in {budget / GIB:.2f} GiB (budget less {spec.preflight.safety_margin:.0%} margin)"
-                  + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured"))
-    elif policy == "never":
+                  + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured")
+                  + (f"; ~{local_hours:.2f} h here" if local_hours is not None else ""))
+    else:
         verdict = "fail"
         reason = (f"does not fit {device.name} even with every allowed change, and burst.policy is never: "
                   "allow more changes under preflight.allow, shorten data.max_seq_len, or set burst.policy: auto")
-    else:
-        verdict, reason = "burst", f"does not fit {device.name} with any allowed change: bursting to a cloud GPU"
     planned = apply_settings(spec, plan.settings) if plan.fits else spec
     est["plan"] = list(plan.changes)
     return PreflightReport(
@@ -132,7 +123,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None) 
         device={"name": device.name, "kind": device.kind, "total_bytes": device.total_bytes,
                 "budget_bytes": device.budget_bytes},
         estimate=est, changes=list(plan.changes), settings=asdict(replace(plan.settings)), seq_len=seq_len,
-        spec_yaml=planned.to_yaml())
+        spec_yaml=planned.to_yaml(), tokens=tokens, local_hours=local_hours)
 
 
 def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
@@ -140,6 +131,6 @@ def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
     first (the burst path launches from this list)."""
     from fitburst.cloud import rank_candidates
 
-    device = resolve_device(spec.preflight.device)
-    settings = settings_from_spec(spec, report.seq_len, device)
-    report.candidates = [c.to_dict() for c in rank_candidates(spec, load_shape(model_ref(spec)), settings)]
+    settings = settings_from_spec(spec, resolve_device(spec.preflight.device), report.seq_len)
+    report.candidates = [c.to_dict() for c in rank_candidates(spec, load_shape(model_ref(spec)), settings,
+                                                              tokens=report.tokens)]

@@ -76,16 +76,15 @@ def select_device(pref: str = "auto") -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
-    """``auto``: bf16 on CUDA cards that have it (fp16 otherwise), bf16 on MPS, fp32 on CPU."""
+    """The dtype to train in; ``auto`` follows :func:`fitburst.memory.auto_precision` (the estimate's rule)."""
     import torch
 
-    if precision != "auto":
-        if precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
-            raise TrainError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
-        return precision
-    if device == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if device == "mps" else "fp32"
+    from fitburst.memory import auto_precision
+
+    bf16 = device != "cuda" or torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16:
+        raise TrainError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
+    return precision if precision != "auto" else auto_precision(device, bf16)
 
 
 def torch_dtype(precision: str):

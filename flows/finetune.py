@@ -38,25 +38,26 @@ def finetune(pipeline: str = "demo", overrides: dict[str, Any] | None = None, pi
     status = "FAILED"
     try:
         tracker.log_spec(spec)
-        prepared = data_prep(spec, tracker)
+        prepared = data_prep(spec, tracker, dry_run=dry_run)
         report: PreflightReport = preflight_task(spec, prepared, tracker)
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
-                   "verdict": report.verdict, "device": report.device["name"], "plan": report.changes,
-                   "estimated_peak_bytes": report.estimate["device_total_bytes"]}
+                   "verdict": report.verdict, "reason": report.reason, "device": report.device["name"],
+                   "plan": report.changes, "estimated_peak_bytes": report.estimate["device_total_bytes"]}
         if report.verdict == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
-        if dry_run:
-            summary["candidates"] = report.candidates
+        if dry_run and report.verdict == "local":
             status = "FINISHED"
             return summary
         if report.verdict == "local":
             result = train_local(planned, prepared, tracker, report.estimate)
             ev = evaluate_task(planned, prepared, result, tracker) if planned.eval.enabled else None
         else:
-            from tasks.burst import burst_train_task
-
-            result, ev = burst_train_task(planned, prepared, report, tracker)
+            result, ev = _burst(spec, prepared, report, tracker, dry_run)
+            if dry_run:
+                summary.update(candidates=report.candidates[:4], burst_plan=result.report)
+                status = "FINISHED"
+                return summary
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
                        steps=result.steps, measured_peak_bytes=result.peak.get("allocated_bytes"))
         if ev is not None:
@@ -70,6 +71,30 @@ def finetune(pipeline: str = "demo", overrides: dict[str, Any] | None = None, pi
         raise
     finally:
         tracker.end(status)
+
+
+def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: bool):
+    """The cloud path: the same `fitburst train --eval` on a rented GPU; results come home into this run."""
+    from fitburst.evaluate import EvalResult
+    from fitburst.rundir import open_run_dir, release
+    from tasks.burst import train_cloud
+
+    if prepared is None:
+        raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
+                              "there is nothing to send to the cloud node; run with network access to the hub")
+    run_dir, _ = open_run_dir(report.planned_spec() if report.verdict == "local" else spec)
+    local = {"device": report.device["name"], "fits": bool(report.estimate.get("fits")), "hours": report.local_hours,
+             "estimate": report.estimate}
+    try:
+        result = train_cloud(spec, prepared, tracker, report.candidates, run_dir, dry_run=dry_run, local=local)
+    finally:
+        release(run_dir)
+    if dry_run:
+        return result, None
+    ev = EvalResult.load(result.run_dir) if (run_dir / "eval.json").exists() else None
+    if ev is not None:
+        tracker.log_eval(ev)
+    return result, ev
 
 
 def _publish_summary(s: dict) -> None:

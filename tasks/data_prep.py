@@ -12,13 +12,22 @@ from fitburst.tracking import Tracker
 
 
 @task(name="data-prep", cache_policy=NONE)
-def data_prep(spec: PipelineSpec, tracker: Tracker) -> PreparedData:
+def data_prep(spec: PipelineSpec, tracker: Tracker, dry_run: bool = False) -> PreparedData | None:
+    """Prepared splits; for a dry run whose tokenizer cannot be fetched (offline), None: the preflight then
+    plans for the worst case, data.max_seq_len."""
+    log = get_run_logger()
     m = spec.model
-    tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
+    try:
+        tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
+    except OSError as e:
+        if not dry_run:
+            raise
+        log.warning("dry run: cannot load the tokenizer of %s (%s); planning for data.max_seq_len=%d",
+                    m.name, type(e).__name__, spec.data.max_seq_len)
+        return None
     prepared = prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
     s = prepared.stats
-    get_run_logger().info("%d train / %d val records (%d skipped); tokens p50 %d, p95 %d, max %d; cache %s",
-                          prepared.n_train, prepared.n_val, prepared.n_skipped, s["p50"], s["p95"], s["max"],
-                          prepared.dir)
+    log.info("%d train / %d val records (%d skipped); tokens p50 %d, p95 %d, max %d; cache %s",
+             prepared.n_train, prepared.n_val, prepared.n_skipped, s["p50"], s["p95"], s["max"], prepared.dir)
     tracker.log_prepared(prepared)
     return prepared

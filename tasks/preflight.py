@@ -13,8 +13,15 @@ from fitburst.tracking import Tracker
 
 
 @task(name="preflight", cache_policy=NONE)
-def preflight_task(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker) -> PreflightReport:
-    report = preflight(spec, prepared.stats["max"])
+def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: Tracker) -> PreflightReport:
+    if prepared is None:  # dry run without a tokenizer: the longest allowed sequence, record count from the file
+        from fitburst.data import read_records
+
+        n = len(read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)[0])
+        seq = spec.data.max_seq_len
+        report = preflight(spec, seq, n_train=round(n * (1 - spec.data.val_split)), mean_len=seq)
+    else:
+        report = preflight(spec, prepared.stats["max"], n_train=prepared.n_train, mean_len=prepared.stats["mean"])
     if report.verdict == "burst":
         attach_candidates(report, spec)
     log = get_run_logger()

@@ -34,7 +34,9 @@ def _offers(spec):
 
 
 def seven_b(**over):
-    spec = load_pipeline(PIPELINES, "qwen7b-lora", {"burst.providers": ["runpod", "lambda", "azure"], **over})
+    # a LoRA the user wants kept in bf16 (no 4-bit base): fits a 48 GB card, not a 16 GB one
+    spec = load_pipeline(PIPELINES, "qwen7b-lora", {"burst.providers": ["runpod", "lambda", "azure"],
+                                                    "preflight.allow.quantize": False, **over})
     settings = TrainSettings(**{**settings_from_spec(spec).__dict__, "batch": 1, "grad_checkpointing": True})
     return spec, load_shape(spec.model.name), settings
 

@@ -50,7 +50,7 @@ def offline(request: dict, timeout: int = 120) -> dict:
 def test_optimizer_picks_runpod_a6000_for_7b_lora_and_dry_run_launch_completes():
     out = offline({"pipeline": "qwen7b-lora", "settings": {"batch": 1, "grad_checkpointing": True},
                    "tokens": 3_000_000, "dryrun": True,
-                   "overrides": {"burst.gpus": ["A6000", "T4"],
+                   "overrides": {"burst.gpus": ["A6000", "T4"], "preflight.allow.quantize": False,
                                  "burst.providers": ["runpod", "lambda", "azure"]}})
     assert out["best"]["cloud"] == "RunPod" and out["best"]["accelerators"] == {"RTXA6000": 1}
     assert out["best"]["hourly_usd"] == pytest.approx(0.49)

@@ -3,7 +3,7 @@
 Pure Python (json + math): importing it never imports torch or transformers.
 """
 
-from .devices import Device, known_devices, resolve_device
+from .devices import Device, auto_precision, known_devices, resolve_device
 from .estimator import Estimate, TrainSettings, estimate, settings_from_spec
 from .planner import Plan, plan_fit
 from .shapes import ModelShape, load_shape

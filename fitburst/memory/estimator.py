@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .devices import Device, GiB, MiB
+from .devices import Device, GiB, MiB, auto_precision
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -86,15 +86,13 @@ class TrainSettings:
 
 
 def settings_from_spec(spec, device: Device | None = None, seq_len: int | None = None) -> TrainSettings:
-    """TrainSettings from a PipelineSpec (method, training, data.max_seq_len, eval)."""
+    """TrainSettings for a PipelineSpec as fitburst's training loop runs it (``precision: auto`` resolved for
+    ``device``; the loop drops the model output after taking the loss and evaluates after training)."""
     m, t = spec.method, spec.training
     dtype = t.precision
     if dtype == "auto":
-        if device is not None and device.kind == "cpu":
-            dtype = "fp32" if m.type == "full" else "bf16"
-        dtype = "bf16" if device is None or device.supports_bf16 else "fp16"
+        dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     attention = "sdpa" if t.attention == "auto" else t.attention
-    ev = getattr(spec, "eval", None)
     return TrainSettings(
         method=m.type,
         quant=m.quant or "none",
@@ -110,7 +108,7 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         optimizer=t.optimizer,
         dtype=dtype,
         attention=attention,
-        eval_batch=(ev.batch_size if ev is not None and ev.enabled else 0),
+        keep_logits=False,
     )
 
 

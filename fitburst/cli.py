@@ -106,7 +106,11 @@ def cmd_run(args) -> int:
 
     summary = finetune(pipeline=args.pipeline, overrides=parse_overrides(args.set), pipelines_file=args.file,
                        dry_run=args.dry_run)
+    plan = summary.pop("burst_plan", None)
+    summary.pop("candidates", None)
     print(json.dumps(summary, indent=2, default=str))
+    if plan:
+        print(plan)
     return 0
 
 
@@ -120,6 +124,12 @@ def cmd_train(args) -> int:
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
+    if args.plan:
+        from fitburst.preflight import plan_here
+
+        spec, changes = plan_here(spec, prepared.stats["max"])
+        for change in changes:
+            print(f"plan for this device: {change}")
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
         tracker = Tracker.attach(os.environ[RUN_ID_ENV])
@@ -130,6 +140,10 @@ def cmd_train(args) -> int:
         ev = evaluate(spec, prepared, result.adapter_dir, device=result.device, precision=result.precision)
         ev.save(args.run_dir)
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
+        if tracker:
+            tracker.log_eval(ev)
+    if tracker:  # the node logs straight into the launcher's MLflow run
+        tracker.log_train(result, path="cloud")
     return 0
 
 
@@ -176,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run-dir", required=True)
     sp.add_argument("--device", default=None)
     sp.add_argument("--eval", action="store_true", help="evaluate base vs tuned afterwards")
+    sp.add_argument("--plan", action="store_true", help="plan the memory settings for this device first")
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_train)
 

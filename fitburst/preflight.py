@@ -131,6 +131,18 @@ def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
     first (the burst path launches from this list)."""
     from fitburst.cloud import rank_candidates
 
-    settings = settings_from_spec(spec, resolve_device(spec.preflight.device), report.seq_len)
+    settings = settings_from_spec(spec, None, report.seq_len)  # precision: auto resolves per GPU, not for here
     report.candidates = [c.to_dict() for c in rank_candidates(spec, load_shape(model_ref(spec)), settings,
                                                               tokens=report.tokens)]
+
+
+def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str]]:
+    """Plan ``spec`` for the device this process runs on, with no burst option (what the cloud node does before
+    training: it may be any GPU of the ordered list). Raises ValueError when nothing allowed fits."""
+    device = resolve_device(spec.preflight.device)
+    plan = plan_fit(load_shape(model_ref(spec)), settings_from_spec(spec, device, seq_len), device,
+                    safety_margin=spec.preflight.safety_margin, allow=spec.preflight.allow.model_dump())
+    if not plan.fits:
+        raise ValueError(f"{spec.name} does not fit {device.name} "
+                         f"({plan.estimate.device_total_bytes / GIB:.1f} GiB needed) with any allowed change")
+    return apply_settings(spec, plan.settings), list(plan.changes)

@@ -79,10 +79,10 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
     from fitburst.rundir import open_run_dir, release
     from tasks.burst import train_cloud
 
-    if prepared is None:
+    if prepared is None and not dry_run:
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")
-    run_dir, _ = open_run_dir(report.planned_spec() if report.verdict == "local" else spec)
+    run_dir, _ = open_run_dir(spec)
     local = {"device": report.device["name"], "fits": bool(report.estimate.get("fits")), "hours": report.local_hours,
              "estimate": report.estimate}
     try:

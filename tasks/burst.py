@@ -21,7 +21,7 @@ from fitburst.tracking import Tracker, redact
 
 
 @task(name="train-cloud", cache_policy=NONE)
-def train_cloud(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker | None, candidates: list,
+def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Tracker | None, candidates: list,
                 run_dir: str | Path, *, dry_run: bool = False, local: dict | None = None):
     """Returns the TrainResult read from the pulled-back run folder (or the BurstResult for a dry run)."""
     log = get_run_logger()
@@ -31,7 +31,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker | N
 
     run_id = getattr(tracker, "run_id", None) if tracker is not None else None
     try:
-        res: BurstResult = burst_train(spec, prepared.dir, run_dir, candidates, dry_run=dry_run, log=emit,
+        res: BurstResult = burst_train(spec, prepared.dir if prepared else None, run_dir, candidates, dry_run=dry_run, log=emit,
                                        mlflow_run_id=run_id, local=local)
     except BurstFailed as e:
         if tracker is not None:

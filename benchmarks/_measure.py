@@ -1,5 +1,6 @@
-"""Measure the peak memory of real training steps of small random models on CPU (the fitburst training stack:
-transformers + peft + bitsandbytes, a plain loop), with torch's MemTracker (tensor storages, exact bytes).
+"""Measure the peak memory of real training steps of small random models on CPU through fitburst's own stack
+(fitburst.train.build_model, make_optimizer, and the training loop's step), with a dispatch-level tracker of
+live tensor storages (exact bytes, what CUDA's max_memory_allocated counts).
 
 Run one configuration per process: python benchmarks/_measure.py '<json settings>' prints a JSON result.
 """
@@ -12,6 +13,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ARCHS = {
     # small but not toy: vocab / hidden / intermediate ratios like real models, so every term shows
@@ -55,105 +57,80 @@ ARCHS = {
 
 
 def build(arch: str, root: str) -> str:
+    """A random model folder (config, weights, a minimal tokenizer) that fitburst.train.build_model loads."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = os.path.join(root, arch)
-    if os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "tokenizer_config.json")):
         return path
     kw = dict(ARCHS[arch])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return path
 
 
+def spec_of(cfg: dict, path: str):
+    """The PipelineSpec fitburst would run for a benchmark case (model.name = the random model's folder)."""
+    from fitburst.spec import PipelineSpec
+
+    method = dict(type=cfg["method"], rank=cfg.get("rank", 8), alpha=cfg.get("alpha", 16),
+                  dropout=cfg.get("dropout", 0.0), target_modules=cfg.get("targets", ["q_proj", "v_proj"]))
+    if cfg["method"] != "full":
+        method.update(quant=cfg.get("quant", "none"), double_quant=cfg.get("double_quant", True))
+    if method.get("quant", "none") != "none":
+        method["type"] = "qlora"
+    return PipelineSpec.model_validate(dict(
+        name=f"bench-{cfg['arch']}",
+        model=dict(name=path),
+        data=dict(path="unused.jsonl", max_seq_len=max(8, cfg["seq_len"])),
+        method=method,
+        training=dict(max_steps=cfg.get("steps", 2), micro_batch_size=cfg["batch"], grad_accum=1,
+                      precision=cfg["dtype"], gradient_checkpointing=cfg.get("grad_checkpointing", False),
+                      optimizer=cfg.get("optimizer", "adamw"), attention=cfg.get("attention", "auto")),
+    ))
+
+
 def run(cfg: dict) -> dict:
+    """Build with fitburst.train.build_model / make_optimizer and run fitburst's training step (the loop's
+    body: loss = model(**batch).loss / grad_accum, backward, clip, step, zero_grad(set_to_none=True))."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from fitburst.data import collate
+    from fitburst.probe import optimizer_step
+    from fitburst.train import build_model, make_optimizer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     path = build(cfg["arch"], cfg.get("root") or tempfile.gettempdir())
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
-    kw = dict(dtype=dtype, attn_implementation=cfg.get("attention", "sdpa"))
-    quant = cfg.get("quant", "none")
-    if quant in ("nf4", "fp4"):
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=quant,
-            bnb_4bit_use_double_quant=cfg.get("double_quant", True),
-            bnb_4bit_compute_dtype=dtype,
-        )
-    elif quant == "int8":
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    model = AutoModelForCausalLM.from_pretrained(path, **kw)
-    ckpt = cfg.get("grad_checkpointing", False)
-    if quant != "none":
-        import bitsandbytes as bnb
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
-        for m in model.modules():  # stack notes: the avx512_bf16 repack bug
-            if isinstance(m, bnb.nn.Linear4bit):
-                m.support_avx512bf16_for_cpu = False
-    elif ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    if cfg["method"] != "full":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg["rank"],
-                lora_alpha=cfg.get("alpha", 16),
-                lora_dropout=cfg.get("dropout", 0.0),
-                target_modules=cfg["targets"],
-                task_type="CAUSAL_LM",
-            ),
-        )
+    spec = spec_of(cfg, path)
+    tr = spec.training
+    model, tok = build_model(spec, "cpu", cfg["dtype"])
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt_name = cfg.get("optimizer", "adamw")
-    if opt_name == "adamw":
-        opt = torch.optim.AdamW(params, lr=1e-4)
-    elif opt_name == "sgd":
-        opt = torch.optim.SGD(params, lr=1e-4)
-    else:
-        import bitsandbytes as bnb
-
-        opt = (bnb.optim.AdamW8bit if opt_name == "adamw8bit" else bnb.optim.PagedAdamW8bit)(params, lr=1e-4)
+    opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
     b, s = cfg["batch"], cfg["seq_len"]
-    V = (
-        model.config.vocab_size
-        if hasattr(model.config, "vocab_size")
-        else model.config.get_text_config().vocab_size
-    )
-    ids = torch.randint(0, V, (b, s))
-    am = torch.ones(b, s, dtype=torch.long)
-    if b > 1:  # padded to the longest sample: the others end in padding
-        am[1:, s - max(1, s // 8) :] = 0
-    labels = ids.masked_fill(am == 0, -100)
-    tr = Tracker()
-    tr.add(list(model.parameters()) + list(model.buffers()) + [ids, am, labels])
-    base = tr.cur
+    V = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(b):  # padded to the longest sample: the others are shorter
+        n = s if i == 0 else s - max(1, s // 8)
+        ids = torch.randint(3, V, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    batch = collate(rows, tok.pad_token_id)
+    tr_ = Tracker()
+    tr_.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
+    base = tr_.cur
     losses = []
-    with tr:
+    with tr_:
         for _ in range(cfg.get("steps", 2)):
-            out = model(input_ids=ids, attention_mask=am, labels=labels)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(out.loss))
-            del out
-    return {"peak": tr.peak, "base": base, "losses": losses}
-
-
-class _TrackerBase:
-    pass
+            losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
+                                         max_grad_norm=tr.max_grad_norm))
+    return {"peak": tr_.peak, "base": base, "losses": losses}
 
 
 def _make_tracker():

@@ -14,6 +14,7 @@ __all__ = [
     "ModelShape",
     "Plan",
     "TrainSettings",
+    "auto_precision",
     "estimate",
     "known_devices",
     "load_shape",

@@ -235,8 +235,8 @@ def optimizer_bytes(
     s: TrainSettings, tensors: list[int], pbytes: int, device: Device
 ) -> tuple[int, int, int]:
     """(state bytes, step-time temporary bytes, paged bytes outside the allocator)."""
-    if s.optimizer == "sgd":
-        return 0, 0, 0
+    if s.optimizer == "sgd":  # fitburst's SGD runs with momentum 0.9: one buffer per parameter, in-place update
+        return pbytes * sum(tensors), 0, 0
     if s.optimizer == "adamw":
         state = 2 * pbytes * sum(tensors)
         # torch AdamW: foreach on CUDA (one sqrt buffer over all params), per tensor elsewhere
@@ -475,7 +475,6 @@ def estimate(
 
     # weights, trainable params, grads, optimizer
     w = weight_bytes(shape, s)
-    W = sum(w.values())
     if full:
         tensors = _full_tensors(shape)
         pbytes = d
@@ -538,11 +537,12 @@ def estimate(
     # forward end: everything saved, the last block's transient
     fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
     phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t)
-    # loss: logits (bf16 if not kept, fp32 copy), log_softmax output; backward of log_softmax: +2 fp32 grads
+    # loss forward: logits, their fp32 copy (a no-op when already fp32), the log_softmax output. Backward: the
+    # saved log_softmax output plus two fp32 grads (of it, and of its input); the logits themselves are still
+    # alive only when the loop keeps the model output (an output dropped after ``.loss`` frees them, since
+    # neither the cast nor log_softmax saves its input).
     loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
     loss_bwd = kept_logits + 12 * T * V
-    if not s.keep_logits:
-        loss_bwd = (logits if a_lm != 4 else 0) + 12 * T * V - (0 if a_lm != 4 else 0)
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), 0)
     # backward through the blocks, top to bottom
     head_grad = d * V * h if full and not shape.tied else (d * V * h if full else 0)

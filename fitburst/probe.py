@@ -1,0 +1,108 @@
+"""Measured probe: a few real optimizer steps at the planned settings, on the local device, with the longest
+batch the data holds, measured with :class:`fitburst.meter.MemoryMeter` and set beside the estimate.
+
+The step is :func:`optimizer_step`, the body of :func:`fitburst.train.train`'s loop (the model output is
+dropped as soon as the loss is taken; clipping, step, ``zero_grad(set_to_none=True)``); the accuracy benchmark
+(``benchmarks/_measure.py``) runs the same function.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
+                   max_grad_norm: float | None) -> float:
+    """One optimizer step over ``micro_batches`` (grad_accum = their number), as fitburst's training loop runs
+    it. Returns the summed (scaled) loss."""
+    import torch
+
+    grad_accum = len(micro_batches)
+    total = 0.0
+    for mb in micro_batches:
+        batch = {k: v.to(device) for k, v in mb.items()}
+        loss = model(**batch).loss / grad_accum
+        loss.backward()
+        total += loss.item()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
+    """The ``batch_size`` longest training samples, collated as the loop collates (padded to the longest)."""
+    from fitburst.data import collate, load_split
+
+    ds = load_split(prepared, "train")
+    lengths = [len(x) for x in ds["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:batch_size]
+    rows = [ds[i] for i in order]
+    return collate(rows, pad_id)
+
+
+def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: dict | None = None) -> dict:
+    """Run ``steps`` optimizer steps of ``spec`` (as planned) on the longest batch; measured vs estimated peak.
+
+    Returns a dict with ``measured_peak_bytes`` (the meter's allocated figure: CUDA max_memory_allocated, MPS
+    driver peak, CPU VmHWM minus start RSS), ``estimated_peak_bytes`` (the estimate's figure comparable with it:
+    allocated peak), their ``ratio`` (measured / estimated), the batch shape, seconds, and the meter's record.
+    """
+    import torch
+
+    from fitburst.memory import estimate as estimate_fn
+    from fitburst.memory import load_shape, resolve_device, settings_from_spec
+    from fitburst.meter import MemoryMeter
+    from fitburst.preflight import model_ref
+    from fitburst.train import build_model, count_params, make_optimizer, resolve_precision, select_device
+
+    tr = spec.training
+    device = device or select_device(spec.preflight.device)
+    precision = resolve_precision(tr.precision, device)
+    torch.manual_seed(tr.seed)
+    t0 = time.perf_counter()
+    meter = MemoryMeter(device)
+    meter.reset()
+    model, tok = build_model(spec, device, precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+    batch = longest_batch(prepared, tr.micro_batch_size, tok.pad_token_id)
+    seq_len = int(batch["input_ids"].shape[1])
+    model.train()
+    losses = []
+    for _ in range(steps):
+        losses.append(optimizer_step(model, optimizer, params, [batch] * tr.grad_accum, device=device,
+                                     max_grad_norm=tr.max_grad_norm))
+        meter.sample()
+    peak = meter.peak().to_dict()
+    seconds = time.perf_counter() - t0
+    trainable, total = count_params(model)
+    del model, optimizer, params
+    if estimate is None:
+        dev = resolve_device(device if device != "cpu" else "cpu")
+        settings = settings_from_spec(spec, dev, seq_len)
+        estimate = estimate_fn(load_shape(model_ref(spec)), settings, dev).to_dict()
+    est_alloc = int(estimate["allocated_peak_bytes"])
+    measured = peak.get("allocated_bytes")
+    return {
+        "device": device,
+        "precision": precision,
+        "steps": steps,
+        "batch": int(batch["input_ids"].shape[0]),
+        "seq_len": seq_len,
+        "measured_peak_bytes": measured,
+        "measured_reserved_bytes": peak.get("reserved_bytes"),
+        "measured_rss_peak_bytes": peak.get("rss_peak_bytes"),
+        "estimated_peak_bytes": est_alloc,
+        "estimated_reserved_bytes": int(estimate.get("reserved_peak_bytes") or est_alloc),
+        "ratio": (measured / est_alloc) if measured and est_alloc else None,
+        "losses": losses,
+        "seconds": seconds,
+        "trainable_params": trainable,
+        "total_params": total,
+        "meter": peak,
+    }

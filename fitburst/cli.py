@@ -47,7 +47,8 @@ def cmd_validate(args) -> int:
     con = _console()
     for name, s in specs.items():
         sched = f", nightly {s.schedule.cron} {s.schedule.timezone}" if s.schedule.cron else ""
-        con.print(f"[green]ok[/] {name}: {s.model.name}, {s.method.type} r{s.method.rank}, burst {s.burst.policy}{sched}")
+        what = f"{s.model.name}, {s.method.type} r{s.method.rank}, burst {s.burst.policy}{sched}"
+        con.print(f"[green]ok[/] {name}: {what}")
     con.print(f"{args.file}: {len(specs)} pipeline(s) valid")
     return 0
 
@@ -155,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     def with_pipeline(sp):
         sp.add_argument("pipeline")
         sp.add_argument("--file", "-f", default=DEFAULT_FILE, help="pipelines file (default: %(default)s)")
-        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field, e.g. training.max_steps=20")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a field, e.g. training.max_steps=20")
 
     sp = sub.add_parser("validate", help="check pipelines.yaml")
     sp.add_argument("file", nargs="?", default=DEFAULT_FILE)

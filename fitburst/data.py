@@ -138,7 +138,8 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
         except ValueError as e:
             msg = f"{path}: record {lineno}: {e}" if path.suffix == ".json" else f"{path}:{lineno}: {e}"
             if not skip_invalid:
-                raise DataError(msg + " (fix it, or set data.skip_invalid: true to count and skip bad records)")
+                hint = " (fix it, or set data.skip_invalid: true to count and skip bad records)"
+                raise DataError(msg + hint) from None
             log.warning("skipping %s", msg)
             skipped += 1
     if not out:

@@ -73,7 +73,8 @@ class PreflightReport:
         plan = "\n".join(f"- {c}" for c in self.changes) or "- none needed"
         cands = ""
         if self.candidates:
-            cands = "\n\n### Cloud candidates\n| GPU | fits | est. peak GiB | $/h | hours | total $ |\n|---|---|---|---|---|---|\n"
+            cands = ("\n\n### Cloud candidates\n| GPU | fits | est. peak GiB | $/h | hours | total $ |\n"
+                     "|---|---|---|---|---|---|\n")
             cands += "\n".join(
                 f"| {c.get('gpu')} | {c.get('fits')} | {c.get('estimate', {}).get('device_total_bytes', 0) / GIB:.1f} "
                 f"| {c.get('hourly_usd') or '-'} | {c.get('est_hours') or '-'} | {c.get('est_total_usd') or '-'} |"

@@ -153,7 +153,8 @@ class Tracker:
         with tempfile.TemporaryDirectory() as d:
             from fitburst.plots import memory_bar_chart
 
-            memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=f"{report.pipeline} on {report.device['name']}")
+            title = f"{report.pipeline} on {report.device['name']}"
+            memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=title)
             self.log_artifacts(Path(d) / "memory_breakdown.png", "preflight")
 
     def log_train(self, result, path: str = "local") -> None:

@@ -24,7 +24,8 @@ def records(rng: random.Random) -> list[dict]:
         out.append({"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} + {b} = {a + b}."})
     for country, city in CAPITALS.items():
         for q in ("What is the capital of {}?", "Name the capital city of {}.", "Which city is the capital of {}?"):
-            out.append({"instruction": q.format(country), "input": "", "output": f"The capital of {country} is {city}."})
+            answer = f"The capital of {country} is {city}."
+            out.append({"instruction": q.format(country), "input": "", "output": answer})
     for word, opp in OPPOSITES.items():
         for q in ("What is the opposite of '{}'?", "Give the antonym of '{}'."):
             out.append({"instruction": q.format(word), "input": "", "output": f"The opposite of {word} is {opp}."})

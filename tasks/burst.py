@@ -31,7 +31,8 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
 
     run_id = getattr(tracker, "run_id", None) if tracker is not None else None
     try:
-        res: BurstResult = burst_train(spec, prepared.dir if prepared else None, run_dir, candidates, dry_run=dry_run, log=emit,
+        prepared_dir = prepared.dir if prepared else None
+        res: BurstResult = burst_train(spec, prepared_dir, run_dir, candidates, dry_run=dry_run, log=emit,
                                        mlflow_run_id=run_id, local=local)
     except BurstFailed as e:
         if tracker is not None:

@@ -47,7 +47,8 @@ def test_demo_run_is_recorded_in_mlflow(demo_run):
     assert len(history) == 15 and history[-1].value < history[0].value
     names = {a.path for a in client().list_artifacts(run.info.run_id)}
     assert {"adapter", "config", "preflight", "train", "eval"} <= names
-    files = {a.path for d in ("preflight", "train", "config", "eval") for a in client().list_artifacts(run.info.run_id, d)}
+    files = {a.path for d in ("preflight", "train", "config", "eval")
+             for a in client().list_artifacts(run.info.run_id, d)}
     assert {"preflight/report.md", "preflight/memory_breakdown.png", "train/loss.png", "train/memory.png",
             "config/pipeline.yaml", "eval/samples.json"} <= files
 
@@ -85,7 +86,8 @@ def test_prefect_records_the_dag_and_artifacts(demo_run):
     async def fetch():
         async with get_client() as c:
             runs = await c.read_task_runs()
-            arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["preflight-demo", "summary-demo"])))
+            keys = ArtifactFilterKey(any_=["preflight-demo", "summary-demo"])
+            arts = await c.read_artifacts(artifact_filter=ArtifactFilter(key=keys))
             return runs, arts
 
     runs, arts = asyncio.run(fetch())
@@ -96,9 +98,9 @@ def test_prefect_records_the_dag_and_artifacts(demo_run):
 
 
 def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
-    from flows.finetune import finetune
     from fitburst.data import DataError
     from fitburst.models import DEMO_DATA
+    from flows.finetune import finetune
 
     bad = tmp_path / "data.jsonl"
     bad.write_text(DEMO_DATA.read_text().splitlines()[0] + "\n{broken\n")
@@ -112,8 +114,8 @@ def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
 
 
 def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):
-    from flows.finetune import finetune
     from fitburst.spec import SpecError
+    from flows.finetune import finetune
 
     with pytest.raises(SpecError, match="max_steps"):
         finetune(pipeline="demo", overrides={"training.max_steps": 0}, pipelines_file=str(pipelines_file))

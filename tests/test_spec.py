@@ -113,7 +113,8 @@ def test_overrides_dotted_and_located(tmp_path):
 
 def test_secrets_stay_references(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_SENTINELsecret")
-    spec = load_pipeline(write(tmp_path, GOOD.replace("name: org/model}", "name: org/model, hf_token: '${HF_TOKEN}'}")), "a")
+    text = GOOD.replace("name: org/model}", "name: org/model, hf_token: '${HF_TOKEN}'}")
+    spec = load_pipeline(write(tmp_path, text), "a")
     assert "hf_SENTINELsecret" not in spec.to_yaml()
     assert resolve_env(spec.model.hf_token) == "hf_SENTINELsecret"
     out = tmp_path / "resolved.yaml"

@@ -35,7 +35,7 @@ def test_interrupted_run_resumes_from_checkpoint(tmp_path, demo_spec, demo_prepa
     resumed = train(spec, demo_prepared, tmp_path / "a", progress=False)
     assert resumed.resumed_from == 12 and resumed.steps == 30
     # the resumed run ends where an uninterrupted one does (same data order, optimizer and scheduler state)
-    straight = train(spec, demo_prepared, tmp_path / "b", progress=False)
+    train(spec, demo_prepared, tmp_path / "b", progress=False)
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert a[-1]["step"] == b[-1]["step"] == 30
@@ -60,7 +60,8 @@ def test_qlora_nf4_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, demo_pre
 
     from fitburst.train import build_model
 
-    spec = demo_spec.model_copy(update={"method": demo_spec.method.model_copy(update={"type": "qlora", "quant": "nf4"})})
+    qlora = demo_spec.method.model_copy(update={"type": "qlora", "quant": "nf4"})
+    spec = demo_spec.model_copy(update={"method": qlora})
     model, _ = build_model(spec, "cpu", "fp32")
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     del model

@@ -206,6 +206,70 @@ class ScheduleSpec(Strict):
         return v
 
 
+NOTIFY_EVENTS = ("failed", "completed", "burst")
+NOTIFY_SECRETS = ("webhook_url", "slack_webhook_url", "discord_webhook_url")
+
+
+class EmailSpec(Strict):
+    """E-mail through SendGrid (Prefect's SendgridEmail block)."""
+
+    to: list[str] = Field(min_length=1, description="recipient addresses")
+    sender: str = Field(default="fitburst@localhost", description="the From address (verified in SendGrid)")
+    sendgrid_api_key: str = Field(description="a ${ENV_VAR} reference to the SendGrid API key")
+
+    @field_validator("to")
+    @classmethod
+    def _addresses(cls, v: list[str]) -> list[str]:
+        bad = [a for a in v if not re.match(r"^[^@\s]+@[^@\s]+\.[^@\s]+$", a)]
+        if bad:
+            raise ValueError(f"not an e-mail address: {', '.join(bad)}")
+        return v
+
+
+class NotifySpec(Strict):
+    """Who hears about a served run's outcome (Prefect notification blocks + automations, made by `fitburst serve`).
+
+    Every target is a ``${ENV_VAR}`` reference: webhook URLs carry their secret in the URL. ``events`` (not ``on``:
+    YAML reads a bare ``on`` as true): failed (failure with the reason), completed (the headline metrics), burst
+    (a run trained on a rented GPU, with its cost).
+    """
+
+    events: list[Literal["failed", "completed", "burst"]] = Field(default_factory=lambda: ["failed"])
+    webhook_url: str | None = Field(default=None, description="${ENV_VAR}: any URL that takes a JSON POST")
+    slack_webhook_url: str | None = Field(default=None, description="${ENV_VAR}: a Slack incoming-webhook URL")
+    discord_webhook_url: str | None = Field(default=None, description="${ENV_VAR}: a Discord webhook URL")
+    email: EmailSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_are_references(cls, data: Any) -> Any:
+        # checked on the raw mapping so that a pasted literal URL is never echoed back in the error message
+        if isinstance(data, dict):
+            for key in NOTIFY_SECRETS:
+                v = data.get(key)
+                if v is not None and not (isinstance(v, str) and ENV_REF.match(v)):
+                    raise ValueError(f"notify.{key} must be an environment reference such as ${{SLACK_WEBHOOK_URL}} "
+                                     "(webhook URLs are secrets; the value given is not shown)")
+            email = data.get("email")
+            if isinstance(email, dict) and "sendgrid_api_key" in email and not (
+                    isinstance(email["sendgrid_api_key"], str) and ENV_REF.match(email["sendgrid_api_key"])):
+                raise ValueError("notify.email.sendgrid_api_key must be an environment reference such as "
+                                 "${SENDGRID_API_KEY} (the value given is not shown)")
+        return data
+
+    @field_validator("events")
+    @classmethod
+    def _unique_events(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
+
+    def targets(self) -> dict[str, str]:
+        """kind -> ${ENV} reference of each configured target (email: the API key)."""
+        out = {k: getattr(self, k) for k in NOTIFY_SECRETS if getattr(self, k)}
+        if self.email is not None:
+            out["email"] = self.email.sendgrid_api_key
+        return out
+
+
 class TrackingSpec(Strict):
     uri: str | None = Field(default=None, description="MLflow tracking URI; MLFLOW_TRACKING_URI wins when set")
     experiment: str = "fitburst"
@@ -225,6 +289,7 @@ class PipelineSpec(Strict):
     burst: BurstSpec = Field(default_factory=BurstSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    notify: NotifySpec = Field(default_factory=NotifySpec)
     tags: dict[str, str] = Field(default_factory=dict)
     base_dir: str = Field(default=".", description="set by the loader: the folder of pipelines.yaml")
 

@@ -7,14 +7,15 @@ cancellation / Ctrl-C).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.preflight import PreflightReport
-from fitburst.spec import load_pipeline
-from fitburst.tracking import Tracker
+from fitburst.spec import PipelineSpec, load_pipeline
+from fitburst.tracking import Tracker, redact
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
 from tasks.preflight import _key, preflight_task
@@ -28,8 +29,47 @@ class PreflightFailed(RuntimeError):
     """The run does not fit anywhere it is allowed to run."""
 
 
+NOT_OVERRIDABLE = {"name", "base_dir", "schedule", "notify"}  # identity, and what only `fitburst serve` applies
+
+
+def overrides_schema() -> dict:
+    """JSON schema of the ``overrides`` parameter, derived from PipelineSpec: every field as a dotted key
+    (``"training.max_steps": 20``) or nested (``{"training": {"max_steps": 20}}``), with its type, range and choices,
+    and no unknown keys. The Prefect server checks a deployment run's parameters against it before the run exists;
+    what JSON schema cannot say (cross-field rules, ${ENV} references) is checked by fitburst.spec in the flow, with
+    located messages."""
+
+    def leaf(model: type[BaseModel], name: str) -> dict:
+        prop = dict(model.model_json_schema()["properties"][name])
+        for k in ("default", "title"):
+            prop.pop(k, None)
+        return prop
+
+    def section(model: type[BaseModel], prefix: str, flat: dict) -> dict:
+        props = {}
+        for name, field in model.model_fields.items():
+            if not prefix and name in NOT_OVERRIDABLE:
+                continue
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                props[name] = section(ann, f"{prefix}{name}.", flat)
+            else:
+                props[name] = flat[f"{prefix}{name}"] = leaf(model, name)
+        return {"type": "object", "properties": props, "additionalProperties": False}
+
+    flat: dict = {}
+    nested = section(PipelineSpec, "", flat)
+    return {"type": "object", "title": "overrides",
+            "description": 'pipeline fields to change for this run, e.g. {"training.max_steps": 20}',
+            "properties": {**nested["properties"], **dict(sorted(flat.items()))}, "additionalProperties": False}
+
+
+# A plain dict in Python (fitburst.spec validates it and locates mistakes); a strict schema for the Prefect server.
+Overrides = Annotated[dict[str, Any] | None, WithJsonSchema(overrides_schema())]
+
+
 @flow(name="finetune", log_prints=True)
-def finetune(pipeline: str = "demo", overrides: dict[str, Any] | None = None, pipelines_file: str = DEFAULT_FILE,
+def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file: str = DEFAULT_FILE,
              dry_run: bool = False) -> dict:
     """Run one pipeline from pipelines.yaml; ``overrides`` takes dotted keys, e.g. {"training.max_steps": 20}."""
     spec = load_pipeline(pipelines_file, pipeline, overrides)  # a bad spec fails here, before any compute
@@ -97,16 +137,61 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
     return result, ev
 
 
+def _mlflow_facts(s: dict) -> dict:
+    """Experiment id and the cloud tags (provider, GPU, cost) of the run's MLflow record; {} if unreadable."""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        run = MlflowClient(s["tracking_uri"]).get_run(s["mlflow_run_id"])
+        return {"experiment_id": run.info.experiment_id, **run.data.tags}
+    except Exception:  # the summary must not fail a finished run
+        return {}
+
+
 def _publish_summary(s: dict) -> None:
+    """The run's summary artifact (linked to its MLflow run; cost when bursted) and the events that
+    `fitburst serve`'s notifications listen for: fitburst.run.completed, and fitburst.run.bursted with the cost."""
+    from prefect.events import emit_event
+
     def gib(v):
         return f"{v / GIB:.3f} GiB" if v else "n/a"
 
+    facts = _mlflow_facts(s)
+    uri = redact(s["tracking_uri"])
+    cost = facts.get("cloud.cost_usd")
+    bursted = facts.get("path") == "cloud" or s["verdict"] == "burst"
     lines = [f"## Run summary: `{s['pipeline']}`", "", "| | |", "|---|---|",
              f"| verdict | {s['verdict']} on {s['device']} |", f"| trained on | {s.get('trained_on')} |",
              f"| estimated peak | {gib(s['estimated_peak_bytes'])} |",
              f"| measured peak | {gib(s.get('measured_peak_bytes'))} |"]
     if "eval_base_loss" in s:
         lines.append(f"| eval loss | {s['eval_base_loss']:.4f} -> {s['eval_tuned_loss']:.4f} |")
+    if bursted:
+        where = " ".join(filter(None, (facts.get("cloud.provider"), facts.get("cloud.accelerator"),
+                                       facts.get("cloud.region"))))
+        lines.append(f"| cloud | {where or 'n/a'} |")
+        lines.append(f"| cost | {'$' + cost if cost else 'n/a'} |")
     lines.append(f"| MLflow run | `{s['mlflow_run_id']}` |")
+    lines.append(f"| MLflow tracking URI | `{uri}` |")
+    if uri.startswith(("http://", "https://")) and facts.get("experiment_id"):
+        link = f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+        lines.append(f"| MLflow UI | [{s['mlflow_run_id']}]({link}) |")
+    else:
+        lines.append(f"| open it | `mlflow ui --backend-store-uri '{uri}'`, run `{s['mlflow_run_id']}` |")
     create_markdown_artifact(key=f"summary-{_key(s['pipeline'])}", markdown="\n".join(lines),
                              description="fitburst run summary")
+
+    text = f"{s['pipeline']}: trained on {s.get('trained_on')} ({s['verdict']})"
+    if "eval_base_loss" in s:
+        text += f", eval loss {s['eval_base_loss']:.4f} -> {s['eval_tuned_loss']:.4f}"
+    text += f", peak {gib(s.get('measured_peak_bytes'))} (estimated {gib(s['estimated_peak_bytes'])})"
+    if bursted:
+        text += f", cost {'$' + cost if cost else 'n/a'}"
+    text += f"; MLflow run {s['mlflow_run_id']} at {uri}"
+    payload = {"text": text, "pipeline": s["pipeline"], "mlflow_run_id": s["mlflow_run_id"], "tracking_uri": uri,
+               "verdict": s["verdict"], "trained_on": str(s.get("trained_on")), "cost_usd": cost,
+               "eval_base_loss": s.get("eval_base_loss"), "eval_tuned_loss": s.get("eval_tuned_loss")}
+    resource = {"prefect.resource.id": f"fitburst.pipeline.{s['pipeline']}", "prefect.resource.name": s["pipeline"]}
+    emit_event("fitburst.run.completed", resource=resource, payload=payload)
+    if bursted:
+        emit_event("fitburst.run.bursted", resource=resource, payload=payload)

@@ -148,16 +148,15 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
     """Load the causal LM once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code)
+    # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
+    kwargs = dict(dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
+                  device_map={"": device})
     if attention != "auto":
         kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(attention, attention)
     qconf = quantization_config(quant, double_quant, dtype)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
-        kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(name), **kwargs)
-    if qconf is None:
-        model.to(device)
     if quant in ("nf4", "fp4") and device == "cpu":
         _disable_bnb_cpu_repack(model)
     return model

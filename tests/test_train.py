@@ -55,15 +55,16 @@ def test_crash_leaves_a_resumable_checkpoint(tmp_path, demo_spec, demo_prepared)
     assert train(spec, demo_prepared, tmp_path, progress=False).resumed_from == 15
 
 
-def test_qlora_nf4_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, demo_prepared):
+@pytest.mark.parametrize("quant, layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+def test_quantized_base_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, demo_prepared, quant, layer):
     import bitsandbytes as bnb
 
     from fitburst.train import build_model
 
-    qlora = demo_spec.method.model_copy(update={"type": "qlora", "quant": "nf4"})
+    qlora = demo_spec.method.model_copy(update={"type": "qlora", "quant": quant})
     spec = demo_spec.model_copy(update={"method": qlora})
     model, _ = build_model(spec, "cpu", "fp32")
-    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert any(isinstance(m, getattr(bnb.nn, layer)) for m in model.modules())
     del model
     r = train(small(spec, max_steps=15, log_every=5), demo_prepared, tmp_path, progress=False)
     curve = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -197,5 +197,5 @@ class Tracker:
 
     def where(self) -> str:
         """How to open this run: the store and an `mlflow ui` command."""
-        store = self.uri
+        store = redact(self.uri)
         return f"MLflow run {self.run_id} in {store}\n  open it with: mlflow ui --backend-store-uri {store}"

@@ -55,12 +55,13 @@ SUBJECT = {
     "burst": "fitburst: {name} trained on a rented GPU",
 }
 # Jinja, rendered by the Prefect server's automation actions (flow_run / event come from the triggering event).
+_LINK = "{{% if flow_run|ui_url %}}\n{{{{ flow_run|ui_url }}}}{{% endif %}}"
 BODY = {
     "failed": ("Pipeline {name}: flow run {{{{ flow_run.name }}}} ({{{{ flow_run.id }}}}) ended "
-               "{{{{ flow_run.state.name }}}}.\nReason: {{{{ flow_run.state.message }}}}\n{{{{ flow_run|ui_url }}}}"),
-    "completed": "{{{{ event.payload.text }}}}\nFlow run {{{{ flow_run.name }}}}\n{{{{ flow_run|ui_url }}}}",
-    "burst": ("Pipeline {name} bursted: cost ${{{{ event.payload.cost_usd }}}}.\n{{{{ event.payload.text }}}}\n"
-              "{{{{ flow_run|ui_url }}}}"),
+               "{{{{ flow_run.state.name }}}}.\nReason: {{{{ flow_run.state.message }}}}" + _LINK),
+    "completed": "{{{{ event.payload.text }}}}\nFlow run {{{{ flow_run.name }}}}" + _LINK,
+    "burst": ("Pipeline {name} bursted: cost ${{{{ event.payload.cost_usd }}}}.\n{{{{ event.payload.text }}}}"
+              + _LINK),
 }
 
 

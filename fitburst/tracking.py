@@ -144,8 +144,12 @@ class Tracker:
     def log_preflight(self, report) -> None:
         est = report.estimate
         self.set_tags({"device": report.device["name"], "verdict": report.verdict})
+        from fitburst.memory.estimator import measured_counterpart
+
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
+                          # the figure memory.measured_peak_bytes compares with on this device kind
+                          "memory.estimated_comparable_bytes": measured_counterpart(est, report.device["kind"]),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
                           "memory.budget_bytes": est["budget_bytes"]})
         self.log_dict(report.to_dict(), "preflight/report.json")
@@ -180,7 +184,13 @@ class Tracker:
                 self.log_artifacts(Path(d) / "loss.png", "train")
 
     def log_memory_comparison(self, estimate: dict, result) -> None:
+        from fitburst.memory.estimator import measured_counterpart
         from fitburst.plots import memory_bar_chart
+
+        measured, kind = result.peak.get("allocated_bytes"), result.peak.get("kind") or result.device
+        comparable = measured_counterpart(estimate, kind)
+        self.log_metrics({"memory.estimated_comparable_bytes": comparable,
+                          "memory.measured_over_estimated": measured / comparable if measured and comparable else None})
 
         with tempfile.TemporaryDirectory() as d:
             memory_bar_chart(estimate, Path(d) / "memory.png", measured=result.peak, title="estimated vs measured")

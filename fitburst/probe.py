@@ -48,9 +48,11 @@ def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
 def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: dict | None = None) -> dict:
     """Run ``steps`` optimizer steps of ``spec`` (as planned) on the longest batch; measured vs estimated peak.
 
-    Returns a dict with ``measured_peak_bytes`` (the meter's allocated figure: CUDA max_memory_allocated, MPS
-    driver peak, CPU VmHWM minus start RSS), ``estimated_peak_bytes`` (the estimate's figure comparable with it:
-    allocated peak), their ``ratio`` (measured / estimated), the batch shape, seconds, and the meter's record.
+    Returns a dict with ``measured_peak_bytes`` (the meter's figure: CUDA max_memory_allocated, MPS driver peak,
+    CPU VmHWM minus start RSS), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
+    :func:`fitburst.memory.estimator.measured_counterpart`), their ``ratio`` (measured / estimated), the batch
+    shape, seconds, and the meter's record. ``estimate`` (an ``Estimate.to_dict()``) defaults to a fresh estimate
+    of ``spec`` at the probe batch's length.
     """
     import torch
 
@@ -83,10 +85,13 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     trainable, total = count_params(model)
     del model, optimizer, params
     if estimate is None:
-        dev = resolve_device(device if device != "cpu" else "cpu")
+        dev = resolve_device(device)
         settings = settings_from_spec(spec, dev, seq_len)
         estimate = estimate_fn(load_shape(model_ref(spec)), settings, dev).to_dict()
-    est_alloc = int(estimate["allocated_peak_bytes"])
+    from fitburst.memory.estimator import measured_counterpart
+
+    kind = device.split(":")[0]
+    est_alloc = measured_counterpart(estimate, kind)  # allocated on CUDA; reserved (RSS growth) on CPU / MPS
     measured = peak.get("allocated_bytes")
     return {
         "device": device,
@@ -106,3 +111,72 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
         "total_params": total,
         "meter": peak,
     }
+
+
+def _device_of(report, spec):
+    from fitburst.memory import resolve_device
+
+    try:
+        return resolve_device(report.device["name"])
+    except ValueError:  # the local device as probed ("cpu (local)"): probe it again
+        return resolve_device(spec.preflight.device)
+
+
+def replan(spec, report, result: dict):
+    """The preflight report after a probe: unchanged when the measured peak fits the budget (less the safety
+    margin); otherwise re-planned one rung down, for the budget scaled by estimated / measured (so that the
+    estimate, wrong by the probe's ratio, still lands inside the real budget)."""
+    from dataclasses import asdict, replace
+
+    from fitburst.memory import load_shape, plan_fit, settings_from_spec
+    from fitburst.preflight import apply_settings, model_ref
+
+    margin = spec.preflight.safety_margin
+    budget = report.device["budget_bytes"] * (1 - margin)
+    measured = result.get("measured_peak_bytes") or 0
+    if measured <= budget or not result.get("estimated_peak_bytes"):
+        return report
+    scale = result["estimated_peak_bytes"] / measured
+    device = _device_of(report, spec)
+    device = replace(device, budget_bytes=int(report.device["budget_bytes"] * scale))
+    planned = report.planned_spec()
+    settings = settings_from_spec(planned, device, report.seq_len)
+    plan = plan_fit(load_shape(model_ref(spec)), settings, device, safety_margin=margin,
+                    allow=spec.preflight.allow.model_dump(), _burst=False)
+    gib = 1024**3
+    why = (f"probe measured {measured / gib:.3f} GiB > {budget / gib:.3f} GiB budget less margin "
+           f"(estimate x{measured / result['estimated_peak_bytes']:.2f}): re-planned for a "
+           f"{device.budget_bytes / gib:.3f} GiB budget")
+    est = plan.estimate.to_dict()
+    est["plan"] = list(plan.changes)
+    if plan.fits and plan.changes:
+        changes = [*report.changes, why, *plan.changes]
+        return replace(report, reason=f"{report.reason}; {why}", changes=changes, estimate=est,
+                       settings=asdict(plan.settings), spec_yaml=apply_settings(planned, plan.settings).to_yaml())
+    burst = spec.burst.policy != "never"
+    verdict = "burst" if burst else "fail"
+    reason = f"{why}, and nothing allowed fits it" + (": bursting to a cloud GPU" if burst else "")
+    return replace(report, verdict=verdict, reason=reason, changes=[*report.changes, why], estimate=est)
+
+
+def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
+    """What the preflight task runs when ``preflight.probe`` is set: probe the planned run on the local device,
+    log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
+    if report.verdict != "local" or prepared is None:
+        return report, None
+    result = probe(report.planned_spec(), prepared, steps=steps, estimate=report.estimate)
+    new = replan(spec, report, result)
+    if tracker is not None:
+        tracker.log_metrics({"memory.probe_peak_bytes": result["measured_peak_bytes"],
+                             "memory.probe_estimated_bytes": result["estimated_peak_bytes"],
+                             "memory.probe_ratio": result["ratio"],
+                             "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
+                             "memory.probe_seq_len": result["seq_len"],
+                             "memory.probe_seconds": result["seconds"],
+                             "memory.probe_replanned": float(new is not report)})
+        tracker.set_tags({"probe.device": result["device"]})
+        tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")
+    log.info("probe on %s: measured %s bytes vs estimated %s (x%.2f)%s", result["device"],
+             result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
+             "; re-planned" if new is not report else "")
+    return new, result

@@ -22,6 +22,10 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
         report = preflight(spec, seq, n_train=round(n * (1 - spec.data.val_split)), mean_len=seq)
     else:
         report = preflight(spec, prepared.stats["max"], n_train=prepared.n_train, mean_len=prepared.stats["mean"])
+    if spec.preflight.probe and report.verdict == "local" and prepared is not None:
+        from fitburst.probe import probe_and_replan
+
+        report, _ = probe_and_replan(spec, prepared, report, tracker)
     if report.verdict == "burst":
         attach_candidates(report, spec)
     log = get_run_logger()

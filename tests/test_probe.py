@@ -1,0 +1,70 @@
+"""The measured probe: real optimizer steps on the longest batch, measured vs estimated, and the re-plan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fitburst.preflight import preflight
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def demo_report(demo_spec, demo_prepared):
+    return preflight(demo_spec, demo_prepared.stats["max"], "cpu:1GiB", n_train=demo_prepared.n_train,
+                     mean_len=demo_prepared.stats["mean"])
+
+
+def test_probe_measures_the_longest_batch_and_logs_to_mlflow(demo_spec, demo_prepared, demo_report):
+    from fitburst.probe import probe_and_replan
+    from fitburst.tracking import Tracker
+
+    tracker = Tracker.start(demo_spec)
+    report, res = probe_and_replan(demo_spec, demo_prepared, demo_report, tracker)
+    assert report is demo_report  # a tiny model under a 1 GiB budget: nothing to change
+    assert res["device"] == "cpu" and res["steps"] == 2
+    assert res["batch"] == demo_spec.training.micro_batch_size
+    assert res["seq_len"] == demo_prepared.stats["max"]  # the longest samples, padded to the longest
+    assert all(math.isfinite(x) for x in res["losses"])
+    # CPU: the meter's RSS growth against the estimate's reserved figure (tensors, slack, runtime heap)
+    assert res["estimated_peak_bytes"] == demo_report.estimate["reserved_peak_bytes"]
+    assert 0.6 < res["ratio"] < 1.6, res
+    metrics = tracker.client.get_run(tracker.run_id).data.metrics
+    assert metrics["memory.probe_peak_bytes"] == res["measured_peak_bytes"]
+    assert metrics["memory.probe_estimated_bytes"] == res["estimated_peak_bytes"]
+    assert metrics["memory.probe_replanned"] == 0.0
+    tracker.end()
+
+
+def test_probe_over_budget_sends_the_planner_one_rung_down(demo_spec, demo_report):
+    from fitburst.probe import replan
+
+    margin = demo_spec.preflight.safety_margin
+    budget = demo_report.device["budget_bytes"]
+    est = demo_report.estimate["reserved_peak_bytes"]
+    # a probe that measures more than the budget, with a ratio that leaves the plan ~5 % short at the scaled budget
+    measured = est * budget * (1 - margin) / (0.95 * est)
+    fake = {"measured_peak_bytes": int(measured), "estimated_peak_bytes": est}
+    new = replan(demo_spec, demo_report, fake)
+    assert new is not demo_report and new.verdict == "local"
+    assert any(c.startswith("probe measured") for c in new.changes)
+    assert len(new.changes) > len(demo_report.changes) + 1
+    scaled = budget * est / int(measured)
+    assert new.estimate["reserved_peak_bytes"] <= scaled * (1 - margin)
+    before, after = demo_report.planned_spec().training, new.planned_spec().training
+    assert (after.micro_batch_size, after.gradient_checkpointing) != (before.micro_batch_size,
+                                                                       before.gradient_checkpointing)
+    assert after.effective_batch == before.effective_batch
+
+
+def test_probe_under_budget_or_impossible(demo_spec, demo_report):
+    from fitburst.probe import replan
+
+    ok = {"measured_peak_bytes": 10 << 20, "estimated_peak_bytes": 10 << 20}
+    assert replan(demo_spec, demo_report, ok) is demo_report
+    huge = {"measured_peak_bytes": 100 * demo_report.device["budget_bytes"], "estimated_peak_bytes": 1 << 20}
+    new = replan(demo_spec, demo_report, huge)
+    assert new.verdict == "fail"  # the demo's burst.policy is never
+    assert "nothing allowed fits" in new.reason

@@ -101,6 +101,7 @@ def run(cfg: dict) -> dict:
     import torch
 
     from fitburst.data import collate
+    from fitburst.probe import TensorTracker as Tracker
     from fitburst.probe import optimizer_step
     from fitburst.train import build_model, make_optimizer
 
@@ -131,50 +132,6 @@ def run(cfg: dict) -> dict:
             losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
                                          max_grad_norm=tr.max_grad_norm))
     return {"peak": tr_.peak, "base": base, "losses": losses}
-
-
-def _make_tracker():
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Tracker(TorchDispatchMode):
-        """Live tensor storages seen by the dispatcher (exact bytes, like the CUDA allocator's allocated)."""
-
-        def __init__(self):
-            super().__init__()
-            self.live: dict[int, tuple] = {}
-            self.cur = self.peak = 0
-
-        def _purge(self):
-            dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-            for k in dead:
-                self.cur -= self.live.pop(k)[1]
-
-        def add(self, tensors):
-            self._purge()
-            for t in tensors:
-                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                    continue
-                st = t.untyped_storage()
-                k = st.data_ptr()
-                if k == 0 or k in self.live:
-                    continue
-                self.live[k] = (StorageWeakRef(st), st.nbytes())
-                self.cur += st.nbytes()
-            self.peak = max(self.peak, self.cur)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.add(tree_leaves(out))
-            return out
-
-    return Tracker
-
-
-def Tracker():  # noqa: N802
-    return _make_tracker()()
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=lambda a: __import__("flows.serve", fromlist=["main"]).main(a.file))
 
     sp = sub.add_parser("calibrate", help="fit estimator corrections from MLflow history")
+    from fitburst.memory.calibrate import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(sp)
     sp.set_defaults(func=lambda a: __import__("fitburst.memory.calibrate", fromlist=["main"]).main(a))
     return p
 

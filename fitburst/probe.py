@@ -48,8 +48,8 @@ def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
 def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: dict | None = None) -> dict:
     """Run ``steps`` optimizer steps of ``spec`` (as planned) on the longest batch; measured vs estimated peak.
 
-    Returns a dict with ``measured_peak_bytes`` (the meter's figure: CUDA max_memory_allocated, MPS driver peak,
-    CPU VmHWM minus start RSS), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
+    Returns a dict with ``measured_peak_bytes`` (CUDA max_memory_allocated, MPS sampled driver memory, CPU live
+    tensor bytes counted by a dispatch tracker), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
     :func:`fitburst.memory.estimator.measured_counterpart`), their ``ratio`` (measured / estimated), the batch
     shape, seconds, and the meter's record. ``estimate`` (an ``Estimate.to_dict()``) defaults to a fresh estimate
     of ``spec`` at the probe batch's length.
@@ -76,11 +76,20 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     seq_len = int(batch["input_ids"].shape[1])
     model.train()
     losses = []
-    for _ in range(steps):
-        losses.append(optimizer_step(model, optimizer, params, [batch] * tr.grad_accum, device=device,
-                                     max_grad_norm=tr.max_grad_norm))
-        meter.sample()
+    tracker = None
+    if device == "cpu":  # RSS cannot see memory glibc already holds: count tensor storages exactly instead
+        tracker = TensorTracker()
+        tracker.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
+    import contextlib
+
+    with tracker if tracker is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            losses.append(optimizer_step(model, optimizer, params, [batch] * tr.grad_accum, device=device,
+                                         max_grad_norm=tr.max_grad_norm))
+            meter.sample()
     peak = meter.peak().to_dict()
+    if tracker is not None:
+        peak.update(allocated_bytes=tracker.peak, method="live tensor storages (dispatch tracker)")
     seconds = time.perf_counter() - t0
     trainable, total = count_params(model)
     del model, optimizer, params
@@ -91,7 +100,8 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     from fitburst.memory.estimator import measured_counterpart
 
     kind = device.split(":")[0]
-    est_alloc = measured_counterpart(estimate, kind)  # allocated on CUDA; reserved (RSS growth) on CPU / MPS
+    # what the measurement compares with: allocated (CUDA allocator, CPU tensor tracker); reserved on MPS
+    est_alloc = int(estimate["allocated_peak_bytes"]) if tracker is not None else measured_counterpart(estimate, kind)
     measured = peak.get("allocated_bytes")
     return {
         "device": device,
@@ -180,3 +190,48 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
              result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
              "; re-planned" if new is not report else "")
     return new, result
+
+
+def _make_tracker():
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Tracker(TorchDispatchMode):
+        """Live tensor storages seen by the dispatcher (exact bytes, like the CUDA allocator's allocated)."""
+
+        def __init__(self):
+            super().__init__()
+            self.live: dict[int, tuple] = {}
+            self.cur = self.peak = 0
+
+        def _purge(self):
+            dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+            for k in dead:
+                self.cur -= self.live.pop(k)[1]
+
+        def add(self, tensors):
+            self._purge()
+            for t in tensors:
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                st = t.untyped_storage()
+                k = st.data_ptr()
+                if k == 0 or k in self.live:
+                    continue
+                self.live[k] = (StorageWeakRef(st), st.nbytes())
+                self.cur += st.nbytes()
+            self.peak = max(self.peak, self.cur)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.add(tree_leaves(out))
+            return out
+
+    return Tracker
+
+
+def TensorTracker():  # noqa: N802
+    """A dispatch mode that counts live tensor storages: ``with t:`` ... ``t.peak`` (bytes)."""
+    return _make_tracker()()

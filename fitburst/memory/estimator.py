@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from . import calibration
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import ModelShape
 
@@ -140,6 +141,7 @@ class Estimate:
     model: str = ""
     safety_margin: float = 0.0
     notes: list[str] = field(default_factory=list)
+    calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -452,7 +454,7 @@ def _forward_transient(shape: ModelShape, c: _Ctx) -> int:
 
 
 def estimate(
-    shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0
+    shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0, calibrate: bool = True
 ) -> Estimate:
     s = settings
     d = DTYPE_BYTES[s.dtype]
@@ -593,6 +595,10 @@ def estimate(
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]
     reserved = int(alloc * RESERVED_FACTOR[device.kind]) + RESERVED_FLOOR[device.kind]
+    factor, fitted_on = calibration.factor_for(device.name, device.kind) if calibrate else (1.0, "")
+    if factor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components stay as modelled
+        alloc, reserved = int(alloc * factor), int(reserved * factor)
+        notes.append(f"calibrated: peak x{factor:.3f} (fitted on {fitted_on})")
     total = reserved + device.context_bytes
     fits = reserved <= device.budget_bytes * (1 - safety_margin)
     if shape.extra_note:
@@ -616,6 +622,7 @@ def estimate(
         model=shape.name,
         safety_margin=safety_margin,
         notes=notes,
+        calibration_factor=factor,
     )
 
 

@@ -1,0 +1,127 @@
+"""`fitburst calibrate`: fit the estimator's correction constants from MLflow run history.
+
+Every run records the estimate (``memory.estimated_*``, from the preflight) and the measured peak
+(``memory.measured_peak_bytes``, from the meter), with tags ``path`` (local | cloud) and ``device``. Per device
+family (cuda / mps / cpu), and per GPU name once it has ``--min-runs`` runs, the correction is the median of
+measured / estimated, where "estimated" is the figure the meter's measurement compares with on that kind
+(``memory.estimated_comparable_bytes``; else allocated on CUDA, reserved on CPU and MPS). The result goes to
+``$FITBURST_CACHE/calibration.json``, which :func:`fitburst.memory.estimate` applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+from .calibration import calibration_path, gpu_key
+from .estimator import MEASURED_COUNTERPART
+
+KINDS = ("cuda", "mps", "cpu")
+_FALLBACK = {k: "memory.estimated_" + v.split("_")[0] + "_bytes" for k, v in MEASURED_COUNTERPART.items()}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", default=None, help="MLflow experiment (default: all experiments)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--min-runs", type=int, default=3, help="runs needed for a per-GPU constant (default 3)")
+    p.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    p.add_argument("--json", action="store_true", help="print the fit as JSON")
+
+
+def _kind(device: str) -> str | None:
+    d = (device or "").strip().lower()
+    for k in KINDS:
+        if d.startswith(k):
+            return k
+    try:
+        from .devices import resolve_device
+
+        return resolve_device(device).kind if device else None
+    except ValueError:
+        return None
+
+
+def collect(client, experiment: str | None = None) -> list[dict]:
+    """One record per finished run with an estimate and a measurement: kind, gpu, path, ratio."""
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        ids = [exp.experiment_id] if exp else []
+    else:
+        ids = [e.experiment_id for e in client.search_experiments()]
+    out: list[dict] = []
+    if not ids:
+        return out
+    for run in client.search_runs(ids, "metrics.`memory.measured_peak_bytes` > 0", max_results=50000):
+        m, t = run.data.metrics, run.data.tags
+        kind = _kind(t.get("device", ""))
+        if kind is None:
+            continue
+        est = m.get("memory.estimated_comparable_bytes") or m.get(_FALLBACK[kind])
+        measured = m["memory.measured_peak_bytes"]
+        if not est:
+            continue
+        gpu = t.get("cloud.gpu") or t.get("gpu") or (t.get("device") if "(" in t.get("device", "") else "")
+        out.append(dict(run_id=run.info.run_id, kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
+                        path=t.get("path", "local"), estimated=est, measured=measured, ratio=measured / est))
+    return out
+
+
+def _errors(ratios: list[float], factor: float) -> dict:
+    errs = [abs(factor / r - 1) for r in ratios]  # |estimate x factor / measured - 1|
+    return {"median": statistics.median(errs), "worst": max(errs)}
+
+
+def fit(records: list[dict], min_runs: int = 3) -> dict:
+    """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, n, before and after errors."""
+
+    def one(rs: list[dict]) -> dict:
+        ratios = [r["ratio"] for r in rs]
+        f = statistics.median(ratios)
+        paths = sorted({r["path"] for r in rs})
+        return {"factor": round(f, 4), "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
+                "after": _errors(ratios, f)}
+
+    fam, gpus = defaultdict(list), defaultdict(list)
+    for r in records:
+        fam[r["kind"]].append(r)
+        if r["gpu"]:
+            gpus[r["gpu"]].append(r)
+    return {"version": 1, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "families": {k: one(v) for k, v in sorted(fam.items())},
+            "gpus": {k: one(v) for k, v in sorted(gpus.items()) if len(v) >= min_runs}}
+
+
+def main(args) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from fitburst.tracking import tracking_uri
+
+    uri = getattr(args, "tracking_uri", None) or tracking_uri()
+    records = collect(MlflowClient(tracking_uri=uri), getattr(args, "experiment", None))
+    result = fit(records, getattr(args, "min_runs", 3))
+    path = calibration_path()
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{len(records)} runs with estimated and measured peaks in {uri}")
+        print(f"{'group':24s} {'runs':>5s} {'factor':>7s}  {'before median/worst':>20s}  {'after median/worst':>19s}")
+        for scope, groups in (("", result["families"]), ("gpu ", result["gpus"])):
+            for k, g in groups.items():
+                b, a = g["before"], g["after"]
+                print(f"{scope + k:24s} {g['n']:5d} {g['factor']:7.3f}  {b['median']:9.1%} / {b['worst']:7.1%}"
+                      f"  {a['median']:8.1%} / {a['worst']:7.1%}")
+    if not records:
+        print("nothing to fit: no run has both memory.measured_peak_bytes and an estimate")
+        return 1
+    if getattr(args, "dry_run", False):
+        print(f"dry run: {path} not written")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return 0

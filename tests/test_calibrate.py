@@ -1,0 +1,99 @@
+"""`fitburst calibrate`: fit correction constants from a real MLflow store, and the estimator applies them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+
+pytest.importorskip("mlflow")
+
+# (tags, metrics): measured / estimated ratios known by construction
+RUNS = [
+    *[({"device": "cuda", "path": "cloud", "cloud.gpu": "A100-80GB"},
+       {"memory.estimated_allocated_bytes": 1e9, "memory.measured_peak_bytes": r * 1e9}) for r in (1.08, 1.10, 1.12)],
+    ({"device": "cuda (NVIDIA A100-80GB)", "path": "local"},
+     {"memory.estimated_comparable_bytes": 2e9, "memory.estimated_allocated_bytes": 2e9,
+      "memory.measured_peak_bytes": 2.2e9}),
+    ({"device": "cuda", "path": "cloud", "cloud.gpu": "T4"},
+     {"memory.estimated_allocated_bytes": 1e9, "memory.measured_peak_bytes": 1.3e9}),
+    ({"device": "cpu", "path": "local"},
+     {"memory.estimated_comparable_bytes": 100e6, "memory.measured_peak_bytes": 90e6}),
+    ({"device": "cpu", "path": "local"},
+     {"memory.estimated_reserved_bytes": 100e6, "memory.measured_peak_bytes": 92e6}),
+    ({"device": "mps", "path": "local"},
+     {"memory.estimated_reserved_bytes": 1e9, "memory.measured_peak_bytes": 1.2e9}),
+    ({"device": "cuda", "path": "local"}, {"memory.estimated_allocated_bytes": 1e9}),  # no measurement: ignored
+]
+
+
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("calib")
+    for tags, metrics in RUNS:
+        run = client.create_run(exp, tags=tags)
+        client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        client.set_terminated(run.info.run_id)
+    return uri
+
+
+def _args(uri, **kw):
+    return argparse.Namespace(tracking_uri=uri, experiment="calib", min_runs=3, dry_run=False, json=False, **kw)
+
+
+def test_fit_writes_per_family_and_per_gpu_constants(store, tmp_path, capsys):
+    from fitburst.memory.calibrate import main
+
+    assert main(_args(store)) == 0
+    out = capsys.readouterr().out
+    assert "8 runs with estimated and measured peaks" in out  # the run without a measurement is skipped
+    data = json.loads((tmp_path / "cache" / "calibration.json").read_text())
+    fam, gpus = data["families"], data["gpus"]
+    assert fam["cuda"]["n"] == 5 and fam["cuda"]["factor"] == pytest.approx(1.10)
+    assert fam["cuda"]["paths"] == ["cloud", "local"]
+    assert fam["cpu"]["factor"] == pytest.approx(0.91) and fam["mps"]["factor"] == pytest.approx(1.2)
+    assert set(gpus) == {"A100-80GB"} and gpus["A100-80GB"]["n"] == 4  # T4 has 1 run (< --min-runs)
+    assert gpus["A100-80GB"]["factor"] == pytest.approx(1.10)
+    for g in [*fam.values(), *gpus.values()]:
+        assert g["after"]["median"] <= g["before"]["median"]
+    assert fam["cuda"]["before"]["median"] == pytest.approx(1 - 1 / 1.1)  # |estimate / measured - 1|
+    assert fam["cuda"]["after"]["median"] < 0.02
+
+
+def test_estimate_applies_the_constants_and_nothing_changes_without_a_file(store, tmp_path, monkeypatch):
+    from fitburst.memory.calibrate import main
+
+    shape, s = load_shape("qwen2.5-0.5b"), TrainSettings(seq_len=256)
+    a100, cpu, l4 = resolve_device("A100-80GB"), resolve_device("cpu:64GiB"), resolve_device("L4")
+    raw = {d.name: estimate(shape, s, d, calibrate=False) for d in (a100, cpu, l4)}
+    for d in (a100, cpu, l4):  # no file yet: identical
+        e = estimate(shape, s, d)
+        assert e.calibration_factor == 1.0 and e.allocated_peak_bytes == raw[d.name].allocated_peak_bytes
+    assert main(_args(store)) == 0
+    e = estimate(shape, s, a100)  # per-GPU constant
+    assert e.calibration_factor == pytest.approx(1.10)
+    assert e.allocated_peak_bytes == int(raw[a100.name].allocated_peak_bytes * 1.10)
+    assert e.device_total_bytes == e.reserved_peak_bytes + a100.context_bytes
+    assert any("calibrated" in n for n in e.notes)
+    assert estimate(shape, s, l4).calibration_factor == pytest.approx(1.10)  # cuda family constant
+    e = estimate(shape, s, cpu)
+    assert e.reserved_peak_bytes == int(raw[cpu.name].reserved_peak_bytes * 0.91)
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "empty"))
+    assert estimate(shape, s, a100).allocated_peak_bytes == raw[a100.name].allocated_peak_bytes
+
+
+def test_cli_dry_run_writes_nothing(store, tmp_path):
+    from fitburst.cli import main
+
+    assert main(["calibrate", "--tracking-uri", store, "--experiment", "calib", "--dry-run"]) == 0
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+    assert main(["calibrate", "--tracking-uri", store, "--experiment", "nope", "--dry-run"]) == 1

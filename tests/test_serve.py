@@ -35,9 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop(proc: subprocess.Popen, timeout: float = 30) -> None:
+def stop(proc: subprocess.Popen, timeout: float = 30, sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -112,7 +112,7 @@ class Stack:
             "FITBURST_TEST_WEBHOOK": hook.url,
         }
         self.pipelines = write_pipelines(tmp / "pipelines.yaml")
-        self.server = self.serve = None
+        self.server = self.serve = self.worker = None
         self.serve_logs: list[Path] = []
 
     def http(self) -> httpx.Client:
@@ -183,7 +183,9 @@ def stack(tmp_path_factory):
         s.start_serve({"demo", "qwen7b-lora", "qwen1.5b-qlora"})
         yield s
     finally:
-        s.stop_serve()  # serve first, or it retries a dead server for a minute
+        s.stop_serve()  # serve and worker first, or they retry a dead server for a minute
+        if s.worker is not None:
+            stop(s.worker, sig=signal.SIGINT)
         if s.server is not None:
             stop(s.server)
         hook.server.shutdown()
@@ -348,3 +350,35 @@ def test_restart_picks_up_a_changed_file(stack):
     assert set(deps) == {"demo", "qwen7b-lora"}
     sched = deps["demo"]["schedules"][0]["schedule"]
     assert (sched["cron"], sched["timezone"]) == ("30 3 * * 1-5", "Europe/Berlin") and not deps["demo"]["paused"]
+
+
+def test_production_path_prefect_deploy_and_worker(stack):
+    """prefect.yaml as the docs use it: `prefect deploy --all` from the repository root, then a process worker."""
+    stack.stop_serve()
+    prefect = str(BIN / "prefect")
+    p = subprocess.run([prefect, "work-pool", "create", "fitburst", "--type", "process"], env=stack.env,
+                       cwd=stack.tmp, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    t0 = time.time()
+    p = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], env=stack.env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    TIMINGS["prefect deploy --all"] = time.time() - t0
+    from fitburst.spec import load_all
+
+    specs = load_all(ROOT / "pipelines.yaml")
+    deps = {d["name"]: d for d in stack.deployments()}
+    assert set(specs) <= set(deps)
+    for name, spec in specs.items():
+        assert deps[name]["work_pool_name"] == "fitburst" and deps[name]["enforce_parameter_schema"]
+        crons = [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in deps[name]["schedules"]]
+        assert crons == ([(spec.schedule.cron, spec.schedule.timezone)] if spec.schedule.cron else [])
+    p = subprocess.run([sys.executable, "-m", "flows.serve", "--setup-only", "--file", str(ROOT / "pipelines.yaml")],
+                       env=stack.env, cwd=stack.tmp, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "concurrency limit" in p.stderr, p.stdout + p.stderr
+    stack.worker = subprocess.Popen([prefect, "worker", "start", "--pool", "fitburst"],
+                                    env={**stack.env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, cwd=stack.tmp,
+                                    stdout=open(stack.tmp / "worker.log", "w"), stderr=subprocess.STDOUT)
+    rc, out, took = run_cli(stack, {**FAST, "eval.enabled": False})
+    TIMINGS["worker: deployment run --watch (demo, 3 steps)"] = took
+    assert rc == 0, out + (stack.tmp / "worker.log").read_text()[-3000:]

@@ -102,8 +102,7 @@ def run(cfg: dict) -> dict:
 
     from fitburst.data import collate
     from fitburst.probe import TensorTracker as Tracker
-    from fitburst.probe import optimizer_step
-    from fitburst.train import build_model, make_optimizer
+    from fitburst.train import build_model, make_optimizer, optimizer_step
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -196,9 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quiet", action="store_true")
     sp.set_defaults(func=cmd_train)
 
-    sp = sub.add_parser("serve", help="serve every pipeline as a Prefect deployment")
-    sp.add_argument("--file", "-f", default=DEFAULT_FILE)
-    sp.set_defaults(func=lambda a: __import__("flows.serve", fromlist=["main"]).main(a.file))
+    # `fitburst serve ...` hands its arguments to flows.serve.cli (see main); listed here for --help
+    sub.add_parser("serve", help="serve every pipeline as a Prefect deployment (flags: fitburst serve -h)")
 
     sp = sub.add_parser("calibrate", help="fit estimator corrections from MLflow history")
     from fitburst.memory.calibrate import add_arguments as add_calibrate_arguments
@@ -212,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     from fitburst.data import DataError
     from fitburst.spec import SpecError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from flows.serve import cli as serve_cli
+
+        return serve_cli(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     for noisy in ("httpx", "httpcore", "urllib3", "filelock"):

@@ -1,7 +1,7 @@
 """Measured probe: a few real optimizer steps at the planned settings, on the local device, with the longest
 batch the data holds, measured with :class:`fitburst.meter.MemoryMeter` and set beside the estimate.
 
-The step is :func:`optimizer_step`, the body of :func:`fitburst.train.train`'s loop (the model output is
+The step is :func:`fitburst.train.optimizer_step`, the body of the training loop (the model output is
 dropped as soon as the loss is taken; clipping, step, ``zero_grad(set_to_none=True)``); the accuracy benchmark
 (``benchmarks/_measure.py``) runs the same function.
 """
@@ -12,26 +12,6 @@ import logging
 import time
 
 log = logging.getLogger(__name__)
-
-
-def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
-                   max_grad_norm: float | None) -> float:
-    """One optimizer step over ``micro_batches`` (grad_accum = their number), as fitburst's training loop runs
-    it. Returns the summed (scaled) loss."""
-    import torch
-
-    grad_accum = len(micro_batches)
-    total = 0.0
-    for mb in micro_batches:
-        batch = {k: v.to(device) for k, v in mb.items()}
-        loss = model(**batch).loss / grad_accum
-        loss.backward()
-        total += loss.item()
-    if max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total
 
 
 def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
@@ -60,7 +40,14 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     from fitburst.memory import load_shape, resolve_device, settings_from_spec
     from fitburst.meter import MemoryMeter
     from fitburst.preflight import model_ref
-    from fitburst.train import build_model, count_params, make_optimizer, resolve_precision, select_device
+    from fitburst.train import (
+        build_model,
+        count_params,
+        make_optimizer,
+        optimizer_step,
+        resolve_precision,
+        select_device,
+    )
 
     tr = spec.training
     device = device or select_device(spec.preflight.device)

@@ -225,6 +225,24 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
+def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
+                   max_grad_norm: float | None) -> float:
+    """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
+    The model output is dropped as soon as the loss is taken, so the logits do not live through backward."""
+    import torch
+
+    total = 0.0
+    for mb in micro_batches:
+        loss = model(**{k: v.to(device) for k, v in mb.items()}).loss / len(micro_batches)
+        loss.backward()
+        total += loss.item()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
 def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
           on_metrics: MetricsFn | None = None, progress: bool = True, stop_after: int | None = None) -> TrainResult:
     """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint) and return the result.
@@ -267,17 +285,11 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     window_loss, window_n, last_loss = 0.0, 0, float("nan")
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
-            for _ in range(tr.grad_accum):
-                batch = {k: v.to(device) for k, v in next(stream).items()}
-                loss = model(**batch).loss / tr.grad_accum
-                loss.backward()
-                window_loss += loss.item()
-                tokens += int(batch["attention_mask"].sum())
-            if tr.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
-            optimizer.step()
+            micro = [next(stream) for _ in range(tr.grad_accum)]
+            window_loss += optimizer_step(model, optimizer, params, micro, device=device,
+                                          max_grad_norm=tr.max_grad_norm)
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            tokens += sum(int(b["attention_mask"].sum()) for b in micro)
             meter.sample()
             step += 1
             window_n += 1

@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, WithJsonSchema
 
+from fitburst.memory.estimator import measured_counterpart
 from fitburst.preflight import PreflightReport
 from fitburst.spec import PipelineSpec, load_pipeline
 from fitburst.tracking import Tracker, redact
@@ -82,7 +83,8 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         report: PreflightReport = preflight_task(spec, prepared, tracker)
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
                    "verdict": report.verdict, "reason": report.reason, "device": report.device["name"],
-                   "plan": report.changes, "estimated_peak_bytes": report.estimate["device_total_bytes"]}
+                   "plan": report.changes, "estimated_peak_bytes": report.estimate["device_total_bytes"],
+                   "estimated_comparable_bytes": measured_counterpart(report.estimate, report.device["kind"])}
         if report.verdict == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
@@ -162,8 +164,9 @@ def _publish_summary(s: dict) -> None:
     bursted = facts.get("path") == "cloud" or s["verdict"] == "burst"
     lines = [f"## Run summary: `{s['pipeline']}`", "", "| | |", "|---|---|",
              f"| verdict | {s['verdict']} on {s['device']} |", f"| trained on | {s.get('trained_on')} |",
-             f"| estimated peak | {gib(s['estimated_peak_bytes'])} |",
-             f"| measured peak | {gib(s.get('measured_peak_bytes'))} |"]
+             f"| estimated peak (device total) | {gib(s['estimated_peak_bytes'])} |",
+             f"| estimated vs measured (same measure) | {gib(s['estimated_comparable_bytes'])} vs "
+             f"{gib(s.get('measured_peak_bytes'))} |"]
     if "eval_base_loss" in s:
         lines.append(f"| eval loss | {s['eval_base_loss']:.4f} -> {s['eval_tuned_loss']:.4f} |")
     if bursted:

@@ -73,9 +73,12 @@ def measure(label: str, model_dir: Path, steps: int, reps: int, batch: int) -> d
     bare_loop(spec, prepared, 3)
     fitburst_loop(spec.model_copy(update={"training": spec.training.model_copy(update={"max_steps": 3})}), prepared, 3)
     fb, bare = [], []
-    for _ in range(reps):
-        fb.append(fitburst_loop(spec, prepared, steps))
-        bare.append(bare_loop(spec, prepared, steps))
+    for rep in range(reps):  # alternate which goes first, so order effects cancel
+        first, second = (fitburst_loop, bare_loop) if rep % 2 == 0 else (bare_loop, fitburst_loop)
+        a, b = first(spec, prepared, steps), second(spec, prepared, steps)
+        fb.append(a if first is fitburst_loop else b)
+        bare.append(b if first is fitburst_loop else a)
+    print(f"{label}: fitburst steps/s per rep {[round(x, 3) for x in fb]}, bare {[round(x, 3) for x in bare]}")
     return {"size": label, "fitburst": statistics.median(fb), "bare": statistics.median(bare),
             "ratio": statistics.median(fb) / statistics.median(bare), "bare_step_s": 1 / statistics.median(bare)}
 

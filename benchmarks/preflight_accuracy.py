@@ -8,6 +8,12 @@
     the estimate for the same settings on the GPU they ran on.
 
 Prints per-row error, median / worst absolute error, and fit-verdict agreement. ~30 s on 2 cores.
+
+Optional comparison with fitcheck-llm (https://pypi.org/project/fitcheck-llm/, T4-calibrated): when the interpreter
+in $FITCHECK_PYTHON (default /tmp/fitcheck-venv/bin/python) can import ``fitcheck``, benchmarks/_fitcheck.py runs
+there on the same rows, offline, and its estimate and error are printed beside ours. fitcheck's headline total is
+peak *reserved* + CUDA context; the rows measured *allocated* bytes, so its error is taken on its tensor sum
+(total - its overhead term) and the total's error is shown too. It is never installed into fitburst's environment.
 Usage: python benchmarks/preflight_accuracy.py [--quick] [--json out.json]
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -109,6 +116,83 @@ CPU_CASES = [
 ]
 
 
+FITCHECK_PYTHON = os.environ.get("FITCHECK_PYTHON", "/tmp/fitcheck-venv/bin/python")
+FITCHECK_MISSING = "fitcheck-llm: not installed (pip install fitcheck-llm into FITCHECK_PYTHON's env to compare)"
+LORA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def fitcheck_request(shape, name: str, s: TrainSettings, gpu: str | None) -> dict:
+    """One row for benchmarks/_fitcheck.py: the model's config.json inline, our settings in fitcheck's terms."""
+    targets = LORA_ALL if s.targets == "all-linear" else list(s.targets)
+    training = dict(
+        precision=s.dtype,
+        quantization=s.quant if s.method == "qlora" else "none",
+        double_quant=bool(s.double_quant) if s.method == "qlora" else False,
+        # fitburst's SGD keeps momentum (make_optimizer: momentum=0.9)
+        optimizer={"sgd": "sgd-momentum", "adamw8bit": "adam8bit"}.get(s.optimizer, s.optimizer),
+        optimizer_dtype="fp32",
+        batch_size=s.batch,
+        seq_len=s.seq_len,
+        lora_rank=None if s.method == "full" else s.rank,
+        lora_targets=targets if s.method != "full" else LORA_ALL,
+        grad_checkpoint=s.grad_checkpointing,
+        flash_attn=s.attention == "sdpa",  # SDPA's flash / memory-efficient kernels keep no S x S matrix
+    )
+    return dict(
+        config_json=json.loads(Path(shape.source).read_text()),
+        name=name,
+        reported_params=shape.param_count(),  # stands in for the Hub's safetensors total fitcheck checks online
+        training=training,
+        gpu=gpu,
+        vram_mib=65536 if gpu is None else None,
+    )
+
+
+def run_fitcheck(reqs: list[dict]) -> list[dict] | None:
+    """fitcheck-llm's answers for reqs, or None (with a line saying why) when it is not available."""
+    if not Path(FITCHECK_PYTHON).exists():
+        print(FITCHECK_MISSING)
+        return None
+    try:
+        r = subprocess.run(
+            [FITCHECK_PYTHON, str(ROOT / "benchmarks" / "_fitcheck.py")],
+            input=json.dumps(reqs),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"fitcheck-llm: could not run {FITCHECK_PYTHON}: {e}")
+        return None
+    if r.returncode == 3:
+        print(FITCHECK_MISSING)
+        return None
+    try:
+        out = json.loads(r.stdout)
+        rows = out["rows"]
+        assert len(rows) == len(reqs)
+    except (ValueError, KeyError, AssertionError):
+        print(f"fitcheck-llm: failed (rc {r.returncode}): {r.stderr.strip()[-300:]}")
+        return None
+    print(f"fitcheck-llm {out['version']} ({FITCHECK_PYTHON}), offline from the same config.json files")
+    return rows
+
+
+def attach_fitcheck(rows: list[dict], answers: list[dict]) -> None:
+    for r, f in zip((r for r in rows if "fc_req" in r), answers, strict=True):
+        if "error" not in f:
+            for k in ("tensors", "total"):
+                f[f"{k}_err"] = f[f"{k}_mib"] * 2**20 / r["measured"] - 1
+            if "source" in r:  # (b): fits the GPU the row ran on
+                f["agree"] = int(f["fits"])
+            else:  # (a): budgets 5 % above and below the measured peak, on the tensor sum
+                f["agree"] = sum(
+                    (f["tensors_mib"] * 2**20 <= budget) == (r["measured"] <= budget)
+                    for budget in (r["measured"] * 1.05, r["measured"] * 0.95)
+                )
+        r["fitcheck"] = f
+
+
 def settings_of(c: dict) -> TrainSettings:
     return TrainSettings(
         method=c["method"],
@@ -159,6 +243,7 @@ def part_a(quick: bool) -> list[dict]:
                 continue
             shape = load_shape(str(Path(root) / c["arch"]))
             e = estimate(shape, settings_of(c), dev, calibrate=False)  # the analytic model itself
+            fc_req = fitcheck_request(shape, c["arch"], settings_of(c), None)
             err = e.allocated_peak_bytes / m["peak"] - 1
             # fit verdicts against budgets 5 % above and below the measured peak
             agree = sum(
@@ -173,12 +258,14 @@ def part_a(quick: bool) -> list[dict]:
                     err=err,
                     phase=e.peak_phase,
                     agree=agree,
+                    fc_req=fc_req,
                 )
             )
     return rows
 
 
 GPU_OF = {"A100-40GB": "A100-40GB", "RTX-4090": "RTX4090", "A100-80GB": "A100-80GB"}
+FITCHECK_GPU = {"A100-40GB": "a100-40", "RTX-4090": "4090", "A100-80GB": "a100-80"}
 TARGETS = {
     "q": "q_proj",
     "k": "k_proj",
@@ -215,7 +302,8 @@ def part_b() -> list[dict]:
             dropout=0.05 if r["id"].startswith("L") else 0.0,
         )
         dev = resolve_device(GPU_OF[r["gpu"]])
-        e = estimate(load_shape(r["model"]), s, dev, calibrate=False)
+        shape = load_shape(r["model"])
+        e = estimate(shape, s, dev, calibrate=False)
         unit = 1e9 if r["unit"] == "GB" else 2**30
         published = float(r["peak"]) * unit
         rows.append(
@@ -227,27 +315,56 @@ def part_b() -> list[dict]:
                 phase=e.peak_phase,
                 agree=int(e.fits),
                 source=r["source"].split()[0],
+                fc_req=fitcheck_request(shape, r["model"], s, FITCHECK_GPU[r["gpu"]]),
             )
         )
     return rows
 
 
 def show(title: str, rows: list[dict], verdict_note: str) -> dict:
+    fc = any("fitcheck" in r for r in rows)
     print(f"\n## {title}\n")
-    print("| case | measured MiB | estimated MiB | error | peak phase | verdicts |")
-    print("|---|---:|---:|---:|---|---:|")
+    head = "| case | measured MiB | estimated MiB | error | peak phase | verdicts |"
+    rule = "|---|---:|---:|---:|---|---:|"
+    if fc:
+        head += " fitcheck tensors MiB | fitcheck error | fitcheck total MiB | total error | fc verdicts |"
+        rule += "---:|---:|---:|---:|---:|"
+    print(head)
+    print(rule)
     errs, agree, total = [], 0, 0
+    fc_errs, fc_tot_errs, ours_same, fc_agree, fc_total, fc_refused = [], [], [], 0, 0, 0
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | failed: {r['error'][:60]} | | | | |")
+            print(f"| {r['case']} | failed: {r['error'][:60]} | | | | |" + (" | | | | |" if fc else ""))
             continue
         errs.append(abs(r["err"]))
         agree += r["agree"]
-        total += 2 if "source" not in r else 1
-        print(
+        n_verdicts = 2 if "source" not in r else 1
+        total += n_verdicts
+        line = (
             f"| {r['case']} | {r['measured'] / 2**20:,.1f} | {r['estimated'] / 2**20:,.1f} | {r['err']:+.1%} "
             f"| {r['phase']} | {r['agree']} |"
         )
+        f = r.get("fitcheck")
+        if f is not None and "error" in f:
+            fc_refused += 1
+            why = f["error"].split(":")[0]
+            if "disagreement of" in f["error"]:  # fitcheck's param-count check (dense SwiGLU, no biases)
+                why += " (config-derived param count " + f["error"].split("disagreement of ")[1].split(",")[0] + ")"
+            line += f" refused: {why} | | | | |"
+        elif f is not None:
+            fc_errs.append(abs(f["tensors_err"]))
+            fc_tot_errs.append(abs(f["total_err"]))
+            ours_same.append(abs(r["err"]))
+            fc_agree += f["agree"]
+            fc_total += n_verdicts
+            line += (
+                f" {f['tensors_mib']:,.1f} | {f['tensors_err']:+.1%} | {f['total_mib']:,.1f} | {f['total_err']:+.1%} "
+                f"| {f['agree']} |"
+            )
+        elif fc:
+            line += " | | | | |"
+        print(line)
     summary = dict(
         n=len(errs),
         median=statistics.median(errs) if errs else None,
@@ -258,6 +375,29 @@ def show(title: str, rows: list[dict], verdict_note: str) -> dict:
         f"\nmedian |error| {summary['median']:.1%}, worst {summary['worst']:.1%}, "
         f"fit verdicts agree {agree}/{total} ({verdict_note})"
     )
+    if fc and fc_errs:
+        summary["fitcheck"] = dict(
+            n=len(fc_errs),
+            refused=fc_refused,
+            median=statistics.median(fc_errs),
+            worst=max(fc_errs),
+            total_median=statistics.median(fc_tot_errs),
+            total_worst=max(fc_tot_errs),
+            ours_median_same_rows=statistics.median(ours_same),
+            ours_worst_same_rows=max(ours_same),
+            verdict_agreement=f"{fc_agree}/{fc_total}",
+        )
+        sf = summary["fitcheck"]
+        print(
+            f"fitcheck-llm on the {sf['n']} rows it estimates ({fc_refused} refused): median |error| "
+            f"{sf['median']:.1%}, worst {sf['worst']:.1%} on its tensor sum vs the measured allocated peak "
+            f"(its total incl. context + fragmentation: median {sf['total_median']:.1%}, worst "
+            f"{sf['total_worst']:.1%}); fit verdicts agree {fc_agree}/{fc_total}. "
+            f"Ours on the same rows: median {sf['ours_median_same_rows']:.1%}, worst {sf['ours_worst_same_rows']:.1%}"
+        )
+    elif fc:
+        summary["fitcheck"] = dict(n=0, refused=fc_refused)
+        print(f"fitcheck-llm refused all {fc_refused} rows")
     return summary
 
 
@@ -267,8 +407,14 @@ def main() -> int:
     ap.add_argument("--json", help="write rows and summaries here")
     args = ap.parse_args()
     a = part_a(args.quick)
-    sa = show("(a) CPU training steps, measured vs estimate (device cpu)", a, "budgets at measured +-5 %")
     b = part_b()
+    reqs = [r["fc_req"] for r in a + b if "fc_req" in r]
+    answers = run_fitcheck(reqs)
+    if answers is not None:
+        attach_fitcheck(a + b, answers)
+    for r in a + b:
+        r.pop("fc_req", None)
+    sa = show("(a) CPU training steps, measured vs estimate (device cpu)", a, "budgets at measured +-5 %")
     sb = show(
         "(b) published peaks (calibration.csv; LitGPT / torchtune code paths, not transformers+peft)",
         b,

@@ -48,6 +48,19 @@ class MemoryPeak:
         return asdict(self)
 
 
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc malloc_trim), so memory the process freed earlier cannot
+    be reused silently by the run and hide its growth from the high-water mark."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class MemoryMeter:
     """Reset at the start of a run, ``sample()`` per step, ``peak()`` at the end."""
 
@@ -64,6 +77,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
         else:  # RSS-based figures: import the stack first so its code and data are not counted as the run's
             _warm_imports()
+            _trim_heap()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

@@ -17,8 +17,9 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
-DEFAULT_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
+from fitburst.spec import DEFAULT_PIPELINES_FILE as DEFAULT_FILE
 
 
 def _console():
@@ -125,12 +126,15 @@ def cmd_train(args) -> int:
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
+    estimate = None
     if args.plan:
         from fitburst.preflight import plan_here
 
-        spec, changes = plan_here(spec, prepared.stats["max"])
+        spec, changes, estimate = plan_here(spec, prepared.stats["max"])
         for change in changes:
             print(f"plan for this device: {change}")
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate, indent=2))
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
         tracker = Tracker.attach(os.environ[RUN_ID_ENV])
@@ -143,8 +147,10 @@ def cmd_train(args) -> int:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
         if tracker:
             tracker.log_eval(ev)
-    if tracker:  # the node logs straight into the launcher's MLflow run
+    if tracker:  # the node logs straight into the launcher's MLflow run, with its own device's estimate
         tracker.log_train(result, path="cloud")
+        if estimate is not None:
+            tracker.log_memory_comparison(estimate, result)
     return 0
 
 
@@ -208,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fitburst.data import DataError
-    from fitburst.spec import SpecError
+    from fitburst.errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args) or 0
-    except (SpecError, DataError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,6 +15,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fitburst.errors import UserError
 from fitburst.spec import DataSpec
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A record or file that cannot be used; the message names file and line."""
 
 
@@ -247,7 +248,10 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> Prep
     stats = length_stats([len(r["input_ids"]) for r in rows], [r["full_length"] for r in rows], data.max_seq_len)
     stats["train_tokens"] = int(sum(len(x) for x in train["input_ids"]))
 
-    tmp = cache_dir / f".{key}.tmp"
+    import tempfile
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
     train.save_to_disk(str(tmp / "train"))
     val.save_to_disk(str(tmp / "val"))
     prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val),

@@ -11,10 +11,15 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from fitburst.errors import UserError
 from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device, settings_from_spec
 from fitburst.spec import PipelineSpec
 
 GIB = 1024**3
+
+
+class PreflightFailed(UserError, RuntimeError):
+    """The run does not fit anywhere it is allowed to run."""
 
 
 def model_ref(spec: PipelineSpec) -> str:
@@ -137,13 +142,14 @@ def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
                                                               tokens=report.tokens)]
 
 
-def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str]]:
+def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], dict]:
     """Plan ``spec`` for the device this process runs on, with no burst option (what the cloud node does before
-    training: it may be any GPU of the ordered list). Raises ValueError when nothing allowed fits."""
+    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate;
+    raises PreflightFailed when nothing allowed fits."""
     device = resolve_device(spec.preflight.device)
     plan = plan_fit(load_shape(model_ref(spec)), settings_from_spec(spec, device, seq_len), device,
                     safety_margin=spec.preflight.safety_margin, allow=spec.preflight.allow.model_dump())
     if not plan.fits:
-        raise ValueError(f"{spec.name} does not fit {device.name} "
+        raise PreflightFailed(f"{spec.name} does not fit {device.name} "
                          f"({plan.estimate.device_total_bytes / GIB:.1f} GiB needed) with any allowed change")
-    return apply_settings(spec, plan.settings), list(plan.changes)
+    return apply_settings(spec, plan.settings), list(plan.changes), plan.estimate.to_dict()

@@ -161,7 +161,23 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
     log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
     if report.verdict != "local" or prepared is None:
         return report, None
-    result = probe(report.planned_spec(), prepared, steps=steps, estimate=report.estimate)
+    import torch
+
+    try:
+        result = probe(report.planned_spec(), prepared, steps=steps, estimate=report.estimate)
+    except torch.OutOfMemoryError:  # the probe itself did not fit: at least the whole device was needed
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        from fitburst.memory.estimator import measured_counterpart
+
+        est = measured_counterpart(report.estimate, report.device["kind"])
+        total = report.device["total_bytes"]
+        result = {"device": report.device["name"], "oom": True, "measured_peak_bytes": total,
+                  "estimated_peak_bytes": est, "ratio": total / est if est else None,
+                  "measured_rss_peak_bytes": None, "seq_len": report.seq_len, "seconds": None}
     new = replan(spec, report, result)
     if tracker is not None:
         tracker.log_metrics({"memory.probe_peak_bytes": result["measured_peak_bytes"],

@@ -20,42 +20,30 @@ def runs_root(spec: PipelineSpec) -> Path:
     return Path(os.environ.get("FITBURST_RUNS_DIR") or Path(spec.base_dir) / "runs")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_HELD: dict[str, int] = {}  # run folder -> file descriptor holding its lock
 
 
 def _claim(run_dir: Path) -> bool:
-    """Take the folder's lock (a file holding our pid); steal it only from a dead process."""
-    lock = run_dir / ".lock"
+    """Take the folder's lock: an exclusive flock on ``.lock`` (released by the kernel when the process dies,
+    so a crashed run's folder is free again at once; no stale-lock guessing)."""
+    import fcntl
+
+    fd = os.open(run_dir / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        try:
-            pid = int(lock.read_text() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        if pid and _alive(pid):
-            return False
-        lock.unlink(missing_ok=True)
-        return _claim(run_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(str(os.getpid()))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _HELD[str(run_dir)] = fd
     return True
 
 
 def release(run_dir: str | Path) -> None:
-    lock = Path(run_dir) / ".lock"
-    try:
-        if lock.read_text() == str(os.getpid()):
-            lock.unlink()
-    except OSError:
-        pass
+    fd = _HELD.pop(str(Path(run_dir)), None)
+    if fd is not None:
+        os.close(fd)  # closing drops the flock
 
 
 def _finished(run_dir: Path) -> bool:

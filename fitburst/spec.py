@@ -19,6 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fitburst.errors import UserError
+
+DEFAULT_PIPELINES_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
@@ -58,7 +61,8 @@ class MethodSpec(Strict):
     rank: int = Field(default=8, ge=1, le=4096)
     alpha: float = Field(default=16, gt=0)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"],
+                                                               min_length=1)
     quant: Literal["none", "int8", "nf4", "fp4"] | None = Field(
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )
@@ -122,6 +126,16 @@ class PreflightSpec(Strict):
     safety_margin: float = Field(default=0.10, ge=0.0, lt=0.9)
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v.lower() in ("auto", "cpu", "cuda", "mps"):
+            return v
+        from fitburst.memory.devices import resolve_device
+
+        resolve_device(v)  # a ValueError here lists the known names and the kind:SIZE form
+        return v
 
 
 class BurstSpec(Strict):
@@ -297,6 +311,9 @@ class PipelineSpec(Strict):
     def _steps_or_epochs(self) -> PipelineSpec:
         if self.training.max_steps is None and self.training.epochs is None:
             raise ValueError("training needs epochs or max_steps")
+        if self.eval.enabled and self.data.val_split == 0:
+            raise ValueError("eval.enabled needs a validation split: set data.val_split (e.g. 0.1) or eval.enabled: "
+                             "false")
         return self
 
     def data_path(self) -> Path:
@@ -313,7 +330,7 @@ class PipelineSpec(Strict):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """pipelines.yaml is wrong; ``problems`` holds one located message per mistake."""
 
     def __init__(self, path: str, problems: list[str]):
@@ -418,7 +435,12 @@ def _build(
     merged["name"] = name
     merged["base_dir"] = str(path.parent.resolve())
     try:
-        return PipelineSpec.model_validate(merged), []
+        spec = PipelineSpec.model_validate(merged)
+        if not spec.data_path().exists():
+            line = _locate(lines, name, ("data", "path"))
+            return None, [f"pipeline '{name}': line {line}: field 'data.path' (got {spec.data.path!r}): file not "
+                          f"found at {spec.data_path()} (paths are relative to {path.name}'s folder)"]
+        return spec, []
     except ValidationError as e:
         problems = []
         for err in e.errors():

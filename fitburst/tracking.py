@@ -135,6 +135,17 @@ class Tracker:
         self.log_params(spec.model_dump(mode="json", exclude={"base_dir", "description"}))
         self.log_text(spec.to_yaml(), "config/pipeline.yaml")
 
+    def log_planned(self, spec: PipelineSpec, planned: PipelineSpec) -> None:
+        """What the preflight changed: ``planned.<field>`` params for each changed field, and the YAML that trains
+        (``config/planned.yaml``). MLflow params cannot be overwritten, so the declared config stays as logged."""
+        exclude = {"base_dir", "description"}
+        before = flatten(spec.model_dump(mode="json", exclude=exclude))
+        after = flatten(planned.model_dump(mode="json", exclude=exclude))
+        changed = {f"planned.{k}": v for k, v in after.items() if before.get(k) != v}
+        if changed:
+            self.log_params(changed)
+        self.log_text(planned.to_yaml(), "config/planned.yaml")
+
     def log_prepared(self, prepared) -> None:
         self.log_params({"data.content_hash": prepared.content_hash, "data.n_train": prepared.n_train,
                          "data.n_val": prepared.n_val, "data.n_skipped": prepared.n_skipped})

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fitburst.data import PreparedData, collate, load_split
+from fitburst.errors import UserError
 from fitburst.meter import MemoryMeter
 from fitburst.spec import PipelineSpec, resolve_env
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 MetricsFn = Callable[[dict, int], None]
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError, RuntimeError):
     """Training could not start or stopped; the message says why and what to change."""
 
 

@@ -6,7 +6,6 @@ cancellation / Ctrl-C).
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
@@ -14,20 +13,17 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.memory.estimator import measured_counterpart
-from fitburst.preflight import PreflightReport
-from fitburst.spec import PipelineSpec, load_pipeline
+from fitburst.preflight import PreflightFailed, PreflightReport
+from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
 from fitburst.tracking import Tracker, redact
+from tasks import artifact_key
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
-from tasks.preflight import _key, preflight_task
+from tasks.preflight import preflight_task
 from tasks.train import train_local
 
-DEFAULT_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
+DEFAULT_FILE = DEFAULT_PIPELINES_FILE
 GIB = 1024**3
-
-
-class PreflightFailed(RuntimeError):
-    """The run does not fit anywhere it is allowed to run."""
 
 
 NOT_OVERRIDABLE = {"name", "base_dir", "schedule", "notify"}  # identity, and what only `fitburst serve` applies
@@ -88,6 +84,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         if report.verdict == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
+        tracker.log_planned(spec, planned)
         if dry_run and report.verdict == "local":
             status = "FINISHED"
             return summary
@@ -108,8 +105,9 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         get_run_logger().info("%s", tracker.where())
         status = "FINISHED"
         return summary
-    except (KeyboardInterrupt, SystemExit):
-        status = "KILLED"
+    except BaseException as exc:  # Ctrl-C, and Prefect's TerminationSignal on cancellation, are not Exceptions
+        if not isinstance(exc, Exception):
+            status = "KILLED"
         raise
     finally:
         tracker.end(status)
@@ -181,7 +179,7 @@ def _publish_summary(s: dict) -> None:
         lines.append(f"| MLflow UI | [{s['mlflow_run_id']}]({link}) |")
     else:
         lines.append(f"| open it | `mlflow ui --backend-store-uri '{uri}'`, run `{s['mlflow_run_id']}` |")
-    create_markdown_artifact(key=f"summary-{_key(s['pipeline'])}", markdown="\n".join(lines),
+    create_markdown_artifact(key=f"summary-{artifact_key(s['pipeline'])}", markdown="\n".join(lines),
                              description="fitburst run summary")
 
     text = f"{s['pipeline']}: trained on {s.get('trained_on')} ({s['verdict']})"

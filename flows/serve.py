@@ -34,7 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fitburst.spec import NotifySpec, PipelineSpec, SpecError, load_all, resolve_env
+from fitburst.spec import DEFAULT_PIPELINES_FILE, NotifySpec, PipelineSpec, SpecError, load_all, resolve_env
+from tasks import artifact_key
 
 FLOW_NAME = "finetune"
 WORK_POOL = "fitburst"
@@ -67,10 +68,6 @@ BODY = {
 
 def deployment_tags(spec: PipelineSpec) -> list[str]:
     return ["fitburst", f"pipeline:{spec.name}"] + [f"{k}:{v}" for k, v in spec.tags.items()]
-
-
-def _key(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in name.lower())
 
 
 # --- deployments ------------------------------------------------------------------------------------------
@@ -170,7 +167,7 @@ async def apply_notifications(client, specs: dict[str, PipelineSpec], ids: dict[
             except ValueError as e:
                 log.warning("%s: %s (from %s): %s; skipped", name, kind, ref, e)
                 continue
-            blocks.append(await block.asave(f"fitburst-{_key(name)}-{kind.replace('_', '-')}", overwrite=True))
+            blocks.append(await block.asave(f"fitburst-{artifact_key(name)}-{kind.replace('_', '-')}", overwrite=True))
         if not blocks:
             continue
         for event in n.events:
@@ -240,7 +237,7 @@ def load(pipelines_file: str | os.PathLike) -> dict[str, PipelineSpec]:
 def main(pipelines_file: str | os.PathLike | None = None, setup_only: bool = False) -> int:
     from prefect.exceptions import TerminationSignal
 
-    pipelines_file = pipelines_file or os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
+    pipelines_file = pipelines_file or DEFAULT_PIPELINES_FILE
     specs = load(pipelines_file)
     if setup_only:
         asyncio.run(_setup_only(specs))
@@ -308,7 +305,7 @@ def write_prefect_yaml(pipelines_file: str | os.PathLike, out: str | os.PathLike
 def cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--file", "-f", default=os.environ.get("FITBURST_PIPELINES", "pipelines.yaml"))
+    p.add_argument("--file", "-f", default=DEFAULT_PIPELINES_FILE)
     p.add_argument("--write-prefect-yaml", nargs="?", const="prefect.yaml", metavar="OUT",
                    help="write prefect.yaml for `prefect deploy --all` and exit")
     p.add_argument("--setup-only", action="store_true",

@@ -10,6 +10,7 @@ from fitburst.data import PreparedData
 from fitburst.preflight import PreflightReport, attach_candidates, preflight
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
+from tasks import artifact_key
 
 
 @task(name="preflight", cache_policy=NONE)
@@ -32,11 +33,8 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
     log.info("preflight %s: %s (%s)", spec.name, report.verdict, report.reason)
     for change in report.changes:
         log.info("plan: %s", change)
-    create_markdown_artifact(key=f"preflight-{_key(spec.name)}", markdown=report.to_markdown(),
+    create_markdown_artifact(key=f"preflight-{artifact_key(spec.name)}", markdown=report.to_markdown(),
                              description=f"memory preflight for {spec.name}")
     tracker.log_preflight(report)
     return report
 
-
-def _key(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower())

@@ -22,10 +22,30 @@ def test_resume_only_unfinished_unlocked_same_config(tmp_path, demo_spec, monkey
     release(first)
     again, resumed = open_run_dir(demo_spec)
     assert (again, resumed) == (first, True)
-    # a dead owner's lock is stolen
+    release(first)
+    # a lock file left by a dead owner holds nothing: the folder is taken
     (first / ".lock").write_text("999999")
     assert open_run_dir(demo_spec) == (first, True)
     release(first)
+    # a live owner in another process keeps it
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(first / ".lock")!r}, os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(30)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other_dir, resumed = open_run_dir(demo_spec)
+        assert other_dir != first and not resumed
+        release(other_dir)
+    finally:
+        holder.kill()
+        holder.wait()
     # finished: never resumed
     (first / "train_result.json").write_text(json.dumps({"steps": 150, "total_steps": 150}))
     fresh, resumed = open_run_dir(demo_spec)

@@ -25,6 +25,7 @@ pipelines:
 
 
 def write(tmp_path, text):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     p = tmp_path / "pipelines.yaml"
     p.write_text(textwrap.dedent(text))
     return p
@@ -75,6 +76,16 @@ def test_defaults_merge_and_qlora_quant_default(tmp_path):
         (GOOD + "    schedule: {cron: '0 2 * *', timezone: Mars/Olympus}\n", 11, ["five fields", "unknown timezone"]),
         # missing required section
         (GOOD.replace("    data: {path: data.jsonl}\n", ""), 6, ["field 'data' is required"]),
+        # a data file that is not there, named with where it was looked for
+        (GOOD.replace("data.jsonl", "dta.jsonl"), 8, ["data.path", "'dta.jsonl'", "file not found"]),
+        # evaluation without a validation split
+        (GOOD.replace("data: {path: data.jsonl}", "data: {path: data.jsonl, val_split: 0}"), 6,
+         ["eval.enabled needs a validation split"]),
+        # a device the preflight cannot budget
+        (GOOD + "    preflight: {device: RTX4009}\n", 11, ["preflight.device", "'RTX4009'", "RTX4090"]),
+        # nothing to adapt
+        (GOOD.replace("training:\n      max", "method: {target_modules: []}\n    training:\n      max"), 9,
+         ["method.target_modules", "at least 1"]),
     ],
 )
 def test_mistakes_are_located(tmp_path, bad, line, needles):

@@ -22,6 +22,10 @@ class PreflightFailed(UserError, RuntimeError):
     """The run does not fit anywhere it is allowed to run."""
 
 
+def _duration(hours: float) -> str:
+    return f"{hours:.1f} h" if hours >= 1 else f"{max(hours * 60, 0.1):.1f} min"
+
+
 def model_ref(spec: PipelineSpec) -> str:
     """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
     from fitburst.models import DEMO_MODEL, resolve_model_ref
@@ -117,7 +121,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
         verdict = "local"
         reason = (f"fits in {budget / GIB:.2f} GiB (budget less {spec.preflight.safety_margin:.0%} margin)"
                   + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured")
-                  + (f"; ~{local_hours:.2f} h here" if local_hours is not None else ""))
+                  + (f"; ~{_duration(local_hours)} here" if local_hours is not None else ""))
     else:
         verdict = "fail"
         reason = (f"does not fit {device.name} even with every allowed change, and burst.policy is never: "

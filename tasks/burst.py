@@ -8,6 +8,9 @@ The cluster teardown is inside burst_train (try/finally): Prefect cancellation a
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -48,14 +51,35 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
         tracker.log_text(redact(res.report), "cloud/plan.txt")
     from fitburst.train import TrainResult
 
-    result = TrainResult.load(res.run_dir)
-    result.run_dir, result.adapter_dir = str(res.run_dir), str(Path(res.run_dir) / "adapter")
+    run_dir = Path(res.run_dir)
+    if res.logged_remotely and not (run_dir / "train_result.json").exists():
+        _fetch_train_result(tracker, run_dir)  # the node logged it; nothing was pulled home
+    result = TrainResult.load(run_dir)
+    result.run_dir = str(run_dir)
+    result.adapter_dir = (f"runs:/{tracker.run_id}/adapter" if res.logged_remotely and tracker is not None
+                          and not (run_dir / "adapter").exists() else str(run_dir / "adapter"))
     if tracker is not None and not res.logged_remotely:
         tracker.log_train(result, path="cloud")
+        estimate = run_dir / "estimate.json"  # `fitburst train --plan` on the node: its device, its settings
+        if estimate.exists():
+            tracker.log_memory_comparison(json.loads(estimate.read_text()), result)
         tracker.set_tags(res.tags())  # log_train sets device/path; keep the cloud facts on top
     log.info("cloud run %s on %s (%s): %s, ~$%.2f", res.cluster, res.accelerator, res.provider,
              res.job_status, res.cost_usd or 0.0)
     return result
+
+
+def _fetch_train_result(tracker: Tracker | None, run_dir: Path) -> None:
+    """Download the node's ``train/train_result.json`` (Tracker.log_train on the node) into ``run_dir``."""
+    import mlflow
+
+    if tracker is None:
+        raise FileNotFoundError(f"{run_dir / 'train_result.json'}: the node logged to MLflow but no run is attached")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as d:
+        got = mlflow.artifacts.download_artifacts(run_id=tracker.run_id, artifact_path="train/train_result.json",
+                                                  dst_path=d, tracking_uri=tracker.uri)
+        shutil.move(got, run_dir / "train_result.json")
 
 
 def _key(name: str) -> str:

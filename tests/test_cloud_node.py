@@ -1,6 +1,8 @@
-"""The task's `run` command executed locally exactly as a cloud node runs it: same env vars, same file
-layout ($HOME/fitburst-job/{spec.yaml,prepared,run}), cwd = the synced workdir. Trains the demo model (CPU, a
-few steps) and checks the outputs the launcher pulls back, then logs them as the flow does (path=cloud)."""
+"""The task's `run` command executed locally exactly as a cloud node runs it: the task built by build_task
+(same envs, secrets, file layout $HOME/fitburst-job/{spec.yaml,prepared,run}, cwd = the synced workdir). Trains
+the demo model (CPU, a few steps) logging into the launcher's MLflow run as a node with a reachable tracking
+server does, then drives tasks.burst.train_cloud in a Prefect flow (SkyPilot faked at the SDK boundary only) both
+ways: logged remotely (nothing pulled home) and pulled home."""
 
 from __future__ import annotations
 
@@ -12,56 +14,59 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cloud_sky import FakeSky, _candidates  # seeds SkyPilot's catalog before sky is imported
 
-from fitburst.cloud import BurstResult
-from fitburst.cloud.task import collect_secrets, node_packages
+from fitburst import cloud
 from fitburst.spec import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_fitburstNODE_SECRET_987"
 
 
-def _node_task(spec, spec_file: Path, prepared: Path) -> dict:
-    """What build_task puts on the node (envs, mounts, run), read from sky/train.yaml with plain YAML here so
-    this test does not need SkyPilot's import-time setup (test_cloud_sky checks the same task through sky)."""
-    import yaml
-
-    doc = yaml.safe_load((REPO / "sky" / "train.yaml").read_text())
-    envs = {**doc["envs"], "FITBURST_NODE_PACKAGES": node_packages(), "FITBURST_PIPELINE": spec.name,
-            "FITBURST_GPU": "A6000", "FITBURST_PROVIDER": "runpod"}
-    return {"run": doc["run"], "envs": envs, "secrets": collect_secrets(spec, remote_tracking=False),
-            "mounts": {"~/fitburst-job/spec.yaml": spec_file, "~/fitburst-job/prepared": prepared}}
+def _node_env(task, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FITBURST_", "HF_"))}
+    # the model cache is shared so the demo model is not rebuilt (on a real node it is built on first use)
+    env.update(task.envs, **{k: v.get_secret_value() for k, v in task.secrets.items()}, HOME=str(home),
+               FITBURST_CACHE=os.environ.get("FITBURST_CACHE", str(Path.home() / ".cache" / "fitburst")),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return env
 
 
-@pytest.mark.timeout(300)
-def test_run_command_trains_demo_like_the_node_and_outputs_come_home(tmp_path, monkeypatch, demo_prepared):
-    if subprocess.run([sys.executable, "-m", "fitburst.cli", "train", "--help"], cwd=REPO,
-                      capture_output=True).returncode != 0:
-        pytest.skip("`fitburst train` is not importable yet")
+@pytest.mark.timeout(400)
+def test_node_trains_demo_and_train_cloud_records_it_logged_remotely_or_pulled(tmp_path, monkeypatch, demo_prepared,
+                                                                              prefect_server):
+    cli_help = subprocess.run([sys.executable, "-m", "fitburst.cli", "train", "--help"], cwd=REPO,
+                              capture_output=True, text=True)
+    assert cli_help.returncode == 0, cli_help.stderr[-3000:]  # a broken CLI is a failure, not a skip
+    from mlflow.tracking import MlflowClient
+    from prefect import flow
+
+    from fitburst import tracking
+    from tasks.burst import train_cloud
+
     monkeypatch.setenv("HF_TOKEN", SECRET)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # the node can reach this store (the real rule wants an http(s) host; the node here is this machine)
+    for mod in (cloud.task, cloud.launch):
+        monkeypatch.setattr(mod, "remote_tracking_uri", lambda: uri)
     spec = load_pipeline(REPO / "pipelines.yaml", "demo",
                          {"training.max_steps": 6, "training.log_every": 2, "training.checkpoint_every": 3,
-                          "eval.max_batches": 1, "eval.samples": 1, "eval.max_new_tokens": 4})
+                          "eval.max_batches": 1, "eval.samples": 1, "eval.max_new_tokens": 4,
+                          "preflight.device": "M2-Max-32GB"})  # the launcher's device must not reach the node
     prepared = Path(demo_prepared.dir)  # the launcher prepares the data; the node only trains
-    launcher = tmp_path / "launcher"
-    launcher.mkdir()
-    spec_file = launcher / "spec.yaml"
-    spec_file.write_text(spec.to_yaml())
-    task = _node_task(spec, spec_file, prepared)
+    remote_run = tracking.Tracker.start(spec)
+    task = cloud.build_task(spec, _candidates(), prepared_dir=prepared, mlflow_run_id=remote_run.run_id)
+    assert task.envs["FITBURST_MLFLOW_RUN_ID"] == remote_run.run_id
 
     # the node: a fresh HOME holding the file mounts, cwd = the synced workdir
     home = tmp_path / "node-home"
-    for dest, src in task["mounts"].items():
+    for dest, src in task.file_mounts.items():
         target = home / dest.removeprefix("~/")
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, target)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FITBURST_"))}
-    # the model cache is shared so the demo model is not rebuilt (on a real node it is built on first use)
-    env.update(task["envs"], **task["secrets"], HOME=str(home),
-               FITBURST_CACHE=os.environ.get("FITBURST_CACHE", str(Path.home() / ".cache" / "fitburst")),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run(["bash", "-c", task["run"]], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=280)
+    proc = subprocess.run(["bash", "-c", task.run], cwd=REPO, env=_node_env(task, home), capture_output=True,
+                          text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = home / "fitburst-job" / "run"
     node_log = (run_dir / "node.log").read_text()
@@ -69,26 +74,35 @@ def test_run_command_trains_demo_like_the_node_and_outputs_come_home(tmp_path, m
     assert SECRET not in proc.stdout + proc.stderr + node_log
     for name in ("adapter", "train_result.json", "eval.json", "metrics.jsonl"):
         assert (run_dir / name).exists(), f"{name} missing from {sorted(p.name for p in run_dir.iterdir())}"
-    assert json.loads((run_dir / "train_result.json").read_text())
+    node_result = json.loads((run_dir / "train_result.json").read_text())
+    assert node_result["device"] == "cpu" and node_result["steps"] == 6
 
-    # pulled back: log into MLflow as the flow does for a cloud run (tags path=cloud + where it ran)
-    pytest.importorskip("mlflow")
-    from fitburst import tracking
+    FakeSky(monkeypatch)
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    pulled = tmp_path / "pulled"
-    shutil.copytree(run_dir, pulled)
-    result = BurstResult(ok=True, job_status="SUCCEEDED", cluster="fitburst-demo-abc123", provider="runpod",
-                         gpu="A6000", accelerator="RTXA6000", region="CA", hourly_usd=0.49, cost_usd=0.02,
-                         run_dir=str(pulled))
-    tracker = tracking.Tracker.start(spec, tags=result.tags())
-    tracker.log_artifacts(pulled / "adapter", "adapter")
-    tracker.end("FINISHED")
-    import mlflow
+    @flow(name="train-cloud-test")
+    def drive(tracker, home_dir: Path):
+        return train_cloud(spec, demo_prepared, tracker, _candidates(), home_dir)
 
-    exp = [spec.tracking.experiment]
-    runs = mlflow.search_runs(experiment_names=exp, filter_string="tags.path = 'cloud'")
-    assert len(runs) == 1 and runs.iloc[0]["tags.cloud.accelerator"] == "RTXA6000"
-    for col in runs.columns:
-        assert SECRET not in str(runs.iloc[0][col])
+    client = MlflowClient(uri)
+    # 1. the node logged into the run itself: nothing is pulled home, the result comes from the run's artifact
+    monkeypatch.setattr(cloud.launch, "_pull_outputs", lambda *a: pytest.fail("pulled although logged remotely"))
+    got = drive(remote_run, tmp_path / "home-remote")
+    assert got.steps == 6 and got.adapter_dir == f"runs:/{remote_run.run_id}/adapter"
+    tags = client.get_run(remote_run.run_id).data.tags
+    assert tags["path"] == "cloud" and tags["cloud.accelerator"] == "RTXA6000"
+
+    # 2. the node could not log: its run folder is pulled home and logged here
+    for mod in (cloud.task, cloud.launch):
+        monkeypatch.setattr(mod, "remote_tracking_uri", lambda: None)
+    monkeypatch.setattr(cloud.launch, "_pull_outputs",
+                        lambda cluster, dest, log: shutil.copytree(run_dir, dest, dirs_exist_ok=True))
+    pulled_run = tracking.Tracker.start(spec)
+    got = drive(pulled_run, tmp_path / "home-pulled")
+    assert got.steps == 6 and Path(got.adapter_dir, "adapter_config.json").exists()
+    run = client.get_run(pulled_run.run_id)
+    assert run.data.tags["path"] == "cloud" and run.data.tags["cloud.provider"] == "runpod"
+    assert run.data.metrics["train.steps"] == 6
+    if (run_dir / "estimate.json").exists():  # `fitburst train --plan` writes it (the node's device)
+        assert "memory.measured_over_estimated" in run.data.metrics
+    for r in (run, client.get_run(remote_run.run_id)):
+        assert SECRET not in json.dumps({**r.data.tags, **r.data.params})

@@ -294,3 +294,138 @@ def test_spot_uses_a_managed_job_and_cancels_it_on_interrupt(demo, tmp_path, mon
     assert task.secrets["MLFLOW_TRACKING_URI"].get_secret_value() == "https://mlflow.example.com"
     assert all(r.use_spot and r.job_recovery["strategy"] == "FAILOVER" for r in task.resources)
     assert ("cancel", [7]) in calls
+
+
+# --- review fixes: the node's spec, interrupts, redaction, the flow's burst branch -----------------------------
+
+def test_node_spec_trains_for_its_own_device_and_holds_no_tracking_uri(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    uri = "https://alice:pw-in-uri-123@mlflow.example.com"
+    spec = spec.model_copy(update={"preflight": spec.preflight.model_copy(update={"device": "M2-Max-32GB"}),
+                                   "tracking": spec.tracking.model_copy(update={"uri": uri})})
+    task = build_task(spec, _candidates(), prepared_dir=prepared)
+    node = load_pipeline_yaml(Path(task.file_mounts["~/fitburst-job/spec.yaml"]))
+    assert node["preflight"]["device"] == "auto" and node["tracking"]["uri"] is None
+    assert "pw-in-uri-123" not in Path(task.file_mounts["~/fitburst-job/spec.yaml"]).read_text()
+
+    # burst_train writes it to a temp file that is gone after the launch, dry runs included
+    written = []
+    real = cloud.launch.write_node_spec
+    monkeypatch.setattr(cloud.launch, "write_node_spec", lambda s, d: written.append(real(s, d)) or written[-1])
+    burst_train(spec, prepared, tmp_path / "run", _candidates(), dry_run=True, log=lambda s: None)
+    FakeSky(monkeypatch)
+    burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, pull=_pull)
+    assert len(written) == 2 and not any(p.exists() for p in written)
+
+
+def load_pipeline_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def _spot(spec):
+    return spec.model_copy(update={"burst": spec.burst.model_copy(update={"spot": True})})
+
+
+@pytest.mark.parametrize("cancel_works", [True, False])
+def test_interrupt_during_managed_job_launch_cancels_the_request_and_the_job(demo, tmp_path, monkeypatch,
+                                                                              cancel_works):
+    spec, prepared = demo
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    calls, lines = [], []
+    monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: "req-jobs-launch")
+
+    def get(rid=None, **kw):
+        if rid == "req-jobs-launch":
+            raise KeyboardInterrupt  # Ctrl-C while SkyPilot is still provisioning: no job id yet
+        if rid == "req-jobs-cancel" and not cancel_works:
+            raise RuntimeError("API server unreachable")
+
+    def cancel(name=None, job_ids=None, **kw):
+        calls.append(("jobs.cancel", name, job_ids))
+        return "req-jobs-cancel"
+
+    monkeypatch.setattr(sky, "stream_and_get", get)
+    monkeypatch.setattr(sky, "api_cancel", lambda rid, **kw: calls.append(("api_cancel", rid)))
+    monkeypatch.setattr(sky.jobs, "cancel", cancel)
+    with pytest.raises(KeyboardInterrupt):
+        burst_train(_spot(spec), prepared, tmp_path / "run", _candidates(), log=lines.append, mlflow_run_id="r1")
+    assert calls[0] == ("api_cancel", "req-jobs-launch")
+    assert calls[1][0] == "jobs.cancel" and calls[1][1].startswith("fitburst-qwen7b-lora-") and calls[1][2] is None
+    warned = any("cancelling managed job" in line and "failed" in line for line in lines)
+    assert warned is not cancel_works
+
+
+def test_managed_job_error_reports_torn_down_from_the_cancel(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: "req-jobs-launch")
+
+    def get(rid=None, **kw):
+        raise RuntimeError("controller unreachable")
+
+    monkeypatch.setattr(sky, "stream_and_get", get)
+    monkeypatch.setattr(sky, "api_cancel", lambda rid, **kw: None)
+    monkeypatch.setattr(sky.jobs, "cancel", lambda **kw: "req-jobs-cancel")
+    with pytest.raises(BurstFailed) as e:
+        burst_train(_spot(spec), prepared, tmp_path / "run", _candidates(), log=lambda s: None, mlflow_run_id="r1")
+    assert e.value.result.job_status == "ERROR" and not e.value.result.torn_down  # the cancel itself failed
+
+
+def test_prefect_termination_is_cancelled_torn_down_and_re_raised_unchanged(demo, tmp_path, monkeypatch):
+    from prefect.exceptions import TerminationSignal
+
+    spec, prepared = demo
+    fake = FakeSky(monkeypatch, tail_error=TerminationSignal(15))
+    with pytest.raises(TerminationSignal):
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None)
+    assert ("cancel", "req-launch") in fake.calls and "down" in fake.names()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    calls = []
+    monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: "j")
+    monkeypatch.setattr(sky, "stream_and_get", lambda rid=None, **kw: ([7], None) if rid == "j" else None)
+    monkeypatch.setattr(sky.jobs, "tail_logs", lambda **kw: (_ for _ in ()).throw(TerminationSignal(15)))
+    monkeypatch.setattr(sky.jobs, "cancel", lambda job_ids=None, **kw: calls.append(job_ids))
+    with pytest.raises(TerminationSignal):  # not wrapped into BurstFailed (an ordinary Exception)
+        burst_train(_spot(spec), prepared, tmp_path / "run", _candidates(), log=lambda s: None, mlflow_run_id="r")
+    assert calls == [[7]]
+
+
+@pytest.mark.parametrize("spot", [False, True])
+def test_skypilot_error_text_is_redacted_in_burst_failed(demo, tmp_path, monkeypatch, spot):
+    spec, prepared = demo
+    error = RuntimeError(f"request failed: Authorization header 'Bearer {SECRET}' rejected")
+    if spot:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+        monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: "req-jobs-launch")
+        monkeypatch.setattr(sky, "stream_and_get",
+                            lambda rid=None, **kw: (_ for _ in ()).throw(error) if rid == "req-jobs-launch" else None)
+        monkeypatch.setattr(sky, "api_cancel", lambda rid, **kw: None)
+        monkeypatch.setattr(sky.jobs, "cancel", lambda **kw: "c")
+        spec = _spot(spec)
+    else:
+        FakeSky(monkeypatch, launch_error=error)
+    with pytest.raises(BurstFailed) as e:
+        burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, mlflow_run_id="r")
+    assert SECRET not in str(e.value) and SECRET not in e.value.result.message
+    assert "***" in str(e.value)
+
+
+@pytest.mark.timeout(300)
+def test_flow_burst_branch_ends_the_mlflow_run_failed_when_the_launch_fails(prefect_server, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import finetune
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    fake = FakeSky(monkeypatch, launch_error=sx.ResourcesUnavailableError("Failed to provision"))
+    with pytest.raises(BurstFailed, match="no GPU available"):
+        finetune(pipeline="demo", pipelines_file=str(REPO / "pipelines.yaml"),
+                 overrides={"burst.policy": "always", "training.max_steps": 2})
+    assert "launch" in fake.names() and "down" in fake.names()
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("fitburst").experiment_id], "tags.pipeline = 'demo'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert runs[0].data.tags["cloud.job_status"] == "LAUNCH_FAILED" and runs[0].data.tags["path"] == "cloud"

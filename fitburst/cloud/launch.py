@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -31,7 +32,9 @@ from fitburst.cloud.task import (
     check_budget,
     dry_run_report,
     remote_tracking_uri,
+    write_node_spec,
 )
+from fitburst.tracking import redact
 
 CREDENTIAL_HINTS = {
     "runpod": "RunPod: put an API key in ~/.runpod/config.toml (or RUNPOD_API_KEY), then `sky check runpod`",
@@ -81,10 +84,15 @@ class BurstResult:
 
 
 class BurstFailed(BurstError):
-    """The cloud run failed; ``result`` holds what is known (the cluster is already down)."""
+    """The cloud run failed; ``result`` holds what is known (the cluster is already down).
+
+    The message (often SkyPilot's exception text) is redacted here: it becomes Prefect's state message,
+    notifications and an MLflow artifact."""
 
     def __init__(self, message: str, result: BurstResult):
+        message = redact(message)
         super().__init__(message)
+        result.message = redact(result.message) if result.message else message
         self.result = result
 
 
@@ -182,7 +190,16 @@ def burst_train(
     """
     candidates = [Candidate.from_dict(c) for c in candidates]
     ok = check_budget(spec, candidates)
-    task = build_task(spec, candidates, prepared_dir=prepared_dir, mlflow_run_id=mlflow_run_id)
+    # the node's spec file lives only until the launch has uploaded it (dry runs included)
+    with tempfile.TemporaryDirectory(prefix="fitburst-spec-") as tmp:
+        spec_path = write_node_spec(spec, tmp)
+        return _burst_train(spec, prepared_dir, run_dir, candidates, ok, spec_path, dry_run=dry_run, log=log,
+                            mlflow_run_id=mlflow_run_id, local=local, pull=pull)
+
+
+def _burst_train(spec, prepared_dir, run_dir, candidates, ok, spec_path, *, dry_run, log, mlflow_run_id, local,
+                 pull) -> BurstResult:
+    task = build_task(spec, candidates, prepared_dir=prepared_dir, spec_path=spec_path, mlflow_run_id=mlflow_run_id)
     report = dry_run_report(spec, candidates, task, local=local)
     first = ok[0]
     base = dict(
@@ -257,7 +274,8 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
         return result
     except BaseException as e:
         if not isinstance(e, BurstFailed):
-            result.job_status = "CANCELLED" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "ERROR"
+            # KeyboardInterrupt, SystemExit, Prefect's TerminationSignal: any BaseException that is not an Exception
+            result.job_status = "ERROR" if isinstance(e, Exception) else "CANCELLED"
             result.message = result.message or f"{type(e).__name__}: {e}"
             if request_id is not None:
                 _quiet(lambda: sky.api_cancel(request_id), log)
@@ -335,9 +353,10 @@ def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -
     )
     stream = LogStream(log)
     started = time.monotonic()
-    job_id = None
+    job_id = request_id = None
     try:
-        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name), output_stream=stream)
+        request_id = sky.jobs.launch(task, name=name)
+        job_ids, _ = sky.stream_and_get(request_id, output_stream=stream)
         job_id = job_ids[0] if job_ids else None
         code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=stream)
         result.job_status = "SUCCEEDED" if code == 0 else ("CANCELLED" if code == 103 else "FAILED")
@@ -349,20 +368,45 @@ def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -
         result.ok, result.message = True, f"managed job {job_id} succeeded"
         return result
     except BaseException as e:
+        interrupted = not isinstance(e, Exception)  # Ctrl-C, SystemExit, Prefect's TerminationSignal
         if not isinstance(e, BurstFailed):
-            result.job_status = "CANCELLED" if isinstance(e, KeyboardInterrupt) else "ERROR"
-            result.message = result.message or explain_launch_error(e, ok)
-        if job_id is not None and result.job_status != "SUCCEEDED":
-            _quiet(lambda: sky.stream_and_get(sky.jobs.cancel(job_ids=[job_id])), log)
-        result.torn_down = True  # managed jobs delete their own cluster
-        if isinstance(e, (KeyboardInterrupt, BurstFailed)):
-            raise
+            result.job_status = "CANCELLED" if interrupted else "ERROR"
+            result.message = result.message or (
+                f"interrupted ({type(e).__name__})" if interrupted else explain_launch_error(e, ok)
+            )
+        if isinstance(e, BurstFailed):
+            result.torn_down = True  # the job ended on its own; managed jobs delete their own cluster
+        else:
+            result.torn_down = _cancel_managed(name, job_id, request_id, log)
+        if interrupted or isinstance(e, BurstFailed):
+            raise  # unchanged: the flow and Prefect must see the interrupt itself
         raise BurstFailed(result.message, result) from e
     finally:
         stream.flush()
         result.seconds = round(time.monotonic() - started, 1)
         if result.hourly_usd is not None:
             result.cost_usd = round(result.hourly_usd * result.seconds / 3600, 4)
+
+
+def _cancel_managed(name: str, job_id: int | None, request_id: Any, log) -> bool:
+    """Cancel the managed job (by id, or by name while the launch request has not returned one); never raises.
+
+    True when SkyPilot accepted the cancel, so no cluster is left behind."""
+    import sky
+
+    if job_id is None and request_id is not None:
+        _quiet(lambda: sky.api_cancel(request_id, silent=True), log)  # stop the launch request itself
+    try:
+        log(f"cancelling managed job {job_id if job_id is not None else name}")
+        if job_id is not None:
+            sky.stream_and_get(sky.jobs.cancel(job_ids=[job_id]))
+        else:
+            sky.stream_and_get(sky.jobs.cancel(name=name))
+        return True
+    except BaseException as e:  # noqa: BLE001 - including a second Ctrl-C: the error that got us here matters more
+        log(f"WARNING: cancelling managed job {name} failed ({type(e).__name__}: {redact(str(e))}); "
+            f"run `sky jobs cancel -n {name}`")
+        return False
 
 
 def _sync_bucket(bucket: str, run_dir: Path, log) -> None:

@@ -149,7 +149,8 @@ def build_task(
 ):
     """Load sky/train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
 
-    ``spec_path``: the resolved spec to mount (written to a temp file from ``spec.to_yaml()`` when None).
+    ``spec_path``: the resolved spec to mount (``write_node_spec`` into a new temp folder when None; the caller
+    deletes it: burst_train passes its own, removed after the launch).
     ``prepared_dir``: the prepared data to mount. ``mlflow_run_id``: with a reachable MLFLOW_TRACKING_URI the
     node logs into that run directly (URI and credentials go as secrets); otherwise outputs are pulled back.
     """
@@ -160,9 +161,7 @@ def build_task(
     task.name = _task_name(spec)
     task.update_workdir(str(workdir or REPO_ROOT), None, None)
     if spec_path is None:
-        fd, spec_path = tempfile.mkstemp(prefix=f"fitburst-{spec.name}-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
-            f.write(spec.to_yaml())
+        spec_path = write_node_spec(spec, tempfile.mkdtemp(prefix="fitburst-spec-"))
     mounts = {f"~/{JOB_DIR}/spec.yaml": str(Path(spec_path).resolve())}
     if prepared_dir is not None:
         mounts[f"~/{JOB_DIR}/prepared"] = str(Path(prepared_dir).resolve())
@@ -184,6 +183,24 @@ def build_task(
     resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes)
     task.set_resources(sky.Resources.from_yaml_config({"ordered": resources}))
     return task
+
+
+def node_spec(spec: Any) -> Any:
+    """The spec the node trains from: its own device (``preflight.device: auto``, not the launcher's cpu/MPS/...)
+    and no tracking URI (the node gets MLFLOW_TRACKING_URI as a SkyPilot secret; a URI may hold user:pass@)."""
+    return spec.model_copy(
+        update={
+            "preflight": spec.preflight.model_copy(update={"device": "auto"}),
+            "tracking": spec.tracking.model_copy(update={"uri": None}),
+        }
+    )
+
+
+def write_node_spec(spec: Any, directory: str | os.PathLike) -> Path:
+    """``node_spec(spec)`` as YAML in ``directory`` (the file mounted at ~/fitburst-job/spec.yaml)."""
+    path = Path(directory) / "spec.yaml"
+    path.write_text(node_spec(spec).to_yaml())
+    return path
 
 
 def _task_name(spec: Any) -> str:

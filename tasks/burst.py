@@ -21,6 +21,7 @@ from fitburst.cloud import BurstFailed, BurstResult, burst_train
 from fitburst.data import PreparedData
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
+from tasks import artifact_key
 
 
 @task(name="train-cloud", cache_policy=NONE)
@@ -42,7 +43,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
             tracker.set_tags(e.result.tags())
             tracker.log_text(redact(str(e)), "cloud/failure.txt")
         raise
-    create_markdown_artifact(f"```\n{redact(res.report)}\n```", key=f"burst-{_key(spec.name)}",
+    create_markdown_artifact(f"```\n{redact(res.report)}\n```", key=f"burst-{artifact_key(spec.name)}",
                              description="burst plan: local vs cloud, chosen GPU, cost, SkyPilot task")
     if dry_run:
         return res
@@ -81,6 +82,3 @@ def _fetch_train_result(tracker: Tracker | None, run_dir: Path) -> None:
                                                   dst_path=d, tracking_uri=tracker.uri)
         shutil.move(got, run_dir / "train_result.json")
 
-
-def _key(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "-" for ch in name.lower())

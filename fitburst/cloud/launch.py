@@ -245,7 +245,7 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
             setup_failed = isinstance(e, sx.ClusterSetUpError) or "setup" in str(e).lower()
             result.job_status = "FAILED_SETUP" if setup_failed else "LAUNCH_FAILED"
             result.message = explain_launch_error(e, ok)
-            raise BurstFailed(result.message, result) from e
+            raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
         _describe(result, handle)
         log(
             f"job {job_id} on {name} ({result.accelerator} @ {result.provider} {result.region or ''}); "
@@ -268,7 +268,7 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
                 pull(name, run_dir, log)
             except Exception as e:  # noqa: BLE001
                 result.message = f"training succeeded but pulling outputs from {name} failed: {e}"
-                raise BurstFailed(result.message, result) from e
+                raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
         result.ok = True
         result.message = f"trained on {result.accelerator} ({result.provider})"
         return result
@@ -380,7 +380,7 @@ def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -
             result.torn_down = _cancel_managed(name, job_id, request_id, log)
         if interrupted or isinstance(e, BurstFailed):
             raise  # unchanged: the flow and Prefect must see the interrupt itself
-        raise BurstFailed(result.message, result) from e
+        raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
     finally:
         stream.flush()
         result.seconds = round(time.monotonic() - started, 1)

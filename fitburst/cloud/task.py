@@ -13,6 +13,7 @@ import yaml
 
 from fitburst.cloud.gpus import SKY_CLOUD
 from fitburst.cloud.rank import Candidate
+from fitburst.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASK_YAML = REPO_ROOT / "sky" / "train.yaml"
@@ -49,7 +50,7 @@ REMOTE_TRACKING_SECRET_ENV = [
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
-class BurstError(RuntimeError):
+class BurstError(UserError, RuntimeError):
     """A burst run that cannot start or did not finish; the message says what to do."""
 
 

@@ -14,6 +14,7 @@ import yaml
 from fitburst.cloud.gpus import SKY_CLOUD
 from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
+from fitburst.spec import ENV_REF
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASK_YAML = REPO_ROOT / "sky" / "train.yaml"
@@ -47,7 +48,6 @@ REMOTE_TRACKING_SECRET_ENV = [
     "AWS_SESSION_TOKEN",
     "MLFLOW_S3_ENDPOINT_URL",
 ]
-ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
 class BurstError(UserError, RuntimeError):

@@ -54,7 +54,7 @@ class TrainSettings:
     attention: str = "sdpa"  # eager | sdpa | flash
     grad_accum: int = 1
     keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
-    eval_batch: int = 0  # > 0: an eval forward (no grad) at this batch size also runs during training
+    eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
     padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
 
     def __post_init__(self) -> None:
@@ -121,6 +121,7 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         dtype=dtype,
         attention=attention,
         keep_logits=False,
+        eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
     )
 
 
@@ -590,7 +591,7 @@ def estimate(
     if s.eval_batch:
         Te = s.eval_batch * s.seq_len
         ev = a_lm * Te * V + 8 * Te * V + 4 * a * Te * max(h, shape.intermediate)
-        phases["eval"] = _comp(w, lora_w, 0, OPT, 0, ev, 0)
+        phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]

@@ -54,21 +54,12 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def _prepare(spec):
-    from fitburst.data import prepare
-    from fitburst.models import cache_root, load_tokenizer
-    from fitburst.spec import resolve_env
-
-    m = spec.model
-    tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
-    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
-
-
 def cmd_prepare(args) -> int:
+    from fitburst.data import prepare_pipeline
     from fitburst.spec import load_pipeline
 
     spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
-    prepared = _prepare(spec)
+    prepared = prepare_pipeline(spec)
     print(prepared.to_json())
     return 0
 
@@ -83,7 +74,9 @@ def cmd_preflight(args) -> int:
         seq = args.seq_len
     else:
         try:
-            prepared = _prepare(spec)
+            from fitburst.data import prepare_pipeline
+
+            prepared = prepare_pipeline(spec)
             seq, n_train, mean = prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
         except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
             seq = spec.data.max_seq_len

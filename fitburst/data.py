@@ -266,6 +266,14 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> Prep
     return PreparedData.from_dir(out)
 
 
+def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
+    """:func:`prepare` for a pipeline: its data file and settings, its model's tokenizer, the shared cache."""
+    from fitburst.models import cache_root, tokenizer_for
+
+    tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
+    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+
+
 def load_split(prepared: PreparedData, split: str):
     from datasets import load_from_disk
 

@@ -130,6 +130,13 @@ def load_tokenizer(name: str, revision: str | None = None, token: str | None = N
     return tok
 
 
+def tokenizer_for(model):
+    """The tokenizer of a pipeline's ``model`` section (its ${ENV} token resolved only here, at use)."""
+    from fitburst.spec import resolve_env
+
+    return load_tokenizer(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code)
+
+
 def quantization_config(quant: str, double_quant: bool, compute_dtype):
     """The bitsandbytes config for a quant setting, or None for unquantized weights."""
     if quant == "none":

@@ -8,7 +8,7 @@ the device with the configured safety margin, and writes the plan back into the 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fitburst.errors import UserError
@@ -132,7 +132,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
         pipeline=spec.name, verdict=verdict, reason=reason,
         device={"name": device.name, "kind": device.kind, "total_bytes": device.total_bytes,
                 "budget_bytes": device.budget_bytes},
-        estimate=est, changes=list(plan.changes), settings=asdict(replace(plan.settings)), seq_len=seq_len,
+        estimate=est, changes=list(plan.changes), settings=asdict(plan.settings), seq_len=seq_len,
         spec_yaml=planned.to_yaml(), tokens=tokens, local_hours=local_hours)
 
 

@@ -104,12 +104,12 @@ def check_quant_supported(quant: str, device: str) -> None:
 
 def build_model(spec: PipelineSpec, device: str, precision: str):
     """Load the base model once and wrap it for the configured method. Returns (model, tokenizer)."""
-    from fitburst.models import load_model, load_tokenizer
+    from fitburst.models import load_model, tokenizer_for
 
     m, method, tr = spec.model, spec.method, spec.training
     check_quant_supported(method.quant, device)
     token = resolve_env(m.hf_token)
-    tok = load_tokenizer(m.name, m.revision, token, m.trust_remote_code)
+    tok = tokenizer_for(m)
     model = load_model(m.name, dtype=torch_dtype(precision), device=device, quant=method.quant,
                        double_quant=method.double_quant, attention=tr.attention, revision=m.revision,
                        token=token, trust_remote_code=m.trust_remote_code)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from fitburst.data import PreparedData, prepare
-from fitburst.models import cache_root, load_tokenizer
-from fitburst.spec import PipelineSpec, resolve_env
+from fitburst.data import PreparedData, prepare_pipeline
+from fitburst.models import tokenizer_for
+from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
 
 
@@ -18,14 +18,14 @@ def data_prep(spec: PipelineSpec, tracker: Tracker, dry_run: bool = False) -> Pr
     log = get_run_logger()
     m = spec.model
     try:
-        tok = load_tokenizer(m.name, m.revision, resolve_env(m.hf_token), m.trust_remote_code)
+        tok = tokenizer_for(m)
     except OSError as e:
         if not dry_run:
             raise
         log.warning("dry run: cannot load the tokenizer of %s (%s); planning for data.max_seq_len=%d",
                     m.name, type(e).__name__, spec.data.max_seq_len)
         return None
-    prepared = prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+    prepared = prepare_pipeline(spec, tok)
     s = prepared.stats
     log.info("%d train / %d val records (%d skipped); tokens p50 %d, p95 %d, max %d; cache %s",
              prepared.n_train, prepared.n_val, prepared.n_skipped, s["p50"], s["p95"], s["max"], prepared.dir)

@@ -113,6 +113,13 @@ def build_model(spec: PipelineSpec, device: str, precision: str):
     model = load_model(m.name, dtype=torch_dtype(precision), device=device, quant=method.quant,
                        double_quant=method.double_quant, attention=tr.attention, revision=m.revision,
                        token=token, trust_remote_code=m.trust_remote_code)
+    return prepare_for_training(model, spec), tok
+
+
+def prepare_for_training(model, spec: PipelineSpec):
+    """Wrap a loaded base model for the configured method (k-bit prep, checkpointing, LoRA). The preflight's
+    trace applies this same function to a model built on the meta device, so estimate and training cannot drift."""
+    method, tr = spec.method, spec.training
     model.config.use_cache = False
     if method.quant != "none":
         from peft import prepare_model_for_kbit_training
@@ -131,7 +138,7 @@ def build_model(spec: PipelineSpec, device: str, precision: str):
         model = get_peft_model(model, LoraConfig(
             r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type="CAUSAL_LM",
             target_modules=targets if targets == "all-linear" else list(targets)))
-    return model, tok
+    return model
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float):

@@ -65,35 +65,26 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_preflight(args) -> int:
-    from fitburst.preflight import preflight
+    from fitburst.preflight import data_facts, preflight
     from fitburst.spec import load_pipeline
 
     spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
-    n_train = mean = None
-    if args.seq_len:
-        seq = args.seq_len
-    else:
-        try:
-            from fitburst.data import prepare_pipeline
+    try:
+        from fitburst.data import prepare_pipeline
 
-            prepared = prepare_pipeline(spec)
-            seq, n_train, mean = prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-        except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
-            seq = spec.data.max_seq_len
-            logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
-                                                "data.max_seq_len=%d", type(e).__name__, seq)
-    report = preflight(spec, seq, args.device, n_train=n_train, mean_len=mean)
-    if report.verdict == "burst" and spec.burst.policy != "never":
-        from fitburst.preflight import attach_candidates
-
-        attach_candidates(report, spec)
+        seq, n_train, mean = data_facts(spec, prepare_pipeline(spec))
+    except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
+        seq, n_train, mean = data_facts(spec)
+        logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
+                                            "data.max_seq_len=%d", type(e).__name__, seq)
+    report = preflight(spec, args.seq_len or seq, args.device, n_train=n_train, mean_len=mean)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         from rich.markdown import Markdown
 
         _console().print(Markdown(report.to_markdown()))
-    return 0 if report.verdict != "fail" else 3
+    return 0 if report.verdict.placement != "fail" else 3
 
 
 def cmd_run(args) -> int:

@@ -78,18 +78,18 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         prepared = data_prep(spec, tracker, dry_run=dry_run)
         report: PreflightReport = preflight_task(spec, prepared, tracker)
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
-                   "verdict": report.verdict, "reason": report.reason, "device": report.device["name"],
-                   "plan": report.changes, "estimated_peak_bytes": report.estimate["device_total_bytes"],
-                   "estimated_comparable_bytes": measured_counterpart(report.estimate, report.device["kind"])}
-        if report.verdict == "fail":
+                   "verdict": report.verdict.placement, "reason": report.reason, "device": report.device.name,
+                   "plan": report.changes, "estimated_peak_bytes": report.estimate.device_total_bytes,
+                   "estimated_comparable_bytes": measured_counterpart(report.estimate.to_dict(), report.device.kind)}
+        if report.verdict.placement == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
         tracker.log_planned(spec, planned)
-        if dry_run and report.verdict == "local":
+        if dry_run and report.verdict.placement == "local":
             status = "FINISHED"
             return summary
-        if report.verdict == "local":
-            result = train_local(planned, prepared, tracker, report.estimate)
+        if report.verdict.placement == "local":
+            result = train_local(planned, prepared, tracker, report.estimate.to_dict())
             ev = evaluate_task(planned, prepared, result, tracker) if planned.eval.enabled else None
         else:
             result, ev = _burst(spec, prepared, report, tracker, dry_run)
@@ -123,8 +123,8 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")
     run_dir, _ = open_run_dir(spec)
-    local = {"device": report.device["name"], "fits": bool(report.estimate.get("fits")), "hours": report.local_hours,
-             "estimate": report.estimate}
+    local = {"device": report.device.name, "fits": report.plan.fits, "hours": report.local_hours,
+             "estimate": report.estimate.to_dict()}
     try:
         result = train_cloud(spec, prepared, tracker, report.candidates, run_dir, dry_run=dry_run, local=local)
     finally:

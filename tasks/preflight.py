@@ -7,7 +7,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
-from fitburst.preflight import PreflightReport, attach_candidates, preflight
+from fitburst.preflight import PreflightReport, data_facts, preflight
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
 from tasks import artifact_key
@@ -15,26 +15,18 @@ from tasks import artifact_key
 
 @task(name="preflight", cache_policy=NONE)
 def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: Tracker) -> PreflightReport:
-    if prepared is None:  # dry run without a tokenizer: the longest allowed sequence, record count from the file
-        from fitburst.data import read_records
-
-        n = len(read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)[0])
-        seq = spec.data.max_seq_len
-        report = preflight(spec, seq, n_train=round(n * (1 - spec.data.val_split)), mean_len=seq)
-    else:
-        report = preflight(spec, prepared.stats["max"], n_train=prepared.n_train, mean_len=prepared.stats["mean"])
-    if spec.preflight.probe and report.verdict == "local" and prepared is not None:
+    # prepared is None on a dry run without a tokenizer: the longest allowed sequence, record count from the file
+    seq, n_train, mean = data_facts(spec, prepared)
+    report = preflight(spec, seq, n_train=n_train, mean_len=mean)
+    if spec.preflight.probe and report.verdict.placement == "local" and prepared is not None:
         from fitburst.probe import probe_and_replan
 
         report, _ = probe_and_replan(spec, prepared, report, tracker)
-    if report.verdict == "burst":
-        attach_candidates(report, spec)
     log = get_run_logger()
-    log.info("preflight %s: %s (%s)", spec.name, report.verdict, report.reason)
+    log.info("preflight %s: %s (%s)", spec.name, report.verdict.placement, report.verdict.reason)
     for change in report.changes:
         log.info("plan: %s", change)
     create_markdown_artifact(key=f"preflight-{artifact_key(spec.name)}", markdown=report.to_markdown(),
                              description=f"memory preflight for {spec.name}")
     tracker.log_preflight(report)
     return report
-

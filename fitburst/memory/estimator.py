@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
+from .accuracy import ErrorBand
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import ModelShape
 
@@ -33,6 +34,7 @@ MEASURED_COUNTERPART = {"cuda": "allocated_peak_bytes", "mps": "reserved_peak_by
 def measured_counterpart(estimate: dict, kind: str) -> int:
     """The estimate's figure that a measured peak (``MemoryPeak.allocated_bytes``) on ``kind`` compares with."""
     return int(estimate[MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")])
+EVAL_LOSS_CHUNK_TOKENS = 1024  # fitburst.evaluate's loss chunk (tokens whose fp32 logits exist at once)
 BNB_MIN_8BIT = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
 BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
 
@@ -143,6 +145,8 @@ class Estimate:
     safety_margin: float = 0.0
     notes: list[str] = field(default_factory=list)
     calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
+    method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.accuracy) applies
+    band: ErrorBand | None = None  # set by the planner: the band its verdict used
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -588,9 +592,10 @@ def estimate(
         phases["backward"]["gradients"] = max(phases["backward"].get("gradients", 0), int(G * 0))
     # optimizer step: all grads, states, the step's temporaries (logits still referenced by the loop)
     phases["optimizer_step"] = _comp(w, lora_w, G, OPT, 0, kept_logits, O_tmp)
-    if s.eval_batch:
+    if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
-        ev = a_lm * Te * V + 8 * Te * V + 4 * a * Te * max(h, shape.intermediate)
+        chunk = min(Te, EVAL_LOSS_CHUNK_TOKENS)
+        ev = a_lm * Te * V + 8 * chunk * V + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])

@@ -171,12 +171,12 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
                              "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
                              "memory.probe_seq_len": result["seq_len"],
                              "memory.probe_seconds": result["seconds"],
-                             "memory.probe_replanned": float(new is not report)})
+                             "memory.probe_replanned": float(new.plan is not report.plan)})
         tracker.set_tags({"probe.device": result["device"]})
         tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")
     log.info("probe on %s: measured %s bytes vs estimated %s (x%.2f)%s", result["device"],
              result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
-             "; re-planned" if new is not report else "")
+             "; re-planned" if new.plan is not report.plan else "")
     return new, result
 
 

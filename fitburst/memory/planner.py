@@ -153,7 +153,7 @@ def plan_fit(
         return s, budget.judge(analytic(s, device)), 0
 
     def search() -> list[tuple[float, TrainSettings, list[str], Estimate]]:
-        """Every rung combination with the fewest batch halvings that fits it (analytic), cheapest first."""
+        """Every rung combination and batch halving that fits (analytic), cheapest first."""
         out = []
         rungs = _rungs(settings, device, allow)
         halvings = settings.batch.bit_length() - 1 if allow["reduce_batch"] else 0
@@ -162,22 +162,28 @@ def plan_fit(
                 s, cost = settings, 1.0
                 for key, fn, _ in combo:
                     s, cost = fn(s), cost * _COST[key]
-                for k in range(halvings + 1):
+                for k in range(halvings + 1):  # every halving that fits (further ones are for the exact check)
                     sk, e, ek = judged(_halve_batch(settings, s, k) if k else s)
                     if e.fits:
                         out.append((cost * _COST["reduce_batch"] ** k * _EVAL_HALVING**ek, sk,
                                     [text for _, _, text in combo], e))
-                        break
         return sorted(out, key=lambda f: f[0])
 
     def verified(found: list) -> Plan | None:
         """The first of ``found`` that the exact estimate (when given) agrees fits."""
-        for _, s, rung_text, e in found[:_MAX_EXACT_CHECKS] if exact is not None else found[:1]:
+        ratio = 1.0  # exact / analytic, as seen on rejected plans: skip plans that would be rejected the same way
+        for _, s, rung_text, e in found:
             if exact is not None:
-                e = budget.judge(exact(s, device))
-                if not e.fits:
-                    rejected.append(s)
+                if budget.needed(e) * ratio > budget.limit:
                     continue
+                if len(rejected) >= _MAX_EXACT_CHECKS:
+                    return None
+                x = budget.judge(exact(s, device))
+                if not x.fits:
+                    rejected.append(s)
+                    ratio = max(ratio, x.reserved_peak_bytes / e.reserved_peak_bytes)
+                    continue
+                e = x
             e.plan = _describe(settings, s, rung_text, e)
             return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
         return None

@@ -140,7 +140,8 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     """The estimate that verifies the chosen plan (the planner searches with the analytic one).
 
     Merge point for the traced estimate (branch i8-trace): return
-    ``lambda s, d: traced_estimate(spec, s, d, seq_len=seq_len)`` from ``fitburst.memory.trace``.
+    ``lambda s, d: replace(traced_estimate(spec, s, d, seq_len=seq_len), method="traced")`` from
+    ``fitburst.memory.trace`` (``method`` picks its error band in ``fitburst.memory.accuracy``).
     Until then None: the analytic estimate decides alone."""
     return None
 

@@ -29,4 +29,7 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
     create_markdown_artifact(key=f"preflight-{artifact_key(spec.name)}", markdown=report.to_markdown(),
                              description=f"memory preflight for {spec.name}")
     tracker.log_preflight(report)
+    # what `fitburst calibrate` divides out of these estimates, so that fitting again converges
+    tracker.log_metrics({"memory.calibration_factor": report.estimate.calibration_factor,
+                         "memory.calibration_reserved_factor": report.estimate.reserved_calibration_factor})
     return report

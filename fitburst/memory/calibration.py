@@ -1,7 +1,9 @@
 """Correction constants fitted from measured runs (``fitburst calibrate``), read by the estimator.
 
 A small JSON file at ``$FITBURST_CACHE/calibration.json`` (default ``~/.cache/fitburst``): a multiplicative
-factor per device family (cuda / mps / cpu) and per GPU name where enough runs were seen. No file, no change.
+factor per device family (cuda / mps / cpu) and per GPU name where enough runs were seen, for the figure a run's
+measured peak compares with (``factor``) and, on CUDA, for the allocator's reserved figure (``reserved_factor``).
+No file, no change.
 Pure Python (json, os): importing it stays light.
 """
 
@@ -56,3 +58,13 @@ def factor_for(name: str, kind: str) -> tuple[float, str]:
     if f and f.get("factor"):
         return float(f["factor"]), f"{kind}, {f.get('n', '?')} runs"
     return 1.0, ""
+
+
+def reserved_factor_for(name: str, kind: str) -> float:
+    """The factor for the reserved figure: fitted on measured reserved memory (CUDA) where there is one, else the
+    same as :func:`factor_for` (on CPU and MPS the measured figure is the reserved one)."""
+    data = load()
+    for group in (data.get("gpus", {}).get(gpu_key(name)), data.get("families", {}).get(kind)):
+        if group and group.get("factor"):
+            return float(group.get("reserved_factor") or group["factor"])
+    return 1.0

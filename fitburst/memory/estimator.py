@@ -145,6 +145,7 @@ class Estimate:
     safety_margin: float = 0.0
     notes: list[str] = field(default_factory=list)
     calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
+    reserved_calibration_factor: float = 1.0  # applied to the reserved figure (CUDA: fitted on its own)
     method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.accuracy) applies
     band: ErrorBand | None = None  # set by the planner: the band its verdict used
 
@@ -602,9 +603,10 @@ def estimate(
     alloc = totals[peak_phase]
     reserved = int(alloc * RESERVED_FACTOR[device.kind]) + RESERVED_FLOOR[device.kind]
     factor, fitted_on = calibration.factor_for(device.name, device.kind) if calibrate else (1.0, "")
-    if factor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components stay as modelled
-        alloc, reserved = int(alloc * factor), int(reserved * factor)
-        notes.append(f"calibrated: peak x{factor:.3f} (fitted on {fitted_on})")
+    rfactor = calibration.reserved_factor_for(device.name, device.kind) if calibrate else 1.0
+    if factor != 1.0 or rfactor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components as modelled
+        alloc, reserved = int(alloc * factor), int(reserved * rfactor)
+        notes.append(f"calibrated: allocated x{factor:.3f}, reserved x{rfactor:.3f} (fitted on {fitted_on})")
     total = reserved + device.context_bytes
     fits = reserved <= device.budget_bytes * (1 - safety_margin)
     if shape.extra_note:
@@ -629,6 +631,7 @@ def estimate(
         safety_margin=safety_margin,
         notes=notes,
         calibration_factor=factor,
+        reserved_calibration_factor=rfactor,
     )
 
 

@@ -120,6 +120,11 @@ def model_ref(spec: PipelineSpec) -> str:
     return resolve_model_ref(spec.model.name) if spec.model.name == DEMO_MODEL else spec.model.name
 
 
+def spec_shape(spec: PipelineSpec) -> ModelShape:
+    """The model's shape from its config.json (at ``model.revision`` when fetched from the hub)."""
+    return load_shape(model_ref(spec), spec.model.revision)
+
+
 def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     """The spec with the planner's settings written back (what the train and eval steps then run)."""
     method = spec.method.model_copy(update={
@@ -218,7 +223,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``n_train`` and ``mean_len`` (from the prepared data) give the token count behind the time estimates that
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
-    shape = load_shape(model_ref(spec))
+    shape = spec_shape(spec)
     exact = exact_estimate(spec, seq_len)
     plan = plan_fit(shape, settings_from_spec(spec, device, seq_len), device, spec.preflight.safety_margin,
                     spec.preflight.allow.model_dump(), exact=exact)
@@ -230,7 +235,7 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     """The report re-planned for a smaller budget on the same device (after a probe measured more than the
     estimate), from the already planned settings, and placed again."""
     device = replace(report.device, budget_bytes=budget_bytes)
-    shape = load_shape(model_ref(spec))
+    shape = spec_shape(spec)
     exact = exact_estimate(spec, report.seq_len)
     plan = plan_fit(shape, settings_from_spec(report.planned, device, report.seq_len), device,
                     spec.preflight.safety_margin, spec.preflight.allow.model_dump(), exact=exact)
@@ -241,7 +246,7 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
 
 def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> PreflightReport:
     """The report with the local device timed by a measured throughput (the probe's), and placed again."""
-    shape = load_shape(model_ref(spec))
+    shape = spec_shape(spec)
     return conclude(report.planned, shape, report.device, report.plan, report.seq_len, report.tokens,
                     measured_tokens_per_s=tokens_per_s, exact=exact_estimate(spec, report.seq_len))
 
@@ -251,7 +256,7 @@ def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str]
     training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate
     (as JSON, for the run folder); raises PreflightFailed when nothing allowed fits."""
     device = resolve_device(spec.preflight.device)
-    plan = plan_fit(load_shape(model_ref(spec)), settings_from_spec(spec, device, seq_len), device,
+    plan = plan_fit(spec_shape(spec), settings_from_spec(spec, device, seq_len), device,
                     spec.preflight.safety_margin, spec.preflight.allow.model_dump(),
                     exact=exact_estimate(spec, seq_len))
     if not plan.fits:

@@ -38,9 +38,9 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     import torch
 
     from fitburst.memory import estimate as estimate_fn
-    from fitburst.memory import load_shape, resolve_device, settings_from_spec
+    from fitburst.memory import resolve_device, settings_from_spec
     from fitburst.meter import MemoryMeter
-    from fitburst.preflight import model_ref
+    from fitburst.preflight import spec_shape
     from fitburst.train import (
         build_model,
         count_params,
@@ -86,7 +86,7 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     if estimate is None:
         dev = resolve_device(device)
         settings = settings_from_spec(spec, dev, seq_len)
-        estimate = estimate_fn(load_shape(model_ref(spec)), settings, dev).to_dict()
+        estimate = estimate_fn(spec_shape(spec), settings, dev).to_dict()
     from fitburst.memory.estimator import measured_counterpart
 
     kind = device.split(":")[0]

@@ -171,6 +171,7 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
                              "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
                              "memory.probe_seq_len": result["seq_len"],
                              "memory.probe_seconds": result["seconds"],
+                             "memory.probe_tokens_per_s": result.get("tokens_per_s"),
                              "memory.probe_replanned": float(new.plan is not report.plan)})
         tracker.set_tags({"probe.device": result["device"]})
         tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")

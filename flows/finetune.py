@@ -94,7 +94,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         else:
             result, ev = _burst(spec, prepared, report, tracker, dry_run)
             if dry_run:
-                summary.update(candidates=report.candidates[:4], burst_plan=result.report)
+                summary.update(candidates=[c.to_dict() for c in report.candidates[:4]], burst_plan=result.report)
                 status = "FINISHED"
                 return summary
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,

@@ -197,8 +197,8 @@ def plan_fit(
         return plan
     # nothing fits here: the closest miss, and how long a sequence would fit as configured
     longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
-    why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} "
-           f"(estimate {_gib(base.reserved_peak_bytes)} at its error band's upper edge) of "
+    why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
+           f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
            f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if rejected:
         why.append(f"the exact estimate rejected the {len(rejected)} cheapest plan(s) the analytic one accepted")

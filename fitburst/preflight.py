@@ -146,7 +146,7 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
 
     Merge point for the traced estimate (branch i8-trace): return
     ``lambda s, d: replace(traced_estimate(spec, s, d, seq_len=seq_len), method="traced")`` from
-    ``fitburst.memory.trace`` (``method`` picks its error band in ``fitburst.memory.accuracy``).
+    ``fitburst.memory.trace`` (``method`` picks its error band in ``fitburst.memory.calibration``).
     Until then None: the analytic estimate decides alone."""
     return None
 

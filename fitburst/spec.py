@@ -123,7 +123,7 @@ class AllowSpec(Strict):
 
 class PreflightSpec(Strict):
     device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
-    safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.accuracy)
+    safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.calibration)
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
 

@@ -14,7 +14,7 @@ import pytest
 from fitburst.cloud import gpus
 from fitburst.hours import Hours, estimate_hours, throughput
 from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
-from fitburst.memory.accuracy import band_for
+from fitburst.memory.calibration import band_for
 from fitburst.preflight import data_facts, decide, preflight
 from fitburst.spec import load_pipeline
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from fitburst.cloud.gpus import Offer, offers
 from fitburst.hours import estimate_hours, throughput, train_tokens
 from fitburst.memory import Estimate, ModelShape, TrainSettings, plan_fit, resolve_device
-from fitburst.memory.accuracy import ErrorBand
+from fitburst.memory.calibration import ErrorBand
 from fitburst.memory.planner import EstimateFn, Plan
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ planner for one device.
 Pure Python (json + math): importing it never imports torch or transformers.
 """
 
-from .accuracy import ErrorBand, band_for
+from .calibration import ErrorBand, band_for
 from .devices import Device, auto_precision, known_devices, resolve_device
 from .estimator import Estimate, TrainSettings, estimate, settings_from_spec
 from .planner import Budget, EstimateFn, Plan, plan_fit

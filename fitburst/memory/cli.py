@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .accuracy import DEFAULT_HEADROOM
+from .calibration import DEFAULT_HEADROOM
 from .devices import GiB
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
-from .accuracy import ErrorBand
+from .calibration import ErrorBand
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import ModelShape
 
@@ -146,7 +146,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
     reserved_calibration_factor: float = 1.0  # applied to the reserved figure (CUDA: fitted on its own)
-    method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.accuracy) applies
+    method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.calibration) applies
     band: ErrorBand | None = None  # set by the planner: the band its verdict used
 
     def to_dict(self) -> dict:

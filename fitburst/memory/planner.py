@@ -2,7 +2,7 @@
 
 It searches with the fast analytic estimate; the chosen plan is then checked by an ``exact`` estimate function
 when one is given (the traced estimate), and when that says it does not fit, the next-cheapest plan is tried.
-A plan fits when the upper edge of the estimate's error band (:mod:`fitburst.memory.accuracy`) stays within the
+A plan fits when the upper edge of the estimate's error band (:mod:`fitburst.memory.calibration`) stays within the
 device budget less the extra headroom. Where to run (local, cloud, nowhere) is not decided here.
 """
 
@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from .accuracy import DEFAULT_HEADROOM, band_for
+from .calibration import DEFAULT_HEADROOM, band_for
 from .devices import Device, GiB
 from .estimator import Estimate, TrainSettings, estimate
 from .shapes import ModelShape

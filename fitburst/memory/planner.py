@@ -57,6 +57,7 @@ class Budget:
 
     device: Device
     headroom: float = DEFAULT_HEADROOM
+    band_key: str | None = None  # which band to judge by; None: the estimate's own method's
 
     @property
     def limit(self) -> int:
@@ -64,13 +65,13 @@ class Budget:
 
     def judge(self, e: Estimate) -> Estimate:
         """Mark ``e`` with its band, the headroom and whether its upper edge fits (the only fit test)."""
-        e.band = band_for(e.method, self.device.kind)
+        e.band = band_for(self.band_key or e.method, self.device.kind)
         e.safety_margin = self.headroom
         e.fits = self.needed(e) <= self.limit
         return e
 
     def needed(self, e: Estimate) -> int:
-        band = e.band or band_for(e.method, self.device.kind)
+        band = e.band or band_for(self.band_key or e.method, self.device.kind)
         return band.upper(e.reserved_peak_bytes)
 
 
@@ -143,14 +144,16 @@ def plan_fit(
     ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search."""
     allow = {**{k: True for k in _COST}, **(allow or {})}
     budget = Budget(device, safety_margin)
+    # with an exact check behind it, the search needs the analytic estimate only as a predictor of the exact one
+    scout = Budget(device, safety_margin, "analytic-vs-traced") if exact is not None else budget
 
     def analytic(s: TrainSettings, d: Device) -> Estimate:
         return estimate(shape, s, d)
 
     def judged(s: TrainSettings) -> tuple[TrainSettings, Estimate, int]:
         if allow["reduce_batch"]:
-            return _fit_eval(analytic, budget, s)
-        return s, budget.judge(analytic(s, device)), 0
+            return _fit_eval(analytic, scout, s)
+        return s, scout.judge(analytic(s, device)), 0
 
     def search() -> list[tuple[float, TrainSettings, list[str], Estimate]]:
         """Every rung combination and batch halving that fits (analytic), cheapest first."""
@@ -171,17 +174,17 @@ def plan_fit(
 
     def verified(found: list) -> Plan | None:
         """The first of ``found`` that the exact estimate (when given) agrees fits."""
-        ratio = 1.0  # exact / analytic, as seen on rejected plans: skip plans that would be rejected the same way
+        ratio = 1.0  # exact / analytic need, as seen on rejected plans: skip plans that would be rejected the same way
         for _, s, rung_text, e in found:
             if exact is not None:
-                if budget.needed(e) * ratio > budget.limit:
+                if scout.needed(e) * ratio > scout.limit:
                     continue
                 if len(rejected) >= _MAX_EXACT_CHECKS:
                     return None
                 x = budget.judge(exact(s, device))
                 if not x.fits:
                     rejected.append(s)
-                    ratio = max(ratio, x.reserved_peak_bytes / e.reserved_peak_bytes)
+                    ratio = max(ratio, budget.needed(x) / scout.needed(e))
                     continue
                 e = x
             e.plan = _describe(settings, s, rung_text, e)

@@ -174,17 +174,16 @@ def plan_fit(
 
     def verified(found: list) -> Plan | None:
         """The first of ``found`` that the exact estimate (when given) agrees fits."""
-        ratio = 1.0  # exact / analytic need, as seen on rejected plans: skip plans that would be rejected the same way
         for _, s, rung_text, e in found:
             if exact is not None:
-                if scout.needed(e) * ratio > scout.limit:
+                if scout.needed(e) * ratio[0] > scout.limit:
                     continue
                 if len(rejected) >= _MAX_EXACT_CHECKS:
                     return None
                 x = budget.judge(exact(s, device))
                 if not x.fits:
                     rejected.append(s)
-                    ratio = max(ratio, budget.needed(x) / scout.needed(e))
+                    ratio[0] = max(ratio[0], budget.needed(x) / scout.needed(e))
                     continue
                 e = x
             e.plan = _describe(settings, s, rung_text, e)
@@ -192,6 +191,7 @@ def plan_fit(
         return None
 
     rejected: list[TrainSettings] = []
+    ratio = [1.0]  # exact / analytic need seen on rejected plans: plans that would be rejected alike are skipped
     base_s, base, _ = judged(settings)
     plan = verified([(1.0, base_s, [], base)]) if base.fits else None
     if plan is None:

@@ -153,22 +153,23 @@ class Tracker:
                           if isinstance(v, int | float)})
 
     def log_preflight(self, report) -> None:
-        est = report.estimate
-        self.set_tags({"device": report.device["name"], "verdict": report.verdict})
+        rep = report.to_dict()  # the report leaves the process here
+        est = rep["estimate"]
+        self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"]})
         from fitburst.memory.estimator import measured_counterpart
 
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
-                          "memory.estimated_comparable_bytes": measured_counterpart(est, report.device["kind"]),
+                          "memory.estimated_comparable_bytes": measured_counterpart(est, rep["device"]["kind"]),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
                           "memory.budget_bytes": est["budget_bytes"]})
-        self.log_dict(report.to_dict(), "preflight/report.json")
+        self.log_dict(rep, "preflight/report.json")
         self.log_text(report.to_markdown(), "preflight/report.md")
         with tempfile.TemporaryDirectory() as d:
             from fitburst.plots import memory_bar_chart
 
-            title = f"{report.pipeline} on {report.device['name']}"
+            title = f"{rep['pipeline']} on {rep['device']['name']}"
             memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=title)
             self.log_artifacts(Path(d) / "memory_breakdown.png", "preflight")
 

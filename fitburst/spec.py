@@ -183,6 +183,9 @@ class BurstSpec(Strict):
     def _spot_needs_provider(self) -> BurstSpec:
         if self.spot and self.providers == ["lambda"]:
             raise ValueError("Lambda has no spot instances: set spot: false or add another provider")
+        if self.spot and self.bucket is None:
+            raise ValueError("a spot node can be reclaimed mid-run and its disk goes with it: set burst.bucket "
+                             "(s3://... or gs://...) so checkpoints survive and the restart resumes, or spot: false")
         from fitburst.cloud.gpus import SKY_NAMES
 
         if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):

@@ -1,16 +1,19 @@
-"""The task's `run` command executed locally exactly as a cloud node runs it: the task built by build_task
-(same envs, secrets, file layout $HOME/fitburst-job/{spec.yaml,prepared,run}, cwd = the synced workdir). Trains
-the demo model (CPU, a few steps) logging into the launcher's MLflow run as a node with a reachable tracking
-server does, then drives tasks.burst.train_cloud in a Prefect flow (SkyPilot faked at the SDK boundary only) both
-ways: logged remotely (nothing pulled home) and pulled home."""
+"""The task's commands executed locally exactly as a cloud node runs them: the task built by build_task (same
+envs, secrets, file layout $HOME/fitburst-job/{spec.yaml,prepared,run}, cwd = the staged workdir). Trains the demo
+model (CPU, a few steps) logging into the launcher's MLflow run as a node with a reachable tracking server does,
+then drives tasks.burst.train_cloud in a Prefect flow (SkyPilot faked at the SDK boundary only) both ways: logged
+remotely (nothing pulled home) and pulled home. A spot restart (the node killed, a fresh one on the same bucket)
+resumes from the checkpoint; the setup's CUDA check refuses this CPU machine."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,7 +68,7 @@ def test_node_trains_demo_and_train_cloud_records_it_logged_remotely_or_pulled(t
         target = home / dest.removeprefix("~/")
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, target)
-    proc = subprocess.run(["bash", "-c", task.run], cwd=REPO, env=_node_env(task, home), capture_output=True,
+    proc = subprocess.run(["bash", "-c", task.run], cwd=task.workdir, env=_node_env(task, home), capture_output=True,
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = home / "fitburst-job" / "run"
@@ -106,3 +109,61 @@ def test_node_trains_demo_and_train_cloud_records_it_logged_remotely_or_pulled(t
         assert "memory.measured_over_estimated" in run.data.metrics
     for r in (run, client.get_run(remote_run.run_id)):
         assert SECRET not in json.dumps({**r.data.tags, **r.data.params})
+
+
+def _node_home(task, home: Path, bucket: Path | None = None) -> Path:
+    """A fresh node: the file mounts copied into HOME; a bucket mount is the same local folder on every node."""
+    for dest, src in task.file_mounts.items():
+        target = home / dest.removeprefix("~/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, target)
+    for dest in task.storage_mounts:
+        bucket.mkdir(parents=True, exist_ok=True)
+        (home / dest.removeprefix("~/")).symlink_to(bucket, target_is_directory=True)
+    return home
+
+
+def _steps(ckpts: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in ckpts.glob("step-*") if (p / "state.json").exists())
+
+
+@pytest.mark.timeout(400)
+def test_a_spot_restart_resumes_from_the_checkpoint_in_the_bucket(tmp_path, monkeypatch, demo_prepared):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = load_pipeline(REPO / "pipelines.yaml", "demo",
+                         {"training.max_steps": 300, "training.checkpoint_every": 5, "training.log_every": 50,
+                          "eval.enabled": False, "burst.spot": True, "burst.bucket": "s3://fitburst-test"})
+    task = cloud.build_task(spec, _candidates(), prepared_dir=Path(demo_prepared.dir), run_name="run1")
+    assert task.storage_mounts["~/fitburst-job/run"].source == "s3://fitburst-test/demo/run1"
+    bucket = tmp_path / "bucket" / "demo" / "run1"
+
+    first = subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, start_new_session=True,
+                             env=_node_env(task, _node_home(task, tmp_path / "node1", bucket)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 200
+    while not _steps(bucket / "checkpoints") and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # preempted: the node and its disk are gone, the bucket stays
+    first.wait()
+    kept = _steps(bucket / "checkpoints")
+    assert kept and kept[-1] < 300 and not (bucket / "train_result.json").exists(), kept
+
+    second = subprocess.run(["bash", "-c", task.run], cwd=task.workdir, capture_output=True, text=True, timeout=280,
+                            env=_node_env(task, _node_home(task, tmp_path / "node2", bucket)))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    result = json.loads((bucket / "train_result.json").read_text())
+    assert result["resumed_from"] == kept[-1] and result["steps"] == 300
+
+
+def test_node_setup_fails_fast_when_cuda_is_not_usable(demo_prepared):
+    spec = load_pipeline(REPO / "pipelines.yaml", "demo")
+    task = cloud.build_task(spec, _candidates(), prepared_dir=Path(demo_prepared.dir))
+    setup = [line.strip() for line in task.setup.strip().splitlines()]
+    check = 'PYTHONPATH="$PWD" python -m fitburst.cloud.node check-cuda'
+    assert setup[0] == "set -euo pipefail" and setup[-1] == check  # a failing check fails the setup
+    started = time.monotonic()
+    proc = subprocess.run(["bash", "-c", check], cwd=task.workdir, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "CUDA is not usable" in proc.stderr and "would train on CPU at GPU prices" in proc.stderr
+    assert time.monotonic() - started < 60

@@ -601,3 +601,40 @@ def test_task_yaml_is_package_data_found_through_importlib_resources_and_in_the_
     assert wheel.returncode == 0, wheel.stderr[-2000:]
     names = zipfile.ZipFile(next(tmp_path.glob("fitburst-*.whl"))).namelist()
     assert "fitburst/cloud/train.yaml" in names
+
+
+def test_the_node_gets_no_raw_cloud_keys_and_the_uploaded_workdir_holds_no_secret_or_local_state(demo, tmp_path,
+                                                                                                 monkeypatch):
+    spec, prepared = demo
+    planted = {"AWS_SECRET_ACCESS_KEY": "aws-PLANTED-secret-1", "AWS_ACCESS_KEY_ID": "AKIAPLANTED000",
+               "GOOGLE_APPLICATION_CREDENTIALS": "/home/me/gcp-PLANTED.json",
+               "MLFLOW_TRACKING_PASSWORD": "mlflow-PLANTED-pw"}
+    for k, v in planted.items():
+        monkeypatch.setenv(k, v)
+    # a package folder as a developer's checkout may leave it: a .env, caches, run folders, an MLflow store
+    package = tmp_path / "pkg"
+    shutil.copytree(REPO / "fitburst", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for junk, text in {".env": f"HF_TOKEN={SECRET}", "runs/demo/x/adapter.bin": SECRET, "mlruns/0/meta.yaml": SECRET,
+                       "__pycache__/spec.cpython-311.pyc": SECRET, ".venv-gpu/pyvenv.cfg": SECRET,
+                       "mlflow.db": SECRET, "key.pem": SECRET}.items():
+        (package / junk).parent.mkdir(parents=True, exist_ok=True)
+        (package / junk).write_text(text)
+    workdir = cloud.task.stage_workdir(tmp_path / "workdir", package)
+    task = build_task(spec, _candidates(), prepared_dir=prepared, workdir=workdir)
+    uploaded = [p for p in Path(task.workdir).rglob("*") if p.is_file()]
+    uploaded += [Path(src) for src in task.file_mounts.values() if Path(src).is_file()]
+    assert len(uploaded) > 20 and not [p for p in uploaded if p.name in (".env", "mlflow.db", "key.pem")
+                                       or {"runs", "mlruns", "__pycache__", ".venv-gpu"} & set(p.parts)]
+    secrets = [SECRET, SECRET + "pw", *planted.values()]
+    for p in uploaded:
+        assert not any(v.encode() in p.read_bytes() for v in secrets), p
+    text = task_yaml(task)
+    assert not any(v in text for v in secrets)
+    # HF token only: MLflow credentials go only to a node that logs to the server, raw cloud keys never
+    assert set(task.secrets) == {"HF_TOKEN"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    task = build_task(spec, _candidates(), prepared_dir=prepared, workdir=workdir, mlflow_run_id="r1")
+    assert set(task.secrets) == {"HF_TOKEN", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_PASSWORD"}
+    # the checkout's .skyignore keeps the same things out of a manual `sky launch`
+    ignored = set((REPO / ".skyignore").read_text().split())
+    assert {".env", "runs/", "mlruns/", ".venv*/", "__pycache__/", "mlflow.db"} <= ignored

@@ -22,8 +22,10 @@ TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml"))) 
 JOB_DIR = "fitburst-job"  # relative to $HOME on the node; matches FITBURST_JOB_DIR in train.yaml
 STOPPABLE = ("aws", "gcp", "azure")  # can stop a cluster (disk kept); RunPod and Lambda can only tear down
 # what never goes to the node: local state, caches and anything that may hold a secret
-WORKDIR_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".env", ".env.*", "*.egg-info", ".pytest_cache",
-                                        ".ruff_cache", "runs", "mlruns", "mlflow.db", ".venv*")
+# (the same list as the checkout's .skyignore)
+WORKDIR_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".env", ".env.*", "*.pem", "*.egg-info", "build",
+                                        ".pytest_cache", ".ruff_cache", "runs", "mlruns", "mlflow.db", ".venv*",
+                                        ".fitburst", ".git")
 NODE_PACKAGES = [
     "torch",
     "transformers",
@@ -210,13 +212,14 @@ def bucket_url(spec: Any, run_name: str) -> str:
     return f"{spec.burst.bucket.rstrip('/')}/{spec.name}/{run_name}"
 
 
-def stage_workdir(dest: str | os.PathLike) -> Path:
-    """A workdir holding a copy of the installed ``fitburst`` package and nothing else (the node runs it with
-    PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or run folder is uploaded."""
+def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = None) -> Path:
+    """A workdir holding a copy of the ``fitburst`` package (``package``: the installed one) and nothing else
+    (the node runs it with PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or
+    run folder is uploaded."""
     import fitburst
 
     dest = Path(dest)
-    shutil.copytree(Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
+    shutil.copytree(package or Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
     return dest
 
 

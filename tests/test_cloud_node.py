@@ -24,6 +24,8 @@ from fitburst.spec import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_fitburstNODE_SECRET_987"
+PLANTED = {"HF_TOKEN": SECRET, "MLFLOW_TRACKING_PASSWORD": "mlflow-NODE-planted-pw",
+           "AWS_SECRET_ACCESS_KEY": "aws-NODE-planted-key"}
 
 
 def _node_env(task, home: Path) -> dict:
@@ -47,7 +49,8 @@ def test_node_trains_demo_and_train_cloud_records_it_logged_remotely_or_pulled(t
     from fitburst import tracking
     from tasks.burst import train_cloud
 
-    monkeypatch.setenv("HF_TOKEN", SECRET)
+    for k, v in PLANTED.items():
+        monkeypatch.setenv(k, v)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     # the node can reach this store (the real rule wants an http(s) host; the node here is this machine)
@@ -107,8 +110,39 @@ def test_node_trains_demo_and_train_cloud_records_it_logged_remotely_or_pulled(t
     assert run.data.metrics["train.steps"] == 6
     if (run_dir / "estimate.json").exists():  # `fitburst train --plan` writes it (the node's device)
         assert "memory.measured_over_estimated" in run.data.metrics
-    for r in (run, client.get_run(remote_run.run_id)):
-        assert SECRET not in json.dumps({**r.data.tags, **r.data.params})
+    _scan_for_planted_secrets(task, node_log + proc.stdout + proc.stderr, client,
+                              [run.info.run_id, remote_run.run_id], tmp_path / "artifacts")
+
+
+def _scan_for_planted_secrets(task, node_output: str, client, run_ids: list[str], dst: Path) -> None:
+    """No planted secret in: the uploaded workdir and mounts, the task YAML, the node's output, MLflow (params,
+    tags, every artifact) and the Prefect logs of the flows above."""
+    import mlflow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, LogFilter
+
+    values = [v.encode() for v in PLANTED.values()]
+    files = [p for p in Path(task.workdir).rglob("*") if p.is_file()]
+    for src in task.file_mounts.values():
+        files += [Path(src)] if Path(src).is_file() else [p for p in Path(src).rglob("*") if p.is_file()]
+    assert files and not [p for p in files if p.name == ".env"]
+    texts = {str(p): p.read_bytes() for p in files}
+    texts["task yaml"] = cloud.task_yaml(task).encode()
+    texts["node output"] = node_output.encode()
+    assert "AWS_SECRET_ACCESS_KEY" not in task.secrets  # raw cloud keys never go to the node
+    for run_id in run_ids:
+        r = client.get_run(run_id)
+        texts[f"mlflow {run_id} params/tags"] = json.dumps({**r.data.tags, **r.data.params}).encode()
+        root = Path(mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(dst / run_id),
+                                                        tracking_uri=client.tracking_uri))
+        texts.update({str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()})
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_filter=FlowFilter(name={"any_": ["train-cloud-test"]}))
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id={"any_": [fr.id for fr in runs]}), limit=200)
+    assert runs and logs
+    texts["prefect logs"] = "\n".join(entry.message for entry in logs).encode()
+    leaks = [where for where, data in texts.items() if any(v in data for v in values)]
+    assert not leaks, leaks
 
 
 def _node_home(task, home: Path, bucket: Path | None = None) -> Path:

@@ -165,28 +165,80 @@ def _steps(ckpts: Path) -> list[int]:
 def test_a_spot_restart_resumes_from_the_checkpoint_in_the_bucket(tmp_path, monkeypatch, demo_prepared):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = load_pipeline(REPO / "pipelines.yaml", "demo",
-                         {"training.max_steps": 300, "training.checkpoint_every": 5, "training.log_every": 50,
+                         {"training.max_steps": 100, "training.checkpoint_every": 5, "training.log_every": 50,
                           "eval.enabled": False, "burst.spot": True, "burst.bucket": "s3://fitburst-test"})
     task = cloud.build_task(spec, _candidates(), prepared_dir=Path(demo_prepared.dir), run_name="run1")
     assert task.storage_mounts["~/fitburst-job/run"].source == "s3://fitburst-test/demo/run1"
     bucket = tmp_path / "bucket" / "demo" / "run1"
 
-    first = subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, start_new_session=True,
-                             env=_node_env(task, _node_home(task, tmp_path / "node1", bucket)),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 200
-    while not _steps(bucket / "checkpoints") and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)  # preempted: the node and its disk are gone, the bucket stays
-    first.wait()
+    _run_node(task, tmp_path / "node1", bucket, preempt=True)  # the node and its disk are gone, the bucket stays
     kept = _steps(bucket / "checkpoints")
-    assert kept and kept[-1] < 300 and not (bucket / "train_result.json").exists(), kept
+    assert kept and kept[-1] < 100 and not (bucket / "train_result.json").exists(), kept
 
     second = subprocess.run(["bash", "-c", task.run], cwd=task.workdir, capture_output=True, text=True, timeout=280,
                             env=_node_env(task, _node_home(task, tmp_path / "node2", bucket)))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     result = json.loads((bucket / "train_result.json").read_text())
-    assert result["resumed_from"] == kept[-1] and result["steps"] == 300
+    assert result["resumed_from"] == kept[-1] and result["steps"] == 100
+
+
+def _run_node(task, home: Path, bucket: Path | None = None, *, preempt: bool = False) -> int:
+    """The task's run command on a fresh node; ``preempt``: SIGKILL it once its first checkpoint is complete."""
+    run = bucket or home / "fitburst-job" / "run"
+    proc = subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, start_new_session=True,
+                            env=_node_env(task, _node_home(task, home, bucket)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    if preempt:
+        known = set(_steps(run / "checkpoints"))  # a resumed node starts with some
+        deadline = time.monotonic() + 200
+        while (not set(_steps(run / "checkpoints")) - known and proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=280)
+
+
+@pytest.mark.timeout(400)
+def test_a_failed_job_comes_home_before_teardown_and_the_rerun_resumes_on_a_new_node(tmp_path, monkeypatch,
+                                                                                      demo_prepared):
+    from sky.skylet import job_lib
+
+    from fitburst.cloud import BurstFailed, burst_train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = load_pipeline(REPO / "pipelines.yaml", "demo",
+                         {"training.max_steps": 100, "training.checkpoint_every": 5, "training.log_every": 50,
+                          "eval.enabled": False})
+
+    class NodeSky(FakeSky):
+        """SkyPilot at the SDK boundary; the job is the task's real command on a fresh node (a local HOME)."""
+
+        def __init__(self, mp, preempt: bool):
+            super().__init__(mp, status=job_lib.JobStatus.FAILED if preempt else job_lib.JobStatus.SUCCEEDED)
+            self.preempt, self.home = preempt, tmp_path / f"node-{'failing' if preempt else 'rerun'}"
+
+        def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **kw):
+            self.calls.append(("tail", cluster_name, job_id))
+            code = _run_node(self.task, self.home, preempt=self.preempt)
+            return 100 if code else 0
+
+        def pull(self, cluster, dest, log):  # the rsync of ~/fitburst-job/run
+            self.calls.append(("pull", cluster))
+            shutil.copytree(self.home / "fitburst-job" / "run", dest, dirs_exist_ok=True)
+
+    run_dir = tmp_path / "local-run"
+    failing = NodeSky(monkeypatch, preempt=True)
+    with pytest.raises(BurstFailed, match="ended FAILED"):
+        burst_train(spec, demo_prepared.dir, run_dir, _candidates(), log=lambda s: None, pull=failing.pull)
+    assert failing.names().index("pull") < failing.names().index("down")
+    kept = _steps(run_dir / "checkpoints")
+    assert kept and not (run_dir / "train_result.json").exists()
+
+    rerun = NodeSky(monkeypatch, preempt=False)
+    res = burst_train(spec, demo_prepared.dir, run_dir, _candidates(), log=lambda s: None, pull=rerun.pull)
+    assert res.ok and rerun.task.file_mounts["~/fitburst-job/run/checkpoints"] == str(run_dir / "checkpoints")
+    result = json.loads((run_dir / "train_result.json").read_text())
+    assert result["resumed_from"] == kept[-1] and result["steps"] == 100
 
 
 def test_node_setup_fails_fast_when_cuda_is_not_usable(demo_prepared):

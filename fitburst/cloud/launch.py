@@ -272,20 +272,21 @@ def _live_cluster(record: dict, log) -> dict | None:
     name = record["cluster"]
     try:
         found = sky.stream_and_get(sky.status(cluster_names=[name]))
-    except Exception as e:  # noqa: BLE001 - cannot tell: launching again is safe (a new name, the old one autostops)
-        log(f"could not look up recorded cluster {name} ({type(e).__name__}: {redact(str(e))}); launching a new one")
+        if not found:
+            log(f"recorded cluster {name} no longer exists; launching again" + (
+                "" if record.get("job_id") is None else " (its outputs went with it unless burst.bucket held them)"))
+            return None
+        if _status_name(found[0]["status"]) == "STOPPED":
+            log(f"recorded cluster {name} is stopped; starting it to collect its outputs")
+            sky.stream_and_get(sky.start(name))
+        job_id = record.get("job_id")
+        if job_id is None:  # the launcher died while launching: find the job it may have submitted
+            jobs = sky.stream_and_get(sky.queue(name)) or []
+            job_id = max((j["job_id"] for j in jobs), default=None)
+    except Exception as e:  # noqa: BLE001 - cannot reach it: launch anew (a new name; the old one autostops)
+        log(f"WARNING: could not reach recorded cluster {name} ({type(e).__name__}: {redact(str(e))}); launching "
+            f"a new one (check `sky status {name}`)")
         return None
-    if not found:
-        log(f"recorded cluster {name} no longer exists; launching again"
-            + ("" if record.get("job_id") is None else " (its outputs went with it unless burst.bucket held them)"))
-        return None
-    if _status_name(found[0]["status"]) == "STOPPED":
-        log(f"recorded cluster {name} is stopped; starting it to collect its outputs")
-        sky.stream_and_get(sky.start(name))
-    job_id = record.get("job_id")
-    if job_id is None:  # the launcher died while launching: find the job it may have submitted
-        jobs = sky.stream_and_get(sky.queue(name)) or []
-        job_id = max((j["job_id"] for j in jobs), default=None)
     return {"cluster": name, "job_id": job_id}
 
 

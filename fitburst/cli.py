@@ -32,13 +32,51 @@ def parse_overrides(items: list[str]) -> dict:
     """``--set training.max_steps=5`` pairs -> a dotted-key dict; values parse as YAML scalars."""
     import yaml
 
+    from fitburst.errors import UserError
+
     out = {}
     for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE (e.g. training.max_steps=20), got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise UserError(f"--set expects KEY=VALUE (e.g. training.max_steps=20), got {item!r}")
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {k.strip()}: the value {v!r} is not a YAML scalar, list or mapping "
+                            f"({getattr(e, 'problem', e)}); quote it") from None
     return out
+
+
+def _device_arg(value: str) -> str:
+    """argparse type for --device: a name the memory model knows (checked before any compute)."""
+    if value.lower() in ("auto", "cpu", "cuda", "mps"):
+        return value
+    from fitburst.memory.devices import resolve_device
+
+    try:
+        resolve_device(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _positive_int(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _spec_file(value: str) -> str:
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"no file at {value!r} (the resolved pipeline YAML, PipelineSpec.to_yaml)")
+    return value
+
+
+def _prepared_dir(value: str) -> str:
+    if not (Path(value) / "prepared.json").is_file():
+        raise argparse.ArgumentTypeError(f"no prepared data at {value!r} (a folder holding prepared.json, as "
+                                         "`fitburst prepare` writes)")
+    return value
 
 
 def cmd_validate(args) -> int:
@@ -88,10 +126,13 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from fitburst.spec import load_pipeline
+
+    overrides = parse_overrides(args.set)
+    load_pipeline(args.file, args.pipeline, overrides)  # a mistake is one message here, not a Prefect traceback
     from flows.finetune import finetune
 
-    summary = finetune(pipeline=args.pipeline, overrides=parse_overrides(args.set), pipelines_file=args.file,
-                       dry_run=args.dry_run)
+    summary = finetune(pipeline=args.pipeline, overrides=overrides, pipelines_file=args.file, dry_run=args.dry_run)
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
     print(json.dumps(summary, indent=2, default=str))
@@ -164,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("preflight", help="estimate peak memory and plan a fit")
     with_pipeline(sp)
-    sp.add_argument("--device", help="auto, cpu, cuda, mps, a named device (T4, RTX4090, A6000, M2-Max-32GB) "
-                                     "or cuda:24GiB / mps:36GiB / cpu:64GiB")
-    sp.add_argument("--seq-len", type=int, help="plan for this sequence length instead of the data's longest")
+    sp.add_argument("--device", type=_device_arg,
+                    help="auto, cpu, cuda, mps, a named device (T4, RTX4090, A6000, M2-Max-32GB) "
+                         "or cuda:24GiB / mps:36GiB / cpu:64GiB")
+    sp.add_argument("--seq-len", type=_positive_int,
+                    help="plan for this sequence length instead of the data's longest")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_preflight)
 
@@ -177,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=run_estimate)
 
     sp = sub.add_parser("train", help="train a resolved spec on prepared data (the cloud node's command)")
-    sp.add_argument("--spec", required=True, help="resolved pipeline YAML (PipelineSpec.to_yaml)")
-    sp.add_argument("--prepared", required=True, help="prepared data folder (fitburst prepare)")
+    sp.add_argument("--spec", required=True, type=_spec_file, help="resolved pipeline YAML (PipelineSpec.to_yaml)")
+    sp.add_argument("--prepared", required=True, type=_prepared_dir, help="prepared data folder (fitburst prepare)")
     sp.add_argument("--run-dir", required=True)
     sp.add_argument("--device", default=None)
     sp.add_argument("--eval", action="store_true", help="evaluate base vs tuned afterwards")

@@ -106,29 +106,46 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
     return out
 
 
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json")
+MAX_LINE_BYTES = 16 << 20  # a record this long is cut to data.max_seq_len tokens anyway; refuse it before tokenizing
+
+
 def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> tuple[list[list[dict]], int]:
     """Read a .jsonl or .json file into message lists; a bad record raises DataError with its line number
     unless ``skip_invalid`` (then it is counted and logged)."""
     if not path.exists():
         raise DataError(f"{path}: data file not found (data.path is relative to pipelines.yaml)")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise DataError(f"{path}: data.path must name a .jsonl or .json file (one JSON record per line, or a JSON "
+                        f"list of records); convert the {path.suffix or 'extension-less'} file first")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DataError(f"{path}: the file is empty: add records (one JSON object per line) or fix data.path")
     items: list[tuple[int, object]] = []
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         try:
-            doc = json.loads(text)
+            doc = json.loads(_decode(raw, path, 0))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(doc, list):
-            raise DataError(f"{path}: a .json data file must hold a list of records")
+            raise DataError(f"{path}: a .json data file must hold a list of records (or write one record per line "
+                            "as .jsonl)")
         items = [(i + 1, r) for i, r in enumerate(doc)]  # record index, not line
     else:
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip():
                 continue
+            if len(line) > MAX_LINE_BYTES:
+                items.append((lineno, DataError(
+                    f"the line is {len(line) / (1 << 20):.0f} MiB (limit {MAX_LINE_BYTES >> 20} MiB): a record "
+                    "that long is cut to data.max_seq_len tokens anyway; split it or drop it")))
+                continue
             try:
-                items.append((lineno, json.loads(line)))
+                items.append((lineno, json.loads(_decode(line, path, lineno))))
             except json.JSONDecodeError as e:
-                items.append((lineno, DataError(f"not valid JSON: {e.msg}")))
+                items.append((lineno, DataError(f"not valid JSON: {e.msg} (column {e.colno})")))
+            except DataError as e:
+                items.append((lineno, e))
     out, skipped = [], 0
     for lineno, rec in items:
         try:
@@ -146,6 +163,20 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
     if not out:
         raise DataError(f"{path}: no usable records")
     return out, skipped
+
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    """UTF-8 text (a leading BOM dropped); a DataError naming the line and the bad byte otherwise."""
+    try:
+        return raw.decode("utf-8-sig" if lineno <= 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        where = lineno or raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        msg = (f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}): re-save the file as UTF-8, e.g. "
+               "`iconv -f latin1 -t utf-8`")
+        if lineno:
+            raise DataError(msg) from None
+        raise DataError(f"{path}:{where}: {msg}") from None
 
 
 # --- tokenization -----------------------------------------------------------------------------------
@@ -219,8 +250,10 @@ def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) 
     }
 
 
-def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> PreparedData:
-    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match."""
+def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path,
+            records: tuple[list[list[dict]], int] | None = None) -> PreparedData:
+    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match.
+    ``records``: :func:`read_records` of the file when the caller has read it already."""
     from datasets import Dataset
 
     key = content_hash(data_path, data, tokenizer)
@@ -229,7 +262,7 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> Prep
         log.info("data cache hit %s", out)
         return PreparedData.from_dir(out)
 
-    conversations, skipped = read_records(data_path, data.format, data.skip_invalid)
+    conversations, skipped = records or read_records(data_path, data.format, data.skip_invalid)
     rows = [tokenize(m, tokenizer, data.template, data.max_seq_len, data.train_on_prompt) for m in conversations]
     no_target = sum(all(label == IGNORE_INDEX for label in r["labels"]) for r in rows)
     if no_target:
@@ -270,8 +303,9 @@ def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a pipeline: its data file and settings, its model's tokenizer, the shared cache."""
     from fitburst.models import cache_root, tokenizer_for
 
+    records = read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)  # bad data: before any load
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data", records=records)
 
 
 def load_split(prepared: PreparedData, split: str):

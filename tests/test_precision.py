@@ -200,3 +200,12 @@ def test_checkpoint_keeps_rng_and_scaler_state(tmp_path, demo_spec, demo_prepare
     assert load_checkpoint(ckpt, model, opt, sched, "cpu", amp=fresh) == 5
     assert torch.equal(torch.rand(4), expected)
     assert fresh.scaler.get_scale() == 1024.0 and fresh.skipped_steps == 3
+
+
+def test_pure_bf16_is_an_explicit_opt_in_for_bf16(pipelines_file):
+    from fitburst.spec import SpecError, load_pipeline
+
+    with pytest.raises(SpecError, match="pure_bf16 keeps bf16 weights: set precision: bf16"):
+        load_pipeline(pipelines_file, "demo", {"training.pure_bf16": True, "training.precision": "fp16"})
+    spec = load_pipeline(pipelines_file, "demo", {"training.pure_bf16": True, "training.precision": "bf16"})
+    assert make_amp("bf16", "cpu", pure_bf16=spec.training.pure_bf16).dtype is None  # no autocast: weights are bf16

@@ -144,10 +144,9 @@ def cmd_run(args) -> int:
 def cmd_train(args) -> int:
     """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed."""
     from fitburst.data import PreparedData
-    from fitburst.evaluate import evaluate
+    from fitburst.recipe import run_recipe
     from fitburst.spec import load_resolved
     from fitburst.tracking import RUN_ID_ENV, Tracker
-    from fitburst.train import train
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
@@ -162,20 +161,12 @@ def cmd_train(args) -> int:
         Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate, indent=2))
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
-        tracker = Tracker.attach(os.environ[RUN_ID_ENV])
-    result = train(spec, prepared, args.run_dir, device=args.device,
-                   on_metrics=tracker.log_metrics if tracker else None, progress=not args.quiet)
+        tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
+    result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
+                            device=args.device, evaluate_after=args.eval, progress=not args.quiet)
     print(f"trained {result.steps} steps on {result.device} in {result.seconds:.1f}s; adapter: {result.adapter_dir}")
-    if args.eval and spec.eval.enabled:
-        ev = evaluate(spec, prepared, result.adapter_dir, device=result.device, precision=result.precision)
-        ev.save(args.run_dir)
+    if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
-        if tracker:
-            tracker.log_eval(ev)
-    if tracker:  # the node logs straight into the launcher's MLflow run, with its own device's estimate
-        tracker.log_train(result, path="cloud")
-        if estimate is not None:
-            tracker.log_memory_comparison(estimate, result)
     return 0
 
 

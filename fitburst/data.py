@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -181,23 +182,32 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
 
 # --- tokenization -----------------------------------------------------------------------------------
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_template_kwargs(tokenizer, template: str) -> dict:
+    """``apply_chat_template`` arguments for ``data.template`` auto/chatml: the tokenizer's own template, or ChatML."""
+    if template == "chatml" or not getattr(tokenizer, "chat_template", None):
+        from fitburst.models import CHATML_TEMPLATE
+
+        return {"chat_template": CHATML_TEMPLATE}
+    return {}
+
+
 def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]], bool]:
     """Render a conversation to text; return it, the character spans of assistant replies, and whether the
-    text already carries the model's special tokens."""
-    if template in ("auto", "chatml"):
-        if template == "chatml" or not getattr(tokenizer, "chat_template", None):
-            from fitburst.models import CHATML_TEMPLATE
+    text already carries the model's special tokens.
 
-            kw = {"chat_template": CHATML_TEMPLATE}
-        else:
-            kw = {}
-        spans, text = [], ""
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw))
-            text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
-            spans.append((start, len(text)))
+    With a chat template, each reply runs from the end of the rendered prompt before it to the end of the rendered
+    conversation up to it, where both renderings really are prefixes of the whole text. Templates that render
+    history differently (Qwen3 gives only the turns after the last user turn a ``<think>`` block) fail that check;
+    the replies are then located by their content in the whole text (plus the end-of-turn token right after)."""
+    if template in ("auto", "chatml"):
+        kw = chat_template_kwargs(tokenizer, template)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+        spans = _prefix_spans(messages, tokenizer, kw, text)
+        if spans is None:
+            spans = _content_spans(messages, text, tokenizer.eos_token)
         return text, spans, True
     eos = tokenizer.eos_token or ""
     text, spans = "", []
@@ -212,15 +222,59 @@ def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tu
     return text, spans, False
 
 
+def _prefix_spans(messages: list[dict], tokenizer, kw: dict, text: str) -> list[tuple[int, int]] | None:
+    """Reply spans from rendered prefixes, or None where a rendered prefix is not a prefix of ``text``."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
+        if not (text.startswith(prompt) and text.startswith(upto)):
+            return None
+        spans.append((len(prompt), len(upto)))
+    return spans
+
+
+def _content_spans(messages: list[dict], text: str, eos: str | None) -> list[tuple[int, int]]:
+    """Reply spans found by content: turns are searched from the last backwards (so a reply that also occurs in a
+    header or an earlier turn is found where it really is); a reply takes the end-of-turn token right after it."""
+    spans, limit = [], len(text)
+    for i in range(len(messages) - 1, -1, -1):
+        content = messages[i]["content"].strip()  # templates often trim
+        if not content:
+            continue
+        at = text.rfind(content, 0, limit)
+        if at < 0:
+            raise DataError(f"messages[{i}] ({messages[i]['role']}): the chat template does not render this turn's "
+                            "content verbatim, so its reply tokens cannot be located; set data.template: chatml, or "
+                            "give the tokenizer a template with {% generation %} blocks")
+        if messages[i]["role"] == "assistant":
+            end = at + len(content)
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+            spans.append((at, end))
+        limit = at
+    return spans[::-1]
+
+
 def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, train_on_prompt: bool) -> dict:
-    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len."""
-    text, spans, has_special = render(messages, tokenizer, template)
-    enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    labels = []
-    for tok, (s, e) in zip(ids, enc["offset_mapping"], strict=True):
-        inside = any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
-        labels.append(tok if (train_on_prompt or inside) else IGNORE_INDEX)
+    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len.
+
+    A chat template with ``{% generation %}`` blocks gives its own assistant-token mask
+    (``return_assistant_tokens_mask``); otherwise :func:`render` finds the reply spans."""
+    kw = chat_template_kwargs(tokenizer, template) if template in ("auto", "chatml") else None
+    if kw is not None and GENERATION_TAG.search(kw.get("chat_template") or tokenizer.chat_template):
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **kw)
+        ids, keep = list(enc["input_ids"]), [bool(k) for k in enc["assistant_masks"]]
+    else:
+        text, spans, has_special = render(messages, tokenizer, template)
+        enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        keep = [any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
+                for s, e in enc["offset_mapping"]]
+    labels = [tok if (train_on_prompt or inside) else IGNORE_INDEX for tok, inside in zip(ids, keep, strict=True)]
     return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
 
 
@@ -263,7 +317,12 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path,
         return PreparedData.from_dir(out)
 
     conversations, skipped = records or read_records(data_path, data.format, data.skip_invalid)
-    rows = [tokenize(m, tokenizer, data.template, data.max_seq_len, data.train_on_prompt) for m in conversations]
+    rows = []
+    for k, messages in enumerate(conversations, 1):
+        try:
+            rows.append(tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt))
+        except DataError as e:
+            raise DataError(f"{data_path}: record {k}: {e}") from None
     no_target = sum(all(label == IGNORE_INDEX for label in r["labels"]) for r in rows)
     if no_target:
         log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",

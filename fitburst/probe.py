@@ -37,22 +37,17 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     """
     import torch
 
+    from fitburst.device import make_amp, resolve_precision, select_device
     from fitburst.memory import estimate as estimate_fn
     from fitburst.memory import resolve_device, settings_from_spec
     from fitburst.meter import MemoryMeter
     from fitburst.preflight import spec_shape
-    from fitburst.train import (
-        build_model,
-        count_params,
-        make_optimizer,
-        optimizer_step,
-        resolve_precision,
-        select_device,
-    )
+    from fitburst.train import build_model, count_params, make_optimizer, optimizer_step
 
     tr = spec.training
     device = device or select_device(spec.preflight.device)
     precision = resolve_precision(tr.precision, device)
+    amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
     torch.manual_seed(tr.seed)
     t0 = time.perf_counter()
     meter = MemoryMeter(device)
@@ -74,7 +69,7 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
         for _ in range(steps):
             t_step = time.perf_counter()
             losses.append(optimizer_step(model, optimizer, params, [batch] * tr.grad_accum, device=device,
-                                         max_grad_norm=tr.max_grad_norm))
+                                         max_grad_norm=tr.max_grad_norm, amp=amp))
             step_seconds = time.perf_counter() - t_step  # the last step: warm-up (first step) excluded
             meter.sample()
     peak = meter.peak().to_dict()

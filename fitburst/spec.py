@@ -90,6 +90,7 @@ class TrainingSpec(Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    pure_bf16: bool = Field(default=False, description="opt-in: step bf16 weights directly (no fp32 master copy)")
     gradient_checkpointing: bool = False
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
@@ -100,6 +101,12 @@ class TrainingSpec(Strict):
     @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum
+
+    @model_validator(mode="after")
+    def _pure_bf16_needs_bf16(self):
+        if self.pure_bf16 and self.precision != "bf16":
+            raise ValueError("pure_bf16 keeps bf16 weights: set precision: bf16 (or pure_bf16: false)")
+        return self
 
 
 class EvalSpec(Strict):

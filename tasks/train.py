@@ -6,10 +6,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
+from fitburst.recipe import train_and_record
 from fitburst.rundir import open_run_dir, release
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
-from fitburst.train import TrainResult, train
+from fitburst.train import TrainResult
 
 LOCAL_TRAIN_TAG = "fitburst-local-train"
 
@@ -21,11 +22,9 @@ def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, es
     tracker.set_tags({"run_dir": str(run_dir)})
     log.info("%s run folder %s", "resuming in" if resumed else "training into", run_dir)
     try:
-        result = train(spec, prepared, run_dir, on_metrics=tracker.log_metrics)
+        result = train_and_record(spec, prepared, run_dir, tracker=tracker, path="local", estimate=estimate)
     finally:
         release(run_dir)
     log.info("%d steps in %.1fs (%.1f steps/s) on %s; measured peak %s bytes", result.steps, result.seconds,
              result.steps_per_sec, result.device, result.peak.get("allocated_bytes"))
-    tracker.log_train(result, path="local")
-    tracker.log_memory_comparison(estimate, result)
     return result

@@ -120,3 +120,39 @@ def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):
 
     with pytest.raises(SpecError, match="max_steps"):
         finetune(pipeline="demo", overrides={"training.max_steps": 0}, pipelines_file=str(pipelines_file))
+
+
+def test_flow_and_node_command_record_the_same(demo_run, demo_prepared, tmp_path, monkeypatch):
+    """One recipe, two callers: `fitburst train --eval --plan` (the cloud node's command) on the spec the flow
+    trained records what the flow's train and evaluate tasks recorded; only the path tag says where it ran."""
+    import mlflow
+
+    from fitburst import cli
+    from fitburst.spec import load_resolved
+    from fitburst.tracking import RUN_ID_ENV, Tracker
+
+    flow_id = demo_run["mlflow_run_id"]
+    spec_file = mlflow.artifacts.download_artifacts(run_id=flow_id, artifact_path="config/planned.yaml",
+                                                    dst_path=str(tmp_path))
+    node = Tracker.start(load_resolved(spec_file))
+    monkeypatch.setenv(RUN_ID_ENV, node.run_id)
+    assert cli.main(["train", "--spec", spec_file, "--prepared", demo_prepared.dir, "--run-dir",
+                     str(tmp_path / "run"), "--eval", "--plan", "--quiet"]) == 0
+    node.end()
+
+    def records(run_id: str) -> tuple[dict, set, dict]:
+        run = client().get_run(run_id)
+        ours = ("train.", "eval.", "params.", "memory.measured")
+        metrics = {k: v for k, v in run.data.metrics.items() if k.startswith(ours)}
+        files = {a.path for d in ("adapter", "train", "eval") for a in client().list_artifacts(run_id, d)}
+        tags = {k: run.data.tags.get(k) for k in ("device", "precision", "path")}
+        return metrics, files, tags
+
+    (fm, ff, ft), (nm, nf, nt) = records(flow_id), records(node.run_id)
+    assert set(fm) == set(nm) and ff == nf and {"eval/samples.json", "train/loss.png"} <= ff
+    assert {**ft, "path": None} == {**nt, "path": None} and (ft["path"], nt["path"]) == ("local", "cloud")
+    for key in ("train.steps", "train.tokens", "train.final_loss", "params.trainable", "eval.base_loss",
+                "eval.tuned_loss", "eval.n_tokens"):
+        assert nm[key] == pytest.approx(fm[key], rel=1e-4), key
+    curves = [[m.value for m in client().get_metric_history(r, "train_loss")] for r in (flow_id, node.run_id)]
+    assert curves[1] == pytest.approx(curves[0], rel=1e-4)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
@@ -35,6 +35,20 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
         log.info("plan: %s", change)
     create_markdown_artifact(key=f"preflight-{artifact_key(spec.name)}", markdown=report.to_markdown(),
                              description=f"memory preflight for {spec.name}")
+    create_table_artifact(breakdown_rows(report.estimate), key=f"preflight-table-{artifact_key(spec.name)}",
+                          description=f"estimated peak memory by component, {spec.name} on {report.device['name']}")
     tracker.log_preflight(report)
     return report
 
+
+
+def breakdown_rows(estimate: dict) -> list[dict]:
+    """The estimate as table rows: each component, then the allocated peak, reserved, device total and budget."""
+    gib = 1024**3
+    rows = [{"item": k, "GiB": round(v / gib, 4), "kind": "component"}
+            for k, v in sorted(estimate["components"].items(), key=lambda kv: -kv[1])]
+    for label, key in (("allocated peak (tensors)", "allocated_peak_bytes"), ("reserved (allocator)",
+                       "reserved_peak_bytes"), ("device total (+ context)", "device_total_bytes"),
+                       ("budget", "budget_bytes")):
+        rows.append({"item": label, "GiB": round(estimate[key] / gib, 4), "kind": "total"})
+    return rows

@@ -271,7 +271,7 @@ class Tracker:
         token = resolve_env(m.hf_token)
         tok = load_tokenizer(str(adapter_dir))
         base_ref = resolve_model_ref(m.name)
-        dtype = torch_dtype("fp32" if precision == "fp32" else precision)
+        dtype = torch_dtype(precision)
         if spec.method.type == "full":
             model = load_model(str(adapter_dir), dtype=dtype, device="cpu")
         else:  # unquantized base on CPU: what the flavor records and reloads (QLoRA trains on a 4-bit copy of it)

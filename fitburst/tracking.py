@@ -303,7 +303,7 @@ class Tracker:
             loss_curve(metrics, Path(d) / "loss.png", title=Path(run_dir).name, eval_points=points)
             self.log_artifacts(Path(d) / "loss.png", "train")
 
-    def register_model(self, name: str, model_uri: str, tags: dict, tuned_loss: float | None) -> dict:
+    def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
         """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when
         its eval loss is lower than the current champion's (or there is none). Returns version, champion, moved."""
         from mlflow.exceptions import MlflowException
@@ -313,7 +313,7 @@ class Tracker:
             reg.get_registered_model(name)
         except MlflowException:
             reg.create_registered_model(name, description="fine-tuned by fitburst; alias 'champion': best eval loss")
-        version = reg.create_model_version(name, model_uri, run_id=self.run_id,
+        version = reg.create_model_version(name, f"models:/{model_id}", run_id=self.run_id, model_id=model_id,
                                            tags={k: redact(str(v)) for k, v in tags.items()})
         try:
             holder = reg.get_model_version_by_alias(name, CHAMPION)

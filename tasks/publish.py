@@ -34,7 +34,7 @@ def publish_model(spec: PipelineSpec, result: TrainResult, ev: EvalResult | None
         out["model_uri"] = info.model_uri
         log.info("logged model %s", info.model_uri)
         if tr.register_as:
-            reg = tracker.register_model(tr.register_as, info.model_uri, tags,
+            reg = tracker.register_model(tr.register_as, info.model_id, tags,
                                          ev.tuned_loss if ev is not None else None)
             out.update(registered_model=tr.register_as, **reg)
             log.info("registered %s version %d; champion: version %s%s", tr.register_as, reg["version"],

@@ -36,7 +36,7 @@ def _log_and_register(spec, result, ev):
     info = tracker.log_model(spec, result.adapter_dir, precision=result.precision)
     tags = {"pipeline": spec.name, "verdict": "local", "path": "local", "eval.tuned_loss": ev.tuned_loss,
             "eval.delta_loss": ev.delta_loss}
-    reg = tracker.register_model("tracking-test", info.model_uri, tags, ev.tuned_loss)
+    reg = tracker.register_model("tracking-test", info.model_id, tags, ev.tuned_loss)
     tracker.end()
     return tracker, reg
 

@@ -186,7 +186,8 @@ def _publish_summary(s: dict) -> None:
     lines.append(f"| MLflow run | `{s['mlflow_run_id']}` |")
     lines.append(f"| MLflow tracking URI | `{uri}` |")
     if uri.startswith(("http://", "https://")) and facts.get("experiment_id"):
-        link = f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+        link = (f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+                "?workflowType=machine_learning")  # MLflow 3's UI: the model-training views, not GenAI
         lines.append(f"| MLflow UI | [{s['mlflow_run_id']}]({link}) |")
     else:
         lines.append(f"| open it | `mlflow ui --backend-store-uri '{uri}'`, run `{s['mlflow_run_id']}` |")

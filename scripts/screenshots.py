@@ -95,10 +95,11 @@ def main() -> int:
         mrun = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
         exp, rid, frid = mrun.info.experiment_id, mrun.info.run_id, mrun.data.tags["prefect.flow_run_id"]
         base = f"http://127.0.0.1:{mport}/#/experiments/{exp}"
-        shoot(args.chromium, f"{base}/runs/{rid}", out / "mlflow-run.png", height=1500)
-        shoot(args.chromium, f"{base}/runs/{rid}/system-metrics", out / "mlflow-system-metrics.png", height=1100)
+        ml = "?workflowType=machine_learning"  # MLflow 3.17's UI keeps GenAI vs model training per browser
+        shoot(args.chromium, f"{base}/runs/{rid}{ml}", out / "mlflow-run.png", height=1500)
+        shoot(args.chromium, f"{base}/runs/{rid}/system-metrics{ml}", out / "mlflow-system-metrics.png", height=1100)
         model_id = mrun.outputs.model_outputs[0].model_id
-        shoot(args.chromium, f"{base}/models/{model_id}", out / "mlflow-logged-model.png", height=1100)
+        shoot(args.chromium, f"{base}/models/{model_id}{ml}", out / "mlflow-logged-model.png", height=1100)
         shoot(args.chromium, f"http://127.0.0.1:{mport}/#/models/fitburst-demo", out / "mlflow-registry.png",
               height=700)
         shoot(args.chromium, f"http://127.0.0.1:{pport}/runs/flow-run/{frid}", out / "prefect-flow-run.png",

@@ -259,7 +259,9 @@ class Tracker:
                   tags: dict | None = None):
         """The tuned model as an MLflow model (transformers flavor, task ``llm/v1/chat``: chat messages in, the
         tokenizer's chat template applied, greedy decoding). A LoRA/QLoRA adapter is saved alone and references its
-        base (a local folder by path, a hub model by id), so the base weights are not copied. Returns ModelInfo."""
+        base (a local folder by path, a hub model by id), so the base weights are not copied. The base is loaded on
+        CPU in the training dtype to log it, and once more by MLflow to check the input example: for a base too big
+        for this machine's RAM set ``tracking.log_model: false``. Returns MLflow's ModelInfo."""
         import mlflow
         from peft import PeftModel
 
@@ -286,7 +288,7 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI
         local_base = Path(base_ref).is_dir() and spec.method.type != "full"
         return mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tok}, name="model", task="llm/v1/chat", run_id=self.run_id,
+            {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
             base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
             model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
             pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})

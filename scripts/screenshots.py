@@ -42,12 +42,13 @@ def wait_http(url: str, timeout: float = 120) -> None:
     raise SystemExit(f"{url} did not answer in {timeout:.0f}s")
 
 
-def shoot(chromium: str, url: str, dest: Path, width: int = 1440, height: int = 1000, wait_ms: int = 15000) -> None:
+def shoot(chromium: str, url: str, dest: Path, width: int = 1440, height: int = 1000, wait_ms: int = 60000) -> None:
     """One page as PNG, after ``wait_ms`` of virtual time for the single-page app to fetch and render."""
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                         f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                        f"--virtual-time-budget={wait_ms}", f"--screenshot={dest}", url],
+                        f"--virtual-time-budget={wait_ms}", "--run-all-compositor-stages-before-draw",
+                        f"--screenshot={dest}", url],
                        check=True, capture_output=True, timeout=180)
     from PIL import Image
 
@@ -97,6 +98,7 @@ def main() -> int:
         base = f"http://127.0.0.1:{mport}/#/experiments/{exp}"
         ml = "?workflowType=machine_learning"  # MLflow 3.17's UI keeps GenAI vs model training per browser
         shoot(args.chromium, f"{base}/runs/{rid}{ml}", out / "mlflow-run.png", height=1500)
+        shoot(args.chromium, f"{base}/runs/{rid}/model-metrics{ml}", out / "mlflow-model-metrics.png", height=1100)
         shoot(args.chromium, f"{base}/runs/{rid}/system-metrics{ml}", out / "mlflow-system-metrics.png", height=1100)
         model_id = mrun.outputs.model_outputs[0].model_id
         shoot(args.chromium, f"{base}/models/{model_id}{ml}", out / "mlflow-logged-model.png", height=1100)

@@ -137,6 +137,18 @@ def test_flow_run_is_named_pipeline_date_short_id(demo_run):
     assert re.fullmatch(r"demo-\d{4}-\d{2}-\d{2}-[0-9a-f]{8}", run.name), run.name
     assert run.name.endswith(run.id.hex[:8])
 
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def logs():
+        async with get_client() as c:
+            return await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+
+    # not a terminal: one clean line per logged step, no carriage-return progress bar
+    lines = [m.message for m in asyncio.run(logs())]
+    steps = [m for m in lines if m.startswith("step ")]
+    assert len(steps) == 15 and steps[-1].startswith("step 150/150 · loss ") and "ETA 0s" in steps[-1]
+    assert not [m for m in lines if "\r" in m]
+
 
 def test_progress_artifact_reaches_100_and_preflight_table_exists(demo_run):
     import asyncio

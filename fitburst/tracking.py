@@ -282,8 +282,10 @@ class Tracker:
             model = PeftModel.from_pretrained(base, str(adapter_dir))
         example = None
         conversations, _ = read_records(spec.data_path(), spec.data.format, skip_invalid=True)
-        if conversations:
-            prompt = [msg for msg in conversations[0] if msg["role"] != "assistant"]
+        if conversations:  # the first record's conversation up to its last reply
+            conv = conversations[0]
+            last = max((i for i, msg in enumerate(conv) if msg["role"] == "assistant"), default=len(conv))
+            prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
             example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
         mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI
         local_base = Path(base_ref).is_dir() and spec.method.type != "full"
@@ -301,6 +303,10 @@ class Tracker:
         if not metrics.exists():
             return
         points = {"base": ev.base_loss, "tuned": ev.tuned_loss} if ev is not None else None
+        if ev is not None:  # the same two points as a metric beside train_loss: base at step 0, tuned at the last step
+            last = json.loads(metrics.read_text().strip().splitlines()[-1])["step"]
+            self.log_metrics({"val_loss": ev.base_loss}, step=0)
+            self.log_metrics({"val_loss": ev.tuned_loss}, step=last)
         with tempfile.TemporaryDirectory() as d:
             loss_curve(metrics, Path(d) / "loss.png", title=Path(run_dir).name, eval_points=points)
             self.log_artifacts(Path(d) / "loss.png", "train")

@@ -98,7 +98,6 @@ def main() -> int:
         base = f"http://127.0.0.1:{mport}/#/experiments/{exp}"
         ml = "?workflowType=machine_learning"  # MLflow 3.17's UI keeps GenAI vs model training per browser
         shoot(args.chromium, f"{base}/runs/{rid}{ml}", out / "mlflow-run.png", height=1500)
-        shoot(args.chromium, f"{base}/runs/{rid}/model-metrics{ml}", out / "mlflow-model-metrics.png", height=1100)
         shoot(args.chromium, f"{base}/runs/{rid}/system-metrics{ml}", out / "mlflow-system-metrics.png", height=1100)
         model_id = mrun.outputs.model_outputs[0].model_id
         shoot(args.chromium, f"{base}/models/{model_id}{ml}", out / "mlflow-logged-model.png", height=1100)
@@ -106,8 +105,9 @@ def main() -> int:
               height=700)
         shoot(args.chromium, f"http://127.0.0.1:{pport}/runs/flow-run/{frid}", out / "prefect-flow-run.png",
               height=1100)
-        shoot(args.chromium, f"http://127.0.0.1:{pport}/runs/flow-run/{frid}?tab=Artifacts",
-              out / "prefect-artifacts.png", height=1100)
+        for key in ("training-demo", "preflight-table-demo"):
+            shoot(args.chromium, f"http://127.0.0.1:{pport}/artifacts/key/{key}", out / f"prefect-{key}.png",
+                  height=800)
     finally:
         for p in procs:
             p.terminate()

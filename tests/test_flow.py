@@ -187,6 +187,9 @@ def test_run_is_model_training_with_lineage_and_system_metrics(demo_run, demo_pr
     assert run.data.params["data.tokens.p95"] == str(demo_prepared.stats["p95"])
     assert not [k for k in run.data.metrics if k.startswith("data.")]
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
+    # validation loss beside the train loss curve: the base model at step 0, the tuned one at the last step
+    val = sorted((m.step, m.value) for m in client().get_metric_history(run.info.run_id, "val_loss"))
+    assert val == [(0, run.data.metrics["eval.base_loss"]), (150, run.data.metrics["eval.tuned_loss"])]
 
 
 def test_registered_model_generates_like_the_adapter_loaded_directly(demo_run, demo_spec):

@@ -101,13 +101,18 @@ def main() -> int:
         shoot(args.chromium, f"{base}/runs/{rid}/system-metrics{ml}", out / "mlflow-system-metrics.png", height=1100)
         model_id = mrun.outputs.model_outputs[0].model_id
         shoot(args.chromium, f"{base}/models/{model_id}{ml}", out / "mlflow-logged-model.png", height=1100)
-        shoot(args.chromium, f"http://127.0.0.1:{mport}/#/models/fitburst-demo", out / "mlflow-registry.png",
+        shoot(args.chromium, f"http://127.0.0.1:{mport}/#/models/fitburst-demo{ml}", out / "mlflow-registry.png",
               height=700)
         shoot(args.chromium, f"http://127.0.0.1:{pport}/runs/flow-run/{frid}", out / "prefect-flow-run.png",
               height=1100)
         for key in ("training-demo", "preflight-table-demo"):
-            shoot(args.chromium, f"http://127.0.0.1:{pport}/artifacts/key/{key}", out / f"prefect-{key}.png",
-                  height=800)
+            req = urllib.request.Request(f"{env['PREFECT_API_URL']}/artifacts/filter", method="POST",
+                                         data=json.dumps({"artifacts": {"key": {"any_": [key]}}}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                artifact_id = json.load(r)[0]["id"]
+            shoot(args.chromium, f"http://127.0.0.1:{pport}/artifacts/artifact/{artifact_id}",
+                  out / f"prefect-{key}.png", height=900)
     finally:
         for p in procs:
             p.terminate()

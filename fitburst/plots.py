@@ -85,34 +85,32 @@ def comparable_pairs(estimate: dict, peak: dict) -> list[tuple[str, int, int]]:
 
 
 def memory_comparison(estimate: dict, peak: dict, dest: Path, title: str = "") -> Path:
-    """Estimated vs measured, one pair of bars per quantity measured (see :func:`comparable_pairs`); the estimated
-    bar of the first pair is split into the estimate's components, so each component's share is visible."""
+    """Estimated vs measured, one panel (own scale) per quantity measured (see :func:`comparable_pairs`); the
+    estimated bar of the first panel is split into the estimate's components, so each component's share is visible."""
     pairs = comparable_pairs(estimate, peak)
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 1.2 * max(len(pairs), 1) + 1.6))
-    for i, (_, est, meas) in enumerate(pairs):
-        y = len(pairs) - 1 - i
+    fig, axes = plt.subplots(max(len(pairs), 1), 1, figsize=(8, 1.5 * max(len(pairs), 1) + 1.2), squeeze=False)
+    for i, (ax, (quantity, est, meas)) in enumerate(zip(axes[:, 0], pairs, strict=False)):
         if i == 0 and estimate.get("components"):
             comps = sorted(estimate["components"].items(), key=lambda kv: -kv[1])
-            scale = est / max(sum(v for _, v in comps), 1)  # allocator/context share on top of the tensor sum
-            left = 0.0
-            cmap = plt.get_cmap("tab20")
+            scale = min(est / max(sum(v for _, v in comps), 1), 1.0)
+            cmap, left = plt.get_cmap("Blues_r"), 0.0
             for j, (name, v) in enumerate(comps):
-                w = v * min(scale, 1.0) / GIB
-                ax.barh(y + 0.2, w, left=left, height=0.38, color=cmap(j % 20), label=f"est. {name}")
+                w = v * scale / GIB
+                ax.barh(1, w, left=left, color=cmap(0.1 + 0.7 * j / max(len(comps), 1)), label=name)
                 left += w
             if est / GIB > left:
-                ax.barh(y + 0.2, est / GIB - left, left=left, height=0.38, color="#bbbbbb", label="est. overhead")
+                ax.barh(1, est / GIB - left, left=left, color="#bbbbbb", label="allocator / runtime")
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="estimated", title_fontsize=7)
         else:
-            ax.barh(y + 0.2, est / GIB, height=0.38, color="#dd8452", label="estimated" if i == 1 else None)
-        ax.barh(y - 0.2, meas / GIB, height=0.38, color="#55a868", label="measured" if i == 0 else None)
-        ax.text(max(est, meas) / GIB * 1.01, y, f"est {est / GIB:.3f} / meas {meas / GIB:.3f} GiB "
-                f"({meas / est:.2f}x)" if est else "", va="center", fontsize=8)
-    ax.set_yticks(range(len(pairs)), [q for q, _, _ in reversed(pairs)])
-    ax.set_xlabel("GiB")
-    ax.set_title(title or "estimated (top) vs measured (bottom), same quantity per row")
-    ax.margins(x=0.35)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+            ax.barh(1, est / GIB, color="#dd8452")
+        ax.barh(0, meas / GIB, color="#55a868")
+        ax.set_yticks([1, 0], ["estimated", "measured"])
+        ratio = f", measured/estimated {meas / est:.2f}" if est else ""
+        ax.set_title(f"{quantity}: {est / GIB:.3f} vs {meas / GIB:.3f} GiB{ratio}", fontsize=9, loc="left")
+        ax.set_xlim(0, max(est, meas) / GIB * 1.08)
+        ax.set_xlabel("GiB", fontsize=8)
+    fig.suptitle(title or "estimated vs measured, the same quantity in each panel", fontsize=10)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)
     plt.close(fig)

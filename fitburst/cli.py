@@ -8,6 +8,7 @@ estimate   "will it fit?" for a model without a pipeline file
 train      one training step of the DAG with no Prefect (what the cloud node runs)
 serve      register every pipeline as a Prefect deployment with its schedule
 calibrate  fit the estimator's correction constants from MLflow history
+merge      fold a run's LoRA adapter into its base model (a plain model folder, base dtype)
 """
 
 from __future__ import annotations
@@ -170,6 +171,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from fitburst.share import merge
+
+    dest = merge(args.run, args.out)
+    print(f"merged model written to {dest}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fitburst", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -228,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_arguments(sp)
     sp.set_defaults(func=lambda a: __import__("fitburst.memory.calibrate", fromlist=["main"]).main(a))
+
+    sp = sub.add_parser("merge", help="merge a run's adapter into its base model (base dtype)")
+    sp.add_argument("run", help="run folder (runs/<pipeline>/<id>), adapter folder, or MLflow run id")
+    sp.add_argument("--out", "-o", help="output folder (default: <run folder>/merged)")
+    sp.set_defaults(func=cmd_merge)
     return p
 
 

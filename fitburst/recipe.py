@@ -7,22 +7,25 @@ the same things wherever it trained.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult, evaluate
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
-from fitburst.train import TrainResult, train
+from fitburst.train import MetricsFn, TrainResult, train
 
 
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
                      path: str, estimate: dict | None = None, device: str | None = None,
-                     progress: bool = True) -> TrainResult:
-    """Train into ``run_dir`` (the loss curve streamed to ``tracker``), then record the run: facts, adapter, plots,
-    and measured vs ``estimate`` when there is one. ``path`` is where it trained: local or cloud."""
-    result = train(spec, prepared, run_dir, device=device, on_metrics=tracker.log_metrics if tracker else None,
-                   progress=progress)
+                     progress: bool = True, on_metrics: MetricsFn | None = None) -> TrainResult:
+    """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
+    forwards it; system metrics recorded meanwhile), then record the run: facts, adapter, plots, and measured vs
+    ``estimate`` when there is one. ``path`` is where it trained: local or cloud."""
+    metrics_fn = on_metrics or (tracker.log_metrics if tracker else None)
+    with tracker.system_metrics() if tracker is not None else contextlib.nullcontext():
+        result = train(spec, prepared, run_dir, device=device, on_metrics=metrics_fn, progress=progress)
     if tracker is not None:
         tracker.log_train(result, path=path)
         if estimate is not None:

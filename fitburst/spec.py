@@ -324,6 +324,12 @@ class NotifySpec(Strict):
 class TrackingSpec(Strict):
     uri: str | None = Field(default=None, description="MLflow tracking URI; MLFLOW_TRACKING_URI wins when set")
     experiment: str = "fitburst"
+    log_model: bool = Field(default=True, description="log the tuned model as an MLflow model (transformers "
+                            "flavor; a LoRA adapter references its base model instead of copying it)")
+    register_as: str | None = Field(default=None, description="register each run's model under this name in the "
+                                    "MLflow Model Registry; alias 'champion' follows the best eval loss")
+    push_to_hub: str | None = Field(default=None, description="Hugging Face repo id (org/name) to push the adapter "
+                                    "and a generated model card to after the run; needs HF_TOKEN")
 
 
 class PipelineSpec(Strict):

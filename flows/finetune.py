@@ -20,6 +20,7 @@ from tasks import artifact_key
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
 from tasks.preflight import preflight_task
+from tasks.publish import publish_model
 from tasks.train import train_local
 
 DEFAULT_FILE = DEFAULT_PIPELINES_FILE
@@ -65,7 +66,15 @@ def overrides_schema() -> dict:
 Overrides = Annotated[dict[str, Any] | None, WithJsonSchema(overrides_schema())]
 
 
-@flow(name="finetune", log_prints=True)
+def flow_run_name() -> str:
+    """``<pipeline>-<UTC date>-<first 8 hex of the flow run id>``, e.g. ``demo-2026-11-23-1a2b3c4d``."""
+    from datetime import datetime, timezone
+
+    pipeline = runtime.flow_run.parameters.get("pipeline", "run")
+    return f"{pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}-{str(runtime.flow_run.id).replace('-', '')[:8]}"
+
+
+@flow(name="finetune", log_prints=True, flow_run_name=flow_run_name)
 def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file: str = DEFAULT_FILE,
              dry_run: bool = False) -> dict:
     """Run one pipeline from pipelines.yaml; ``overrides`` takes dotted keys, e.g. {"training.max_steps": 20}."""
@@ -97,6 +106,9 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
                 summary.update(candidates=[c.to_dict() for c in report.candidates[:4]], burst_plan=result.report)
                 status = "FINISHED"
                 return summary
+        placement = report.verdict.placement
+        summary.update(publish_model(planned, result, ev, tracker, placement,
+                                     "local" if placement == "local" else "cloud"))
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
                        steps=result.steps, measured_peak_bytes=result.peak.get("allocated_bytes"))
         if ev is not None:
@@ -175,7 +187,8 @@ def _publish_summary(s: dict) -> None:
     lines.append(f"| MLflow run | `{s['mlflow_run_id']}` |")
     lines.append(f"| MLflow tracking URI | `{uri}` |")
     if uri.startswith(("http://", "https://")) and facts.get("experiment_id"):
-        link = f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+        link = (f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+                "?workflowType=machine_learning")  # MLflow 3's UI: the model-training views, not GenAI
         lines.append(f"| MLflow UI | [{s['mlflow_run_id']}]({link}) |")
     else:
         lines.append(f"| open it | `mlflow ui --backend-store-uri '{uri}'`, run `{s['mlflow_run_id']}` |")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
+from fitburst.memory import Estimate
 from fitburst.preflight import PreflightReport, data_facts, preflight
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
@@ -28,8 +29,22 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
         log.info("plan: %s", change)
     create_markdown_artifact(key=f"preflight-{artifact_key(spec.name)}", markdown=report.to_markdown(),
                              description=f"memory preflight for {spec.name}")
+    create_table_artifact(breakdown_rows(report.estimate), key=f"preflight-table-{artifact_key(spec.name)}",
+                          description=f"estimated peak memory by component, {spec.name} on {report.device.name}")
     tracker.log_preflight(report)
     # what `fitburst calibrate` divides out of these estimates, so that fitting again converges
     tracker.log_metrics({"memory.calibration_factor": report.estimate.calibration_factor,
                          "memory.calibration_reserved_factor": report.estimate.reserved_calibration_factor})
     return report
+
+
+def breakdown_rows(est: Estimate) -> list[dict]:
+    """The estimate as table rows: each component, then the allocated peak, reserved, device total and budget."""
+    gib = 1024**3
+    rows = [{"item": k, "GiB": round(v / gib, 4), "kind": "component"}
+            for k, v in sorted(est.components.items(), key=lambda kv: -kv[1])]
+    for label, value in (("allocated peak (tensors)", est.allocated_peak_bytes),
+                         ("reserved (allocator)", est.reserved_peak_bytes),
+                         ("device total (+ context)", est.device_total_bytes), ("budget", est.budget_bytes)):
+        rows.append({"item": label, "GiB": round(value / gib, 4), "kind": "total"})
+    return rows

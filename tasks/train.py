@@ -6,10 +6,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
-from fitburst.rundir import open_run_dir, release
+from fitburst.local import train_local_run
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
-from fitburst.train import TrainResult, train
+from fitburst.train import TrainResult
 
 LOCAL_TRAIN_TAG = "fitburst-local-train"
 
@@ -17,13 +17,10 @@ LOCAL_TRAIN_TAG = "fitburst-local-train"
 @task(name="train-local", cache_policy=NONE, tags=[LOCAL_TRAIN_TAG])
 def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: dict) -> TrainResult:
     log = get_run_logger()
-    run_dir, resumed = open_run_dir(spec)
-    tracker.set_tags({"run_dir": str(run_dir)})
-    log.info("%s run folder %s", "resuming in" if resumed else "training into", run_dir)
-    try:
-        result = train(spec, prepared, run_dir, on_metrics=tracker.log_metrics)
-    finally:
-        release(run_dir)
+    result = train_local_run(spec, prepared, tracker, on_stepdown=lambda r: log.warning(
+        "out of memory (%s) at step %d, measured peak %s bytes: stepped down: %s", r["oom_kind"], r["step"],
+        r["measured_peak_bytes"], r["change"]))
+    log.info("run folder %s", result.run_dir)
     log.info("%d steps in %.1fs (%.1f steps/s) on %s; measured peak %s bytes", result.steps, result.seconds,
              result.steps_per_sec, result.device, result.peak.get("allocated_bytes"))
     tracker.log_train(result, path="local")

@@ -43,7 +43,10 @@ def main() -> int:
     finally:
         if tracker is not None:
             tracker.end(status)
-    print(json.dumps({**asdict(result), "mlflow_run_id": tracker.run_id if tracker else None}), flush=True)
+    status_lines = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    vm_peak = int(status_lines["VmPeak"].split()[0]) * 1024  # the address space a RLIMIT_AS must allow
+    print(json.dumps({**asdict(result), "mlflow_run_id": tracker.run_id if tracker else None,
+                      "vm_peak_bytes": vm_peak}), flush=True)
     return 0
 
 

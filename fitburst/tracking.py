@@ -145,11 +145,12 @@ class Tracker:
         else:
             self.client.log_artifact(self.run_id, str(p), dest)
 
-    def end(self, status: str = "FINISHED") -> None:
+    def end(self, status: str = "FINISHED", flush_timeout: float = OUTBOX_FLUSH_S) -> None:
         """Close the run. Never raises: a closing failure (server down) must not hide the error that ended the run;
-        with an outbox the close is queued there and replayed with the metrics."""
+        with an outbox the close is queued there (after waiting up to ``flush_timeout`` s for the metrics to go)
+        and replayed with the metrics by the next start."""
         if self.outbox is not None:
-            self.outbox.flush(timeout=OUTBOX_FLUSH_S)
+            self.outbox.flush(timeout=flush_timeout)
         try:
             self.client.set_terminated(self.run_id, status)
         except Exception as e:  # noqa: BLE001 - any transport/store failure

@@ -14,7 +14,9 @@ from fitburst.train import TrainResult
 LOCAL_TRAIN_TAG = "fitburst-local-train"
 
 
-@task(name="train-local", cache_policy=NONE, tags=[LOCAL_TRAIN_TAG])
+# The flow holds the tag's concurrency slot from the preflight on (flows.finetune.local_gpu_slot); the task itself
+# carries no tag, or it would wait for the slot its own flow run holds.
+@task(name="train-local", cache_policy=NONE)
 def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: dict) -> TrainResult:
     log = get_run_logger()
     result = train_local_run(spec, prepared, tracker, on_stepdown=lambda r: log.warning(

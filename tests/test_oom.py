@@ -119,32 +119,32 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
     from fitburst.tracking import Tracker
 
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
-    spec = apply(demo_spec, {"training.max_steps": 12, "training.micro_batch_size": 8, "training.grad_accum": 1,
-                             "training.checkpoint_every": 5, "training.log_every": 1, "eval.enabled": False})
+    spec = apply(demo_spec, {"training.max_steps": 8, "training.micro_batch_size": 4, "training.grad_accum": 1,
+                             "training.checkpoint_every": 3, "training.log_every": 1, "eval.enabled": False})
     state = {"n": 0}
     real = train_mod.optimizer_step
 
-    def after_seven(*a, **kw):  # fits for 7 steps (a checkpoint at 5), then the data gets "longer"
+    def after_five(*a, **kw):  # fits for 5 steps (a checkpoint at 3), then the data gets "longer"
         state["n"] += 1
-        return (oom_over(2, error, real) if state["n"] > 7 else real)(*a, **kw)
+        return (oom_over(1, error, real) if state["n"] > 5 else real)(*a, **kw)
 
-    monkeypatch.setattr(train_mod, "optimizer_step", after_seven)
+    monkeypatch.setattr(train_mod, "optimizer_step", after_five)
     tracker = Tracker.start(spec)
     result = train_local_run(spec, demo_prepared, tracker, device="cpu", progress=False)
     tracker.end()
     stepped = json.loads(Path(result.run_dir, STEPDOWN_FILE).read_text())
-    assert [h["oom_kind"] for h in stepped["history"]] == [kind, kind]  # 8 -> 4 fails again, 4 -> 2 fits
-    assert [h["step"] for h in stepped["history"]] == [7, 7]  # the failed attempt's checkpoint, resumed
-    assert stepped["fields"] == {"training.micro_batch_size": 2, "training.grad_accum": 4}
-    assert result.steps == 12 and result.resumed_from == 7
-    assert steps_logged(result.run_dir) == list(range(1, 13))
+    assert [h["oom_kind"] for h in stepped["history"]] == [kind, kind]  # 4 -> 2 fails again, 2 -> 1 fits
+    assert [h["step"] for h in stepped["history"]] == [5, 5]  # the failed attempt's checkpoint, resumed
+    assert stepped["fields"] == {"training.micro_batch_size": 1, "training.grad_accum": 4}
+    assert result.steps == 8 and result.resumed_from == 5
+    assert steps_logged(result.run_dir) == list(range(1, 9))
     if kind == "cuda":
         assert stepped["history"][0]["requested_bytes"] == 2 * 2**30
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient().get_run(tracker.run_id)
     assert run.data.tags["oom.stepdowns"] == "2"
-    assert run.data.tags["oom.stepdown.1"].startswith("micro_batch_size 8 -> 4, grad_accum 1 -> 2")
+    assert run.data.tags["oom.stepdown.1"].startswith("micro_batch_size 4 -> 2, grad_accum 1 -> 2")
 
 
 def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes(tmp_path, demo_spec,
@@ -153,8 +153,8 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     into bitsandbytes' AdamW8bit (step and schedule kept) and the run finishes."""
     import bitsandbytes as bnb
 
-    spec = apply(demo_spec, {"training.max_steps": 10, "training.micro_batch_size": 1, "training.grad_accum": 2,
-                             "training.gradient_checkpointing": True, "training.checkpoint_every": 3,
+    spec = apply(demo_spec, {"training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
+                             "training.gradient_checkpointing": True, "training.checkpoint_every": 2,
                              "training.log_every": 1})
     calls, used = {"n": 0}, []
     real = train_mod.optimizer_step
@@ -162,7 +162,7 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     def step(model, optimizer, params, micro, **kw):
         calls["n"] += 1
         used.append(type(optimizer))
-        if calls["n"] == 5:
+        if calls["n"] == 4:
             raise torch.OutOfMemoryError(CUDA_OOM)
         return real(model, optimizer, params, micro, **kw)
 
@@ -170,9 +170,9 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     result = train_stepping_down(spec, demo_prepared, tmp_path, device="cpu", progress=False)
     stepped = json.loads((tmp_path / STEPDOWN_FILE).read_text())
     assert stepped["fields"] == {"training.optimizer": "adamw8bit"}
-    assert result.steps == 10 and result.resumed_from == 4
+    assert result.steps == 6 and result.resumed_from == 3
     assert used[-1] is bnb.optim.AdamW8bit and used[0] is torch.optim.AdamW
-    assert steps_logged(tmp_path) == list(range(1, 11))
+    assert steps_logged(tmp_path) == list(range(1, 7))
 
 
 def test_ladder_order_allow_and_device():

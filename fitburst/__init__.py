@@ -8,4 +8,8 @@ import os
 # set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from fitburst.allocator_env import configure as _configure_allocators  # noqa: E402
+
+_configure_allocators()  # CUDA expandable segments, MPS fail-fast watermark (unless the user set them)
+
 __version__ = "0.1.0"

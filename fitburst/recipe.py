@@ -8,24 +8,36 @@ the same things wherever it trained.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult, evaluate
+from fitburst.oom import train_stepping_down
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
-from fitburst.train import MetricsFn, TrainResult, train
+from fitburst.train import MetricsFn, TrainResult
 
 
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
                      path: str, estimate: dict | None = None, device: str | None = None,
-                     progress: bool = True, on_metrics: MetricsFn | None = None) -> TrainResult:
+                     progress: bool = True, on_metrics: MetricsFn | None = None,
+                     on_stepdown: Callable[[dict], None] | None = None) -> TrainResult:
     """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
-    forwards it; system metrics recorded meanwhile), then record the run: facts, adapter, plots, and measured vs
-    ``estimate`` when there is one. ``path`` is where it trained: local or cloud."""
+    forwards it; system metrics recorded meanwhile), stepping down on out-of-memory (each step-down recorded and
+    passed to ``on_stepdown``), then record the run: facts, adapter, plots, and measured vs ``estimate`` when there
+    is one. ``path`` is where it trained: local or cloud."""
+
+    def stepped_down(record: dict) -> None:
+        if tracker is not None:
+            tracker.log_stepdown(record)
+        if on_stepdown is not None:
+            on_stepdown(record)
+
     metrics_fn = on_metrics or (tracker.log_metrics if tracker else None)
     with tracker.system_metrics() if tracker is not None else contextlib.nullcontext():
-        result = train(spec, prepared, run_dir, device=device, on_metrics=metrics_fn, progress=progress)
+        result = train_stepping_down(spec, prepared, run_dir, device=device, on_metrics=metrics_fn,
+                                     on_stepdown=stepped_down, progress=progress)
     if tracker is not None:
         tracker.log_train(result, path=path)
         if estimate is not None:

@@ -1,12 +1,14 @@
 """Run folders: each run trains into its own folder; an interrupted run with the same config is resumed.
 
-``<runs root>/<pipeline>/<timestamp>-<config hash>/`` holds ``run.json`` (who owns it), checkpoints, the adapter
-and results. A folder is resumable when it has a checkpoint, no ``train_result.json`` with all steps done, and
-no live process holding its lock, so two concurrent runs never share a folder.
+``<runs root>/<pipeline>/<timestamp>-<run key>/`` (the key: config hash and the prepared data's content hash)
+holds ``run.json`` (who owns it, which MLflow run), checkpoints, the adapter and results. A folder is resumable
+when it has a checkpoint, no ``train_result.json`` with all steps done, and no live process holding its lock, so
+two concurrent runs never share a folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -64,12 +66,20 @@ def _cloud_live(run_dir: Path) -> bool:
     return rec.exists() and json.loads(rec.read_text()).get("state") in ("launching", "running")
 
 
-def open_run_dir(spec: PipelineSpec, resume: bool = True) -> tuple[Path, bool]:
-    """Claim a run folder for ``spec``: the newest resumable one with the same config, else a new one.
-    Returns (folder, resumed)."""
+def run_key(spec: PipelineSpec, data_hash: str | None = None) -> str:
+    """What a resumable folder must match: the config hash, and the prepared data's content hash when given
+    (a changed data file never resumes a checkpoint trained on the old one)."""
+    if data_hash is None:
+        return spec.config_hash()
+    return hashlib.sha256(f"{spec.config_hash()}:{data_hash}".encode()).hexdigest()[:12]
+
+
+def open_run_dir(spec: PipelineSpec, resume: bool = True, data_hash: str | None = None) -> tuple[Path, bool]:
+    """Claim a run folder for ``spec`` (trained on data with content hash ``data_hash``): the newest resumable one
+    with the same key, else a new one. Returns (folder, resumed)."""
     base = runs_root(spec) / spec.name
     base.mkdir(parents=True, exist_ok=True)
-    h = spec.config_hash()
+    h = run_key(spec, data_hash)
     if resume:
         for d in sorted(base.glob(f"*-{h}"), reverse=True):
             if (_has_checkpoint(d) or _cloud_live(d)) and not _finished(d):
@@ -82,5 +92,6 @@ def open_run_dir(spec: PipelineSpec, resume: bool = True) -> tuple[Path, bool]:
         except FileExistsError:
             continue
         _claim(d)
-        (d / "run.json").write_text(json.dumps({"pipeline": spec.name, "config_hash": h, "pid": os.getpid()}))
+        (d / "run.json").write_text(json.dumps({"pipeline": spec.name, "config_hash": spec.config_hash(),
+                                                "data_hash": data_hash, "pid": os.getpid()}))
         return d, False

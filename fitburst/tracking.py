@@ -8,9 +8,13 @@ everything written here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +24,13 @@ from fitburst.spec import PipelineSpec, resolve_env
 
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
 RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
+OWNER_TAG = "fitburst.owner"  # host:pid:process start time of the process that opened the run
+PREVIOUS_TAG = "fitburst.closed_stale_runs"  # runs of this pipeline found open with a dead owner, closed on start
+RESUMED_TAG = "fitburst.resumed_from_run"  # the run whose checkpoint this run resumed
+OUTBOX_FILE = "mlflow_outbox.jsonl"
+OUTBOX_FLUSH_S = float(os.environ.get("FITBURST_MLFLOW_FLUSH_S", "120"))
+
+log = logging.getLogger(__name__)
 
 
 def secret_values() -> list[str]:
@@ -71,6 +82,8 @@ class Tracker:
 
         self.run_id, self.uri = run_id, uri
         self.client = MlflowClient(tracking_uri=uri)
+        self.outbox: Outbox | None = None  # set by use_outbox(): metrics then go to the run folder first
+        self.stepdowns = 0
 
     @classmethod
     def start(cls, spec: PipelineSpec, tags: dict[str, str] | None = None) -> Tracker:
@@ -85,6 +98,10 @@ class Tracker:
                 "model": spec.model.name, "method": spec.method.type, **spec.tags}
         if sha := git_sha():
             base["git_sha"] = sha
+        base[OWNER_TAG] = owner_id()
+        closed = close_stale_runs(client, exp_id, spec.name)
+        if closed:
+            base[PREVIOUS_TAG] = ",".join(closed)
         run = client.create_run(exp_id, run_name=spec.name, tags={k: redact(str(v)) for k, v in
                                                                     {**base, **(tags or {})}.items()})
         return cls(run.info.run_id, uri)
@@ -112,7 +129,9 @@ class Tracker:
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
-        if items:
+        if items and self.outbox is not None:
+            self.outbox.put(self.run_id, items)
+        elif items:
             self.client.log_batch(self.run_id, metrics=items)
 
     def log_text(self, text: str, name: str) -> None:
@@ -128,8 +147,60 @@ class Tracker:
         else:
             self.client.log_artifact(self.run_id, str(p), dest)
 
-    def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+    def end(self, status: str = "FINISHED", flush_timeout: float = OUTBOX_FLUSH_S) -> None:
+        """Close the run. Never raises: a closing failure (server down) must not hide the error that ended the run;
+        with an outbox the close is queued there (after waiting up to ``flush_timeout`` s for the metrics to go)
+        and replayed with the metrics by the next start."""
+        if self.outbox is not None:
+            self.outbox.flush(timeout=flush_timeout)
+        try:
+            self.client.set_terminated(self.run_id, status)
+        except Exception as e:  # noqa: BLE001 - any transport/store failure
+            log.warning("could not close MLflow run %s as %s (%s)%s", self.run_id, status, redact(str(e))[:300],
+                        "; queued in the run folder's outbox" if self.outbox is not None else "")
+            if self.outbox is not None:
+                self.outbox.put_end(self.run_id, status)
+        if self.outbox is not None:
+            self.outbox.close()
+
+    def use_outbox(self, run_dir: str | Path) -> Outbox:
+        """From now on metrics are written to ``run_dir``'s outbox first and sent by a background thread, so an
+        MLflow outage never stops training; whatever was left unsent by an earlier attempt is sent too."""
+        if self.outbox is None or self.outbox.path != Path(run_dir) / OUTBOX_FILE:
+            if self.outbox is not None:
+                self.outbox.close()
+            self.outbox = Outbox(Path(run_dir) / OUTBOX_FILE, self.uri)
+        return self.outbox
+
+    def log_stepdown(self, record: dict) -> None:
+        """An OOM step-down: tags ``oom.stepdowns`` (count) and ``oom.stepdown.<n>`` (the change), the event as
+        ``oom/stepdown-<n>.json``, the measured peak as metric ``oom.measured_peak_bytes`` at its step. Never
+        raises (training goes on while MLflow is down; the metric waits in the outbox)."""
+        self.stepdowns += 1
+        self.log_metrics({"oom.measured_peak_bytes": record.get("measured_peak_bytes")}, step=record.get("step"))
+        try:
+            self.set_tags({"oom.stepdowns": self.stepdowns, f"oom.stepdown.{self.stepdowns}": record.get("change")})
+            self.log_dict(record, f"oom/stepdown-{self.stepdowns}.json")
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not record the step-down in MLflow (%s)", redact(str(e))[:200])
+
+    def link_previous(self, run_dir: str | Path) -> str | None:
+        """Record this run as the owner of ``run_dir`` (``run.json``); when the folder was left by an earlier run
+        (a resume), close that run if it is still open and tag this one with its id. Returns the earlier run id."""
+        meta_path = Path(run_dir) / "run.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        previous = meta.get("mlflow_run_id")
+        if previous and previous != self.run_id:
+            try:
+                if self.client.get_run(previous).info.status == "RUNNING":
+                    self.client.set_terminated(previous, "KILLED")
+                    log.warning("closed MLflow run %s of the interrupted attempt as KILLED", previous)
+            except Exception as e:  # noqa: BLE001 - another store, deleted run: the link is still worth keeping
+                log.warning("could not close the earlier MLflow run %s (%s)", previous, redact(str(e))[:200])
+            self.set_tags({RESUMED_TAG: previous})
+        meta.update(mlflow_run_id=self.run_id, tracking_uri=redact(self.uri))
+        meta_path.write_text(json.dumps(meta))
+        return previous if previous != self.run_id else None
 
     # --- fitburst records -------------------------------------------------------------------------------
     def log_spec(self, spec: PipelineSpec) -> None:
@@ -362,3 +433,163 @@ def pip_requirements() -> list[str]:
 
     return [f"{p}=={version(p).split('+')[0]}" for p in ("torch", "transformers", "peft", "accelerate", "tokenizers")]
 
+
+# --- stale runs --------------------------------------------------------------------------------------------------
+
+def owner_id(pid: int | None = None) -> str:
+    """``host:pid:start`` of a process (start time tells a live owner from a recycled pid)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    return f"{socket.gethostname()}:{proc.pid}:{proc.create_time():.0f}"
+
+
+def owner_alive(owner: str) -> bool:
+    """False only when ``owner`` ran on this host and that process is gone; another host's owner counts as alive."""
+    import psutil
+
+    host, pid, _ = owner.rsplit(":", 2)
+    if host != socket.gethostname():
+        return True
+    try:
+        return owner_id(int(pid)) == owner
+    except psutil.NoSuchProcess:
+        return False
+
+
+def close_stale_runs(client, experiment_id: str, pipeline: str) -> list[str]:
+    """Close as KILLED the runs of ``pipeline`` still RUNNING whose owner process died (SIGKILL, power loss).
+    Returns their ids."""
+    closed = []
+    runs = client.search_runs([experiment_id], f"tags.pipeline = '{pipeline}' and attributes.status = 'RUNNING'",
+                              max_results=200)
+    for run in runs:
+        owner = run.data.tags.get(OWNER_TAG)
+        if owner and not owner_alive(owner):
+            client.set_terminated(run.info.run_id, "KILLED")
+            client.set_tag(run.info.run_id, "fitburst.closed_by", "stale-run sweep: owner process gone")
+            closed.append(run.info.run_id)
+            log.warning("closed MLflow run %s as KILLED: its process %s is gone", run.info.run_id, owner)
+    return closed
+
+
+# --- outbox: metrics survive an MLflow outage --------------------------------------------------------------------
+
+class Outbox:
+    """An append-only JSONL file of records for MLflow (metrics, a pending close) plus the byte offset sent so far.
+
+    :meth:`put` only appends to the file (the training loop never waits for the network); a daemon thread sends
+    new lines in batches and advances ``<file>.sent`` after each success, retrying with back-off while the server
+    is unreachable. A record keeps its original timestamp, so a resend after a lost reply is harmless. Lines left
+    unsent when the process ends are sent by the next :class:`Outbox` on the same file (a resumed run)."""
+
+    def __init__(self, path: Path, uri: str, interval: float = 0.5, max_backoff: float = 5.0, background: bool = True):
+        from mlflow.tracking import MlflowClient
+
+        self.path, self.sent_path = Path(path), Path(str(path) + ".sent")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self.client = MlflowClient(tracking_uri=uri)
+        self.interval, self.max_backoff = interval, max_backoff
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"mlflow-outbox-{path.parent.name}", daemon=True)
+        if background:
+            self._thread.start()
+
+    def put(self, run_id: str, metrics: list) -> None:
+        self._append([{"run_id": run_id, "key": m.key, "value": m.value, "timestamp": m.timestamp,
+                       "step": m.step} for m in metrics])
+
+    def put_end(self, run_id: str, status: str) -> None:
+        self._append([{"run_id": run_id, "end": status}])
+
+    def _append(self, rows: list[dict]) -> None:
+        with self._lock, self.path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        self._wake.set()
+
+    def sent_offset(self) -> int:
+        try:
+            return int(self.sent_path.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def pending(self) -> int:
+        """Bytes not yet acknowledged by the server."""
+        return self.path.stat().st_size - self.sent_offset()
+
+    def send_once(self) -> bool:
+        """Send everything unsent (in order, a run's metrics in batches of 1000). True when nothing is left."""
+        from mlflow.entities import Metric
+
+        offset = self.sent_offset()
+        with self._lock, self.path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        if end == 0:
+            return True
+        rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        i = 0
+        while i < len(rows):
+            row = rows[i]
+            if "end" in row:
+                self.client.set_terminated(row["run_id"], row["end"])
+                i += 1
+                continue
+            j = i
+            while j < len(rows) and j - i < 1000 and "end" not in rows[j] and rows[j]["run_id"] == row["run_id"]:
+                j += 1
+            self.client.log_batch(row["run_id"], metrics=[
+                Metric(r["key"], r["value"], r["timestamp"], r["step"]) for r in rows[i:j]])
+            i = j
+        self.sent_path.write_text(str(offset + end))
+        return True
+
+    def _loop(self) -> None:
+        backoff = self.interval
+        while not self._stop.is_set():
+            self._wake.wait(backoff)
+            self._wake.clear()
+            try:
+                if self.pending() > 0:
+                    self.send_once()
+                self.failures, backoff = 0, self.interval
+            except Exception as e:  # noqa: BLE001 - unreachable server, 5xx: keep the lines, try again later
+                self.failures += 1
+                backoff = min(self.max_backoff, self.interval * 2 ** self.failures)
+                if self.failures in (1, 10) or self.failures % 100 == 0:
+                    log.warning("MLflow unreachable (%s); %d bytes of records wait in %s", redact(str(e))[:200],
+                                self.pending(), self.path)
+
+    def flush(self, timeout: float = OUTBOX_FLUSH_S) -> bool:
+        """Wait up to ``timeout`` seconds for everything to reach the server; True when it did."""
+        deadline = time.monotonic() + timeout
+        while self.pending() > 0 and time.monotonic() < deadline and self._thread.is_alive():
+            self._wake.set()
+            time.sleep(0.05)
+        return self.pending() <= 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def replay_outboxes(root: str | Path, uri: str) -> int:
+    """Send what earlier attempts left in the outboxes of the run folders under ``root`` (best effort; a folder
+    whose server is still unreachable keeps its lines). Returns how many outboxes are now empty."""
+    done = 0
+    for path in Path(root).glob(f"*/{OUTBOX_FILE}"):
+        box = Outbox(path, uri, background=False)  # one synchronous attempt
+        try:
+            if box.pending() > 0:
+                box.send_once()
+            done += 1
+        except Exception as e:  # noqa: BLE001
+            log.warning("MLflow records in %s still unsent (%s)", path, redact(str(e))[:200])
+    return done

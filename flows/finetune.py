@@ -6,6 +6,8 @@ cancellation / Ctrl-C).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
@@ -21,7 +23,7 @@ from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
 from tasks.preflight import preflight_task
 from tasks.publish import publish_model
-from tasks.train import train_local
+from tasks.train import LOCAL_TRAIN_TAG, train_local
 
 DEFAULT_FILE = DEFAULT_PIPELINES_FILE
 GIB = 1024**3
@@ -82,10 +84,15 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
     tracker = Tracker.start(spec, tags={"prefect.flow_run_id": str(runtime.flow_run.id or ""),
                                         "dry_run": str(dry_run).lower()})
     status = "FAILED"
+    gpu = ExitStack()  # the local-GPU slot, held from the preflight (it budgets against free memory) to the end
     try:
         tracker.log_spec(spec)
         prepared = data_prep(spec, tracker, dry_run=dry_run)
+        if not dry_run:
+            gpu.enter_context(local_gpu_slot())
         report: PreflightReport = preflight_task(spec, prepared, tracker)
+        if report.verdict != "local":
+            gpu.close()  # a burst or a refusal does not keep the local GPU
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
                    "verdict": report.verdict.placement, "reason": report.reason, "device": report.device.name,
                    "plan": report.changes, "estimated_peak_bytes": report.estimate.device_total_bytes,
@@ -122,7 +129,21 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
             status = "KILLED"
         raise
     finally:
-        tracker.end(status)
+        gpu.close()
+        tracker.end(status)  # never raises: a closing failure cannot hide the error that ended the run
+
+
+@contextmanager
+def local_gpu_slot() -> Iterator[None]:
+    """The slot of the ``tag:fitburst-local-train`` concurrency limit (`fitburst serve` creates it, limit 1), held
+    by this flow run so a second scheduled run neither budgets against this run's memory nor trains beside it.
+    Without the limit (a plain `fitburst run`) nothing is held."""
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency.sync import concurrency
+
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=runtime.flow_run.id) if runtime.flow_run.id else None
+    with concurrency(f"tag:{LOCAL_TRAIN_TAG}", occupy=1, holder=holder):
+        yield
 
 
 def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: bool):
@@ -134,7 +155,7 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
     if prepared is None and not dry_run:
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")
-    run_dir, _ = open_run_dir(spec)
+    run_dir, _ = open_run_dir(spec, data_hash=prepared.content_hash if prepared else None)
     local = {"device": report.device.name, "fits": report.plan.fits, "hours": report.local_hours,
              "estimate": report.estimate.to_dict()}
     try:

@@ -25,29 +25,34 @@ class TrainingProgress:
     Tokens/s is the step rate times the tokens of an average optimizer step (micro batch x accumulation x mean
     sequence length of the prepared data); the loop does not report per-step token counts."""
 
-    def __init__(self, pipeline: str, total_steps: int, start_step: int, tokens_per_step: float,
+    def __init__(self, pipeline: str, total_steps: int, tokens_per_step: float,
                  forward: Callable[[dict, int], None] | None = None):
-        self.total, self.start, self.tokens_per_step, self.forward = total_steps, start_step, tokens_per_step, forward
+        self.total, self.tokens_per_step, self.forward = total_steps, tokens_per_step, forward
         self.key = f"training-{artifact_key(pipeline)}"
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
+        self.last: tuple[float, int] | None = None  # (time, step) of the previous update: rates over the window
         self.artifact_id: UUID = create_progress_artifact(
-            progress=100.0 * start_step / max(total_steps, 1), key=self.key,
-            description=f"training {pipeline}: step {start_step}/{total_steps}, starting")
+            progress=0.0, key=self.key, description=f"training {pipeline}: starting (or resuming)")
         self.log = get_run_logger()
 
     def __call__(self, row: dict, step: int) -> None:
         if self.forward is not None:
             self.forward(row, step)
-        elapsed = time.perf_counter() - self.t0
-        rate = (step - self.start) / elapsed if elapsed > 0 else 0.0
+        now = time.perf_counter()
+        # a resumed run starts at its checkpoint's step: the first rate is taken from the second update on
+        rate = (step - self.last[1]) / (now - self.last[0]) if self.last and now > self.last[0] else float("nan")
+        self.last = (now, step)
         left = (self.total - step) / rate if rate > 0 else float("nan")
         loss = row.get("train_loss", float("nan"))
-        line = (f"step {step}/{self.total} · loss {loss:.4f} · {rate:.2f} steps/s · "
-                f"~{rate * self.tokens_per_step:,.0f} tokens/s · ETA {eta(left) if left == left else '?'}")
-        self.rows.append({"step": step, "train_loss": round(loss, 5), "steps_per_s": round(rate, 3),
-                          "tokens_per_s": round(rate * self.tokens_per_step), "eta_s": round(left, 1) if left == left
-                          else None, "elapsed_s": round(elapsed, 1)})
+        known = rate == rate
+        line = (f"step {step}/{self.total} · loss {loss:.4f} · "
+                f"{f'{rate:.2f}' if known else '?'} steps/s · "
+                f"~{f'{rate * self.tokens_per_step:,.0f}' if known else '?'} tokens/s · "
+                f"ETA {eta(left) if left == left else ('0s' if step >= self.total else '?')}")
+        self.rows.append({"step": step, "train_loss": round(loss, 5), "steps_per_s": round(rate, 3) if known else None,
+                          "tokens_per_s": round(rate * self.tokens_per_step) if known else None,
+                          "eta_s": round(left, 1) if left == left else None, "elapsed_s": round(now - self.t0, 1)})
         update_progress_artifact(self.artifact_id, progress=100.0 * step / max(self.total, 1), description=line)
         self.log.info("%s", line)
 

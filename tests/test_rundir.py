@@ -57,3 +57,16 @@ time.sleep(30)
     d, resumed = open_run_dir(other)
     assert d != first and not resumed
     assert str(os.getpid()) == (d / ".lock").read_text()
+
+
+def test_changed_data_never_resumes_a_checkpoint_of_the_old_data(tmp_path, demo_spec, monkeypatch):
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
+    old, resumed = open_run_dir(demo_spec, data_hash="aaaa")
+    (old / "checkpoints" / "step-10").mkdir(parents=True)
+    release(old)
+    new, resumed = open_run_dir(demo_spec, data_hash="bbbb")  # same config, the data file changed
+    assert new != old and not resumed
+    assert json.loads((new / "run.json").read_text())["data_hash"] == "bbbb"
+    release(new)
+    assert open_run_dir(demo_spec, data_hash="aaaa") == (old, True)
+    release(old)

@@ -327,10 +327,11 @@ def test_concurrent_local_trainings_serialize(stack):
     assert {(lim["name"], lim["limit"]) for lim in limits} >= {("tag:fitburst-local-train", 1)}
     train = sorted((r for r in trs if r["name"].startswith("train-local")), key=lambda r: r["start_time"])
     assert len(train) == 2 and all(r["state_type"] == "COMPLETED" for r in train)
-    assert all("fitburst-local-train" in r["tags"] for r in train)
     first_end = datetime.fromisoformat(train[0]["end_time"])
-    second_start = datetime.fromisoformat(train[1]["start_time"])
-    assert second_start >= first_end, f"train-local runs overlapped: {train[0]} / {train[1]}"
+    # the slot is held from the preflight on: the second run's preflight waits for the first run's training
+    second = train[1]["flow_run_id"]
+    pre = next(r for r in trs if r["name"].startswith("preflight") and r["flow_run_id"] == second)
+    assert datetime.fromisoformat(pre["start_time"]) >= first_end, f"preflight overlapped training: {pre}"
 
 
 def test_failed_run_notifies_the_webhook(stack):

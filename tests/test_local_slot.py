@@ -1,0 +1,62 @@
+"""The local-GPU concurrency slot is held from the preflight through training: while another holder has it, a flow
+run's preflight does not start; once released, the run goes on and gives the slot back at its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tasks.train import LOCAL_TRAIN_TAG
+
+
+def test_preflight_waits_for_the_local_gpu_slot(prefect_server, pipelines_file, tmp_path, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+
+    from flows.finetune import finetune
+
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
+    name = f"tag:{LOCAL_TRAIN_TAG}"
+    with get_client(sync_client=True) as c:
+        try:
+            c.delete_global_concurrency_limit_by_name(name)
+        except Exception:  # noqa: BLE001 - not there yet
+            pass
+        c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+    events: dict[str, float] = {}
+    import tasks.preflight as pre_mod
+
+    real = pre_mod.preflight
+
+    def timed_preflight(*a, **kw):
+        events.setdefault("preflight", time.monotonic())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pre_mod, "preflight", timed_preflight)
+    import flows.finetune as flow_mod
+
+    prepared = threading.Event()
+    real_prep = flow_mod.data_prep
+
+    def prep(*a, **kw):
+        try:
+            return real_prep(*a, **kw)
+        finally:
+            prepared.set()
+
+    monkeypatch.setattr(flow_mod, "data_prep", prep)
+    out: dict = {}
+    overrides = {"training.max_steps": 3, "eval.enabled": False}
+    run = threading.Thread(target=lambda: out.update(finetune("demo", overrides, str(pipelines_file))))
+    with concurrency(name, occupy=1):  # another run's training holds the GPU
+        run.start()
+        assert prepared.wait(timeout=180)
+        time.sleep(3)  # the preflight would have started by now
+        assert "preflight" not in events, "the preflight ran while another run held the local GPU"
+        events["released"] = time.monotonic()
+    run.join(timeout=240)
+    assert out.get("steps") == 3 and events["preflight"] >= events["released"]
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(name).active_slots == 0  # given back at the end

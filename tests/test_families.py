@@ -101,3 +101,28 @@ def test_tiny_moe_trains_through_the_dag(moe_run):
     m = run.data.metrics
     assert m["memory.estimated_peak_bytes"] > 0 and m["memory.measured_peak_bytes"] > 0
     assert m["eval.tuned_loss"] < m["eval.base_loss"] - 0.5
+
+
+def test_qlora_leaves_experts_unquantized_and_the_estimate_counts_them_fp32(tmp_path):
+    """bitsandbytes quantizes nn.Linear only: transformers 5's 3-D expert parameters stay, and k-bit preparation
+    casts them to fp32. The weight bytes the estimate counts equal what the loaded, prepared model holds."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fitburst.memory import TrainSettings
+    from fitburst.memory.estimator import weight_bytes
+    from fitburst.models import load_model
+
+    kw = dict(TINY["mixtral"], hidden_size=128, intermediate_size=256)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = prepare_model_for_kbit_training(load_model(str(tmp_path), dtype=torch.bfloat16, device="cpu",
+                                                       quant="nf4", double_quant=False))
+    experts = [p for n, p in model.named_parameters() if "experts" in n]
+    assert experts and all(p.dtype == torch.float32 for p in experts)
+    quantized = {id(p) for m in model.modules() if type(m).__name__ == "Linear4bit" for p in m.parameters()}
+    fp32 = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized)
+    est = weight_bytes(load_shape(str(tmp_path)), TrainSettings(method="qlora", quant="nf4", double_quant=False))
+    assert est["weights_fp32"] == pytest.approx(fp32, rel=0.01)

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from fitburst.spec import PipelineSpec
 
 DEMO_MODEL = "fitburst/tiny-demo"
+MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)
+LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral"}  # name -> family of the locally built models
 DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
 DEMO_VERSION = 1
 
@@ -37,23 +39,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("FITBURST_CACHE", Path.home() / ".cache" / "fitburst"))
 
 
-def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None = None) -> Path:
-    """Path of the demo model folder, building it on first use (atomic, so concurrent callers are safe)."""
+def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None = None,
+                   family: str = "llama") -> Path:
+    """Path of the demo model folder (``family``: llama, or mixtral for the tiny MoE), building it on first use
+    (atomic, so concurrent callers are safe)."""
     arch = dict(DEMO_ARCH)
     if hidden_size:
         arch.update(hidden_size=hidden_size, intermediate_size=3 * hidden_size,
                     num_attention_heads=max(4, hidden_size // 64), num_key_value_heads=max(2, hidden_size // 128))
     if num_hidden_layers:
         arch["num_hidden_layers"] = num_hidden_layers
-    pretrain = arch == DEMO_ARCH  # scaled variants are for speed/memory benchmarks: random weights will do
+    # scaled variants are for speed/memory benchmarks, and the tiny MoE is there to show the expert path trains
+    # (its expert loop makes pretraining slow on a CPU): random weights will do
+    pretrain = arch == DEMO_ARCH and family == "llama"
     tag = f"h{arch['hidden_size']}-l{arch['num_hidden_layers']}-v{DEMO_VERSION}"
-    dest = cache_root() / "models" / f"tiny-demo-{tag}"
+    dest = cache_root() / "models" / (f"tiny-demo-{tag}" if family == "llama" else f"tiny-{family}-{tag}")
     if (dest / "config.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        build_demo_model(tmp, pretrain=pretrain, **arch)
+        build_demo_model(tmp, pretrain=pretrain, family=family, **arch)
         try:
             tmp.rename(dest)
         except OSError:  # someone else finished first
@@ -63,11 +69,12 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
     return dest
 
 
-def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, **arch: int) -> None:
-    """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model."""
+def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family: str = "llama", **arch: int) -> None:
+    """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model (or, for
+    ``family`` mixtral, a Mixtral with 4 experts of which 2 run per token)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
     texts = []
     for line in DEMO_DATA.read_text().splitlines():
@@ -84,10 +91,12 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, **arch:
     tok.save_pretrained(dest)
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-                         **arch)
-    model = LlamaForCausalLM(config)
+    common = dict(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **arch)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
     if pretrain:
         _pretrain(model, tok, [t for t in texts if t])
     model.save_pretrained(dest)
@@ -117,8 +126,8 @@ def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -
 
 def resolve_model_ref(name: str) -> str:
     """A path or hub id that ``from_pretrained`` accepts; builds the demo model when asked for it."""
-    if name == DEMO_MODEL:
-        return str(demo_model_dir())
+    if name in LOCAL_MODELS:
+        return str(demo_model_dir(family=LOCAL_MODELS[name]))
     return name
 
 

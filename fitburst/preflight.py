@@ -115,9 +115,9 @@ def _duration(hours: float) -> str:
 
 def model_ref(spec: PipelineSpec) -> str:
     """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
-    from fitburst.models import DEMO_MODEL, resolve_model_ref
+    from fitburst.models import LOCAL_MODELS, resolve_model_ref
 
-    return resolve_model_ref(spec.model.name) if spec.model.name == DEMO_MODEL else spec.model.name
+    return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
 
 
 def spec_shape(spec: PipelineSpec) -> ModelShape:

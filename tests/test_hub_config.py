@@ -98,8 +98,9 @@ def test_unsupported_and_mixture_of_experts_configs_are_refused():
     mixtral = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
                "num_experts_per_tok": 2}
+    # Mixtral / Qwen-MoE are counted (tests/test_families.py); other MoE types are refused, never estimated dense
     with pytest.raises(ModelConfigError, match="mixture-of-experts model \\(8 experts\\)"):
-        ModelShape.from_config(mixtral, name="mistralai/Mixtral-8x7B-v0.1")
+        ModelShape.from_config({**mixtral, "model_type": "olmoe"}, name="allenai/OLMoE-1B-7B")
     # a MoE config under a dense model_type is still refused
     with pytest.raises(ModelConfigError, match="mixture-of-experts"):
         ModelShape.from_config({**mixtral, "model_type": "llama"}, name="x")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from . import calibration
 from .calibration import ErrorBand
 from .devices import Device, GiB, MiB, auto_precision
-from .shapes import ModelShape
+from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # CUDA caching allocator: reserved / allocated at a training peak (block rounding, fragmentation), plus a
@@ -187,6 +187,7 @@ class Estimate:
 
 def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
     names = {lin.name for c, dec in shape.blocks() for lin in shape.layer_linears(dec)}
+    names |= set(EXPERT_ALIASES.get(shape.model_type, {}))
     if targets == "all-linear" or targets == ["all-linear"]:
         return names
     want = {t.split(".")[-1] for t in targets}
@@ -200,11 +201,7 @@ def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
 
 
 def lora_params(shape: ModelShape, s: TrainSettings) -> int:
-    t = resolve_targets(shape, s.targets)
-    return sum(
-        c * sum(s.rank * (lin.fan_in + lin.fan_out) for lin in shape.layer_linears(dec) if lin.name in t)
-        for c, dec in shape.blocks()
-    )
+    return sum(lora_tensors(shape, s))
 
 
 def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
@@ -219,6 +216,8 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
             for n in (s.rank * lin.fan_in, s.rank * lin.fan_out)
         ]
         out += per * c
+    for _, mult, fan_in, fan_out in shape.lora_experts(s.targets):  # A and B of all experts at once
+        out += [mult * s.rank * shape.experts * fan_in, mult * s.rank * shape.experts * fan_out] * shape.layers
     return out
 
 
@@ -292,6 +291,7 @@ class _Ctx:
     mask_b: int  # bytes per element of the dropout mask (CUDA fused: bool; elsewhere a float noise tensor)
     attention: str  # flash | math | eager
     padded: bool
+    merged_experts: int = 0  # bytes of one block's expert weights merged with their LoRA (kept for backward)
 
 
 def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
@@ -387,7 +387,9 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         rg_n2 = _norm(sv, "ln2", "h1", rg_h1, c, shape, h)
         n2 = "n2"
     mlp = shape.mlp_linears()
-    if shape.mlp == "gated" or shape.model_type == "t5":
+    if shape.experts:
+        rg_m = _moe(sv, shape, c, n2, rg_n2)
+    elif shape.mlp == "gated" or shape.model_type == "t5":
         if shape.fused_gate_up:
             rg_g = rg_u = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
         else:
@@ -418,6 +420,33 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     if shape.norms_per_layer > 2:
         _norm(sv, "ln_post_ff", "m", rg_m, c, shape, h)
     return sv, rg_h1 or rg_m
+
+
+def _moe(sv: dict, shape: ModelShape, c: _Ctx, in_key: str, rg_in: bool) -> bool:
+    """Saved tensors of a routed MoE block: each token's state runs through ``experts_per_tok`` experts
+    (k*T rows in all, one expert at a time), plus the router's fp32 probabilities and any shared expert."""
+    T, a, h, i, s = c.T, c.a, shape.hidden, shape.expert_intermediate, shape.shared_intermediate
+    kT = shape.experts_per_tok * T
+    rg_r = _linear(sv, "gate", in_key, h, rg_in, c)
+    if not (rg_r or c.full or c.merged_experts):
+        return False
+    if rg_r:  # the routing weights need grad: their softmax and each expert's output are kept
+        sv["router.probs"] = 4 * T * shape.experts
+        sv["moe.out"] = a * kT * h
+    sv["moe.gate"] = sv["moe.act"] = sv["moe.up"] = a * kT * i  # activation input and the two factors
+    if c.full or c.merged_experts:  # expert weights train: their gathered inputs are kept too
+        sv["moe.x"] = a * kT * h
+        sv["moe.p"] = a * kT * i
+    if c.merged_experts:  # peft's ParamWrapper runs the experts on W + B@A, a full-size tensor per block
+        sv["moe.merged"] = c.merged_experts
+    if s:
+        _linear(sv, "gate_proj", in_key, h, rg_in, c)
+        _linear(sv, "up_proj", in_key, h, rg_in, c)
+        sv["shared.gate"] = sv["shared.act"] = sv["shared.up"] = a * T * s
+        _linear(sv, "down_proj", "shared.p", s, True, c)
+        _linear(sv, "shared_expert_gate", in_key, h, rg_in, c)
+        sv["shared.out"] = a * T * h
+    return True
 
 
 def _attn_only(shape: ModelShape, c: _Ctx, rg_in: bool) -> tuple[dict, bool]:
@@ -488,6 +517,7 @@ def estimate(
         mask_b=1 if device.kind == "cuda" else 4,
         attention=attention,
         padded=padded,
+        merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
     )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = []
@@ -665,6 +695,7 @@ def _full_tensors(shape: ModelShape) -> list[int]:
             if lin.bias:
                 per.append(lin.fan_out)
         per.append(shape.norm_params_per_layer(dec))
+        per += shape.expert_numels()
         out += per * c
     out.append(shape.final_norm_params)
     if shape.extra_params:

@@ -13,7 +13,12 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # model_type values whose layer names and saved tensors the analytic estimate models (see from_config)
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "gemma", "gemma2", "gemma3",
-                   "gemma3_text", "phi", "phi3", "stablelm", "t5")
+                   "gemma3_text", "phi", "phi3", "stablelm", "t5", "mixtral", "qwen2_moe", "qwen3_moe")
+# mixture-of-experts types whose experts, router and shared expert are counted (see ModelShape.experts)
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# target_modules names peft 0.21 maps onto the fused expert parameters of transformers 5 (its MoE conversion)
+EXPERT_ALIASES = {"mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+                  "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}}
 # config keys that mark a mixture-of-experts model (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -66,6 +71,13 @@ class ModelShape:
     fused_gate_up: bool = False
     parallel_block: bool = False  # phi-1.5: attention and MLP share one norm
     lm_head_bias: bool = False
+    # mixture of experts: transformers 5 keeps each layer's experts as two 3-D parameters, gate_up_proj
+    # (E, 2*I, h) and down_proj (E, h, I), not nn.Linear, so bitsandbytes leaves them unquantized (fp32 after
+    # k-bit preparation) and peft's target_modules / all-linear never wraps them (its target_parameters does)
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # qwen2_moe's always-on shared expert (0: none), gated by a (h -> 1) linear
     encoder_layers: int = 0  # encoder-decoder (T5): encoder depth; ``layers`` is then the decoder depth
     extra_params: int = 0  # vision tower, relative position tables, ... (weights only, no text activations)
     extra_note: str = ""
@@ -99,7 +111,14 @@ class ModelShape:
         ]
 
     def mlp_linears(self) -> list[Linear]:
+        """The block's feed-forward nn.Linear layers (for an MoE block: its shared expert and gate only)."""
         h, i, b = self.hidden, self.intermediate, self.mlp_bias
+        if self.experts:  # the router is a (h -> experts) linear that peft's all-linear wraps; last by design
+            s = self.shared_intermediate
+            shared = [Linear("gate_proj", h, s), Linear("up_proj", h, s), Linear("down_proj", s, h),
+                      Linear("shared_expert_gate", h, 1)] if s else []
+            router = [] if self.model_type == "qwen2_moe" else [Linear("gate", h, self.experts)]
+            return shared + router
         if self.model_type == "t5":
             return [Linear("wi_0", h, i), Linear("wi_1", h, i), Linear("wo", i, h)]
         if self.mlp == "plain":
@@ -107,6 +126,36 @@ class ModelShape:
         if self.fused_gate_up:
             return [Linear("gate_up_proj", h, 2 * i, b), Linear("down_proj", i, h, b)]
         return [Linear("gate_proj", h, i, b), Linear("up_proj", h, i, b), Linear("down_proj", i, h, b)]
+
+    def expert_tensors(self) -> list[tuple[str, int, int]]:
+        """One block's routed-expert 3-D parameters as (peft target_parameters name, dim 1, dim 2), each with
+        ``experts`` slices."""
+        h, i = self.hidden, self.expert_intermediate
+        return [("experts.gate_up_proj", 2 * i, h), ("experts.down_proj", h, i)] if self.experts else []
+
+    def expert_numels(self) -> list[int]:
+        """numel of one block's routed-expert parameters, and of qwen2_moe's router (other routers are among
+        :meth:`mlp_linears`: peft wraps them like linears)."""
+        router = [self.experts * self.hidden] if self.model_type == "qwen2_moe" else []
+        return [self.experts * a * b for _, a, b in self.expert_tensors()] + router
+
+    @property
+    def expert_params(self) -> int:
+        return sum(self.expert_numels())
+
+    def lora_experts(self, targets: list[str] | str) -> list[tuple[str, int, int, int]]:
+        """The expert tensors peft 0.21 wraps (ParamWrapper) for these ``target_modules``, as (name, rank
+        multiplier, fan_in, fan_out) per expert: ``all-linear`` and the pre-transformers-5 names reach them
+        (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj; none on qwen2_moe), the fused gate_up_proj at twice
+        the rank."""
+        alias = EXPERT_ALIASES.get(self.model_type, {})
+        if targets == "all-linear" or targets == ["all-linear"]:
+            want = set(alias.values())
+        else:
+            want = {alias[t.split(".")[-1]] for t in targets if t.split(".")[-1] in alias}
+        h, i = self.hidden, self.expert_intermediate
+        return ([("experts.gate_up_proj", 2, h, 2 * i)] if "gate_up_proj" in want else []) + (
+            [("experts.down_proj", 1, i, h)] if "down_proj" in want else [])
 
     def layer_linears(self, decoder: bool = True) -> list[Linear]:
         """Linears of one block; T5 decoder blocks also hold cross-attention (same peft names q/k/v/o)."""
@@ -157,7 +206,13 @@ class ModelShape:
             + norms
             + self.final_norm_params
             + self.extra_params
+            + self.layers * self.expert_params
         )
+
+    def active_param_count(self) -> int:
+        """Parameters one token runs through (``experts_per_tok`` of the routed experts)."""
+        idle = (self.experts - self.experts_per_tok) * sum(a * b for _, a, b in self.expert_tensors())
+        return self.param_count() - self.layers * idle
 
     def largest_linear(self) -> int:
         return max(lin.fan_in * lin.fan_out for c, dec in self.blocks() for lin in self.layer_linears(dec))
@@ -170,7 +225,7 @@ class ModelShape:
         mt = str(cfg.get("model_type", "")).lower()
         where = f"{name or mt or 'model'}" + (f" ({source})" if source else "")
         experts = next((int(cfg[k]) for k in _MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
-        if experts:
+        if experts and mt not in MOE_TYPES:
             raise ModelConfigError(
                 f"{where}: model_type {mt!r} is a mixture-of-experts model ({experts} experts); the analytic "
                 "estimate models dense blocks only and would count it wrong. Use the traced estimate "
@@ -284,6 +339,8 @@ class ModelShape:
             kw.update(norm="layer", norm_style="layernorm", qkv_bias=bool(g("use_qkv_bias", default=False)))
         if mt == "qwen3":
             kw.update(qk_norm=True, qkv_bias=bool(g("attention_bias", default=False)))
+        if mt in MOE_TYPES:
+            _moe(kw, cfg, mt, where)
         vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
         if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
             kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
@@ -291,6 +348,28 @@ class ModelShape:
         elif vis:
             kw["extra_note"] = "vision tower not counted"
         return cls(**kw)
+
+
+def _moe(kw: dict, cfg: dict, mt: str, where: str) -> None:
+    """Expert counts of a Mixtral / Qwen-MoE config into ``kw``; layouts the count would get wrong are refused."""
+    if mt == "mixtral":
+        kw.update(experts=int(cfg["num_local_experts"]), expert_intermediate=kw["intermediate"])
+    else:
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), cfg.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ModelConfigError(
+                f"{where}: dense layers among the expert layers (decoder_sparse_step={step}, mlp_only_layers="
+                f"{dense}) are not modelled by the analytic estimate. Use the traced estimate "
+                "(`fitburst estimate --exact`, or `fitburst preflight`)")
+        experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 saves num_local_experts
+        kw.update(experts=experts, expert_intermediate=int(cfg["moe_intermediate_size"]),
+                  shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
+        kw["intermediate"] = kw["expert_intermediate"]
+        if mt == "qwen2_moe":
+            kw["qkv_bias"] = bool(cfg.get("qkv_bias", True))
+        else:
+            kw.update(qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)))
+    kw["experts_per_tok"] = int(cfg.get("num_experts_per_tok", 2))
 
 
 def _qwen2_vl_vision_params(v: dict, out_hidden: int) -> int:

@@ -1,0 +1,110 @@
+"""Analytic estimate vs measured peak for the model families beyond dense causal LMs (mixture-of-experts so far),
+on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
+make_optimizer, optimizer_step, with a tracker of live tensor storages).
+
+    PYTHONPATH=$PWD python benchmarks/families_accuracy.py
+
+Prints one row per case and the median / worst absolute error (targets: median <= 4 %, worst <= 10 %). The
+estimate is the uncalibrated analytic model; nothing here was fitted to these rows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+
+ARCHS = {
+    "mixtral": dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=8000,
+                    num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                    max_position_embeddings=4096),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=192, intermediate_size=512, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                      num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, vocab_size=8000,
+                      tie_word_embeddings=False, max_position_embeddings=4096),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=192,
+                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, vocab_size=6000, tie_word_embeddings=False,
+                      max_position_embeddings=4096),
+}
+QV = ["q_proj", "v_proj"]
+CASES = [
+    dict(arch="mixtral", method="lora", targets=QV, batch=2, seq_len=256, dtype="fp32"),
+    dict(arch="mixtral", method="lora", targets="all-linear", rank=16, batch=4, seq_len=128, dtype="fp32"),
+    dict(arch="mixtral", method="full", batch=2, seq_len=256, dtype="fp32"),
+    dict(arch="mixtral", method="lora", targets="all-linear", batch=2, seq_len=256, dtype="fp32",
+         grad_checkpointing=True),
+    dict(arch="qwen2_moe", method="lora", targets="all-linear", batch=2, seq_len=256, dtype="fp32"),
+    dict(arch="qwen2_moe", method="full", batch=2, seq_len=128, dtype="fp32"),
+    # held out: added after the model above was settled, and not looked at while building it
+    dict(arch="qwen3_moe", method="lora", targets="all-linear", batch=2, seq_len=256, dtype="fp32", held_out=True),
+    dict(arch="qwen3_moe", method="full", batch=1, seq_len=256, dtype="fp32", held_out=True),
+    # this row, first run held out at -35.8 %, showed expert-only LoRA saving nothing in the estimate: fixed, so
+    # it is in-sample now; the row after it was added after that fix
+    dict(arch="mixtral", method="lora", targets=["w1", "w2", "w3"], batch=1, seq_len=512, dtype="fp32"),
+    dict(arch="qwen3_moe", method="lora", targets=["gate_proj", "up_proj", "down_proj"], batch=2, seq_len=192,
+         dtype="fp32", held_out=True),
+    dict(arch="qwen2_moe", method="lora", targets="all-linear", batch=4, seq_len=128, dtype="fp32",
+         grad_checkpointing=True, held_out=True),
+]
+
+
+def settings_of(c: dict) -> TrainSettings:
+    return TrainSettings(method=c["method"], rank=c.get("rank", 8), dropout=0.0, targets=c.get("targets", QV),
+                         batch=c["batch"], seq_len=c["seq_len"], grad_checkpointing=c.get("grad_checkpointing", False),
+                         dtype=c["dtype"], attention="sdpa", keep_logits=False)
+
+
+def measure_one(case: dict) -> dict:
+    """In a child process: the case's random model, trained two steps by _measure.run."""
+    import _measure
+
+    _measure.ARCHS.update(ARCHS)
+    return _measure.run(case)
+
+
+def main() -> int:
+    dev = resolve_device("cpu:64GiB")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for c in CASES:
+            c = dict(c, root=root)
+            r = subprocess.run([sys.executable, __file__, "--one", json.dumps(c)], capture_output=True, text=True)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            if not line:
+                raise SystemExit(f"measurement failed for {c}:\n{r.stderr[-3000:]}")
+            m = json.loads(line[0][7:])
+            e = estimate(load_shape(str(Path(root) / c["arch"])), settings_of(c), dev, calibrate=False)
+            t = c.get("targets", QV)
+            what = "" if c["method"] == "full" else " " + (t if isinstance(t, str) else "+".join(t))
+            name = f"{c['arch']}: {settings_of(c).describe()}{what}"
+            rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False)))
+    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7}")
+    for name, meas, est, held in rows:
+        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%}"
+              + ("  (held out)" if held else ""))
+    ok = True
+    for part, sel in (("all", rows), ("held out", [r for r in rows if r[3]])):
+        errs = [abs(est / meas - 1) for _, meas, est, _ in sel]
+        med, worst = statistics.median(errs), max(errs)
+        ok = ok and med <= 0.04 and worst <= 0.10
+        print(f"{part}: median |error| {med:.1%}, worst {worst:.1%} over {len(errs)} rows (targets 4 % / 10 %)")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--one":
+        print("RESULT " + json.dumps(measure_one(json.loads(sys.argv[2]))), flush=True)
+    else:
+        raise SystemExit(main())

@@ -209,9 +209,9 @@ def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, floa
     tokenizer cannot be fetched here) ``data.max_seq_len`` for both lengths and the data file's record count."""
     if prepared is not None:
         return prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-    from fitburst.data import read_records
+    from fitburst.data import count_records
 
-    n = len(read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)[0])
+    n = count_records(spec.data_source(), spec.data)[0]
     seq = spec.data.max_seq_len
     return seq, round(n * (1 - spec.data.val_split)), seq
 

@@ -226,12 +226,18 @@ def _rows(ds, where: str) -> Iterator[tuple[str, object]]:
 
 
 def _open_table(path: Path, streaming: bool):
-    from datasets import load_dataset
+    import csv
+
+    from datasets import Features, Value, load_dataset
     from datasets.exceptions import DatasetsError
 
+    kw = {}
+    if path.suffix.lower() == ".csv":  # every cell text: a reply "42" stays a string, not an inferred int
+        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:
+            kw["features"] = Features({col: Value("string") for col in next(csv.reader(f), [])})
     try:
         return load_dataset(TABLE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train",
-                            streaming=streaming)
+                            streaming=streaming, **kw)
     except (DatasetsError, ValueError, OSError) as e:
         cause = e.__cause__ or e
         raise DataError(f"{path}: cannot read it as {path.suffix[1:]}: {type(cause).__name__}: {cause}") from None

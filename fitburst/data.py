@@ -594,10 +594,22 @@ def load_split(prepared: PreparedData, split: str):
     return load_from_disk(str(Path(prepared.dir) / split))
 
 
-def collate(batch: list[dict], pad_id: int) -> dict:
-    """Pad a batch to its longest sample (right padding); labels padded with -100."""
+def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
+    """Pad a batch to its longest sample (right padding); labels padded with -100.
+
+    ``packed``: padding-free, transformers' ``DataCollatorWithFlattening``: the samples concatenated into one row
+    with no attention mask and position ids restarting at each sample, from which the model's mask keeps attention
+    within each sample (sdpa, eager and flash alike); each sample's first label is -100, so no sample is predicted
+    from the one before it (its first token is never a target unpacked either). The model must run with
+    ``config.use_cache = False`` (as :func:`fitburst.train.prepare_for_training` sets): transformers looks for
+    packed positions only when no cache is passed, and with one the samples silently attend to each other."""
     import torch
 
+    if packed:
+        from transformers import DataCollatorWithFlattening
+
+        flat = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX)
+        return flat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batch])
     n = max(len(b["input_ids"]) for b in batch)
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.long)
@@ -608,3 +620,9 @@ def collate(batch: list[dict], pad_id: int) -> dict:
         labels[i, :k] = torch.tensor(b["labels"])
         mask[i, :k] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def batch_tokens(batch: dict) -> int:
+    """Real (non-padding) tokens in a collated batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

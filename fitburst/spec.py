@@ -130,6 +130,8 @@ class TrainingSpec(Strict):
     gradient_checkpointing: bool = False
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
+    packing: bool = Field(default=False, description="padding-free batches: each micro-batch's samples in one row, "
+                          "positions restarting and attention kept within each sample")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)

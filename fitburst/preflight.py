@@ -132,7 +132,7 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "quant": s.quant, "double_quant": s.double_quant, "dropout": s.dropout})
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype,
+        "optimizer": s.optimizer, "precision": s.dtype, "packing": s.packed_fill > 0,
         "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
         else s.attention})
     update = {"method": method, "training": training}

@@ -164,6 +164,7 @@ class AllowSpec(Strict):
     reduce_batch: bool = True
     attention: bool = True
     dropout: bool = True
+    packing: bool = True
 
 
 class PreflightSpec(Strict):

@@ -80,3 +80,25 @@ def test_training_loop_runs_packed(demo_spec, demo_prepared, tmp_path):
     assert result.steps == 4 and result.final_loss == result.final_loss  # not nan
     rows = load_split(demo_prepared, "train").to_list()
     assert result.tokens <= 4 * 8 * max(len(r["input_ids"]) for r in rows)
+
+
+def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
+    from dataclasses import replace
+
+    from fitburst.memory.devices import GiB, resolve_device
+    from fitburst.memory.estimator import TrainSettings, estimate
+    from fitburst.memory.planner import Budget, plan_fit
+    from fitburst.memory.shapes import load_shape
+
+    shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
+    s = TrainSettings(method="lora", rank=16, targets="all-linear", batch=8, seq_len=2048, dtype="bf16",
+                      attention="flash", dropout=0.0)
+    big = resolve_device("cuda:200GiB")
+    need = {fill: Budget(big).needed(estimate(shape, replace(s, packed_fill=fill), big)) for fill in (0.0, 1.0, 0.5)}
+    assert need[0.5] < need[1.0] < need[0.0]  # no padding bias; then fewer real tokens, less memory
+    between = resolve_device(f"cuda:{(need[0.0] + need[1.0]) / 2 / 0.97 / GiB + 0.3:.2f}GiB")
+    off = {k: False for k in ("gradient_checkpointing", "optimizer_8bit", "quantize", "reduce_batch", "attention",
+                              "dropout")}
+    plan = plan_fit(shape, s, between, 0.03, off)
+    assert plan.fits and plan.settings.packed_fill == 1.0 and any("packed" in c for c in plan.changes)
+    assert not plan_fit(shape, s, between, 0.03, {**off, "packing": False}).fits

@@ -24,7 +24,8 @@ EstimateFn = Callable[[TrainSettings, Device], Estimate]
 # relative step time of each rung (1.0 = unchanged); the planner minimises the product
 _COST = {
     "attention": 0.9,  # flash / sdpa is faster than eager
-    "packing": 0.9,  # no padding tokens computed (demo data: benchmarks/packing.py)
+    "packing": 0.9,  # flash-attn varlen computes no padding (offered for flash only: on the CPU, sdpa with a block
+    # mask over one long row was slower than padded batches on the demo data, benchmarks/packing.py)
     "dropout": 0.98,
     "optimizer_8bit": 1.02,
     "gradient_checkpointing": 1.33,  # one extra forward

@@ -258,14 +258,22 @@ def _open_dataset(source: Path | str, data: DataSpec):
             return ds.to_iterable_dataset() if data.streaming else ds
         ds = load_dataset(str(source), data.subset, split=data.split, revision=data.revision,
                           streaming=data.streaming)
-    except (DatasetsError, ValueError, OSError) as e:
-        raise DataError(f"{_name(source, data)}: cannot load the dataset: {e}") from None
+    except (DatasetsError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: the hub client after a failure
+        raise _load_error(source, data, e) from None
     if data.columns and ds.column_names is not None:
         missing = [f"'{col}' (data.columns.{key})" for key, col in data.columns.items() if col not in ds.column_names]
         if missing:
             raise DataError(f"{_name(source, data)}: no column {', '.join(missing)}; its columns: "
                             f"{', '.join(ds.column_names)}")
     return ds
+
+
+def _load_error(source: Path | str, data: DataSpec, e: Exception) -> DataError:
+    hint = ""
+    if isinstance(source, str) and isinstance(e, (OSError, RuntimeError)):
+        hint = (" (is the hub reachable from here? offline, use a saved or hub-style local folder, or a dataset "
+                "already in the datasets cache with HF_HUB_OFFLINE=1)")
+    return DataError(f"{_name(source, data)}: cannot load the dataset: {e}{hint}")
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, object]]:
@@ -436,8 +444,8 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
 
         try:
             builder = load_dataset_builder(str(source), data.subset, revision=data.revision)
-        except (DatasetsError, ValueError, OSError) as e:
-            raise DataError(f"{_name(source, data)}: cannot load the dataset: {e}") from None
+        except (DatasetsError, ValueError, OSError, RuntimeError) as e:
+            raise _load_error(source, data, e) from None
         h.update(json.dumps([str(source), data.subset, data.split, data.revision, builder.hash]).encode())
         return h.hexdigest()
     files = [source] if source.is_file() else sorted(

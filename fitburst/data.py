@@ -488,6 +488,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     import tempfile
 
     from datasets import Dataset, Features, List, Value
+    from datasets.exceptions import DatasetsError
 
     key = content_hash(data_path, data, tokenizer)
     out = cache_dir / key
@@ -523,14 +524,27 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
     features = Features({"input_ids": List(Value("int64")), "labels": List(Value("int64")), "val": Value("bool")})
-    if data.streaming:
-        ds = Dataset.from_generator(rows, features=features, cache_dir=str(tmp / "gen"), fingerprint=key)
-    else:
-        ds = Dataset.from_list(list(rows()), features=features)
+    ds = None
+    try:
+        if data.streaming:
+            ds = Dataset.from_generator(rows, features=features, cache_dir=str(tmp / "gen"), fingerprint=key)
+        elif got := list(rows()):
+            ds = Dataset.from_list(got, features=features)
+    except DatasetsError as e:  # the generator's own DataError (a record the template cannot render), or no rows
+        if isinstance(e.__cause__, DataError):
+            raise e.__cause__ from None
+        if lengths:
+            raise
+    except ValueError:  # datasets' "no data" when the generator yielded nothing
+        if lengths:
+            raise
     if seen["no_target"]:
         log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
                     seen["no_target"], data.max_seq_len)
-    if not len(ds):
+    if ds is None or not len(ds):
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"{_name(data_path, data)}: every record lost its reply to truncation: raise "
                         "data.max_seq_len")
     if data.streaming:

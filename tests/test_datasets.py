@@ -151,3 +151,11 @@ def test_validator_locates_new_data_fields(tmp_path, data, expect):
     with pytest.raises(SpecError) as e:
         load_pipeline(write_pipeline(tmp_path, data), "case")
     assert expect in str(e.value)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_every_reply_truncated_away_is_one_located_message(tmp_path, demo_tokenizer, streaming):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "word " * 80, "completion": "yes"}) for _ in range(5)) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl: every record lost its reply to truncation"):
+        prepare(DataSpec(path=str(path), max_seq_len=16, streaming=streaming), path, demo_tokenizer, tmp_path / "c")

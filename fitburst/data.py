@@ -1,6 +1,10 @@
-"""Data prep: read JSONL/JSON fine-tuning records, apply the chat template, mask prompts, split, cache.
+"""Data prep: read fine-tuning records from where they live, apply the chat template, mask prompts, split, cache.
 
-Accepted shapes (``format: auto`` detects them per file from the first record):
+Sources (:func:`iter_records`): local .jsonl/.json/.csv/.parquet/.arrow files and folders of them, folders written
+by ``save_to_disk``, and hub datasets (id, subset, split, revision; streamed when asked) through ``datasets``;
+``data.columns`` maps differently named columns to the record fields.
+
+Accepted shapes (``format: auto`` detects them per record):
 - ``messages``: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}``
 - ``alpaca``: ``{"instruction": ..., "input": ..., "output": ...}``
 - ``sharegpt``: ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``
@@ -13,6 +17,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -107,23 +112,177 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
     return out
 
 
-DATA_SUFFIXES = (".jsonl", ".ndjson", ".json")
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+TABLE_BUILDERS = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}  # read through datasets' builders
+DATA_SUFFIXES = JSON_SUFFIXES + tuple(TABLE_BUILDERS)
 MAX_LINE_BYTES = 16 << 20  # a record this long is cut to data.max_seq_len tokens anyway; refuse it before tokenizing
 
 
-def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> tuple[list[list[dict]], int]:
-    """Read a .jsonl or .json file into message lists; a bad record raises DataError with its line number
-    unless ``skip_invalid`` (then it is counted and logged)."""
-    if not path.exists():
-        raise DataError(f"{path}: data file not found (data.path is relative to pipelines.yaml)")
-    if path.suffix.lower() not in DATA_SUFFIXES:
-        raise DataError(f"{path}: data.path must name a .jsonl or .json file (one JSON record per line, or a JSON "
-                        f"list of records); convert the {path.suffix or 'extension-less'} file first")
-    raw = path.read_bytes()
-    if not raw.strip():
-        raise DataError(f"{path}: the file is empty: add records (one JSON object per line) or fix data.path")
-    items: list[tuple[int, object]] = []
+def iter_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, list[dict] | DataError]]:
+    """Each record of ``source`` as (where it is, its messages or the DataError saying what is wrong with it).
+
+    ``source`` is a local file or folder (JSON lines keep their line numbers; csv/parquet/arrow files, folders of
+    them and folders written by ``save_to_disk`` give row indices) or a hub dataset id / hub-style folder when
+    ``data.dataset`` is set (``load_dataset`` with subset, split and revision; rows read lazily with
+    ``data.streaming``). ``data.columns`` renames the data's columns to the record fields first."""
+    for where, rec in _raw_records(source, data):
+        try:
+            if isinstance(rec, Exception):
+                raise rec
+            rec = _map_columns(rec, data.columns)
+            fmt = detect_format(rec) if data.format == "auto" and isinstance(rec, dict) else data.format
+            yield where, to_messages(rec, fmt)
+        except ValueError as e:
+            yield where, DataError(f"{where}: {e}")
+
+
+def read_records(source: Path | str, fmt: str = "auto", skip_invalid: bool = False,
+                 data: DataSpec | None = None) -> tuple[list[list[dict]], int]:
+    """All records of ``source`` (see :func:`iter_records`; ``data`` gives columns and the hub fields) as message
+    lists; a bad record raises DataError with its source and line or row unless ``skip_invalid`` (then it is
+    counted and logged)."""
+    spec = (data or DataSpec(path=str(source))).model_copy(update={"format": fmt, "skip_invalid": skip_invalid})
+    out, skipped = [], 0
+    for _, item in iter_records(source, spec):
+        if isinstance(item, DataError):
+            skipped += _refuse_or_skip(item, skip_invalid)
+        else:
+            out.append(item)
+    if not out:
+        raise DataError(f"{_name(source, spec)}: no usable records")
+    return out, skipped
+
+
+def count_records(source: Path | str, data: DataSpec) -> tuple[int, int]:
+    """(usable records, skipped) in one pass that holds no record: checks a streamed set before any compute."""
+    n = skipped = 0
+    for _, item in iter_records(source, data):
+        if isinstance(item, DataError):
+            skipped += _refuse_or_skip(item, data.skip_invalid)
+        else:
+            n += 1
+    if not n:
+        raise DataError(f"{_name(source, data)}: no usable records")
+    return n, skipped
+
+
+def _refuse_or_skip(err: DataError, skip_invalid: bool) -> int:
+    if not skip_invalid:
+        raise DataError(f"{err} (fix it, or set data.skip_invalid: true to count and skip bad records)") from None
+    log.warning("skipping %s", err)
+    return 1
+
+
+def _map_columns(rec: object, columns: dict[str, str]) -> object:
+    """The record with ``data.columns`` applied (record field <- the data's column)."""
+    if not columns or not isinstance(rec, dict):
+        return rec
+    missing = [f"'{col}' (data.columns.{key})" for key, col in columns.items() if col not in rec]
+    if missing:
+        raise ValueError(f"no column {', '.join(missing)}; this record has {sorted(rec)}")
+    out = {k: v for k, v in rec.items() if k not in columns.values()}
+    out.update({key: rec[col] for key, col in columns.items()})
+    return out
+
+
+def _name(source: Path | str, data: DataSpec) -> str:
+    if data.dataset is None:
+        return str(source)
+    return f"{source} ({f'subset {data.subset}, ' if data.subset else ''}split {data.split})"
+
+
+def _raw_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, object]]:
+    """(where, raw record or the exception reading it) for every record of ``source``."""
+    if data.dataset is not None or isinstance(source, str):
+        yield from _rows(_open_dataset(source, data), _name(source, data))
+        return
+    if not source.exists():
+        raise DataError(f"{source}: data not found (data.path is relative to pipelines.yaml)")
+    if source.is_dir() and _is_saved(source):
+        yield from _rows(_open_dataset(source, data), str(source))
+        return
+    if source.is_file() and source.suffix.lower() not in DATA_SUFFIXES:
+        raise DataError(f"{source}: data.path must name a .jsonl, .json, .csv, .parquet or .arrow file, a folder "
+                        f"of them or a save_to_disk folder; convert the {source.suffix or 'extension-less'} file first")
+    files = sorted(f for f in source.rglob("*") if f.is_file() and f.suffix.lower() in DATA_SUFFIXES) \
+        if source.is_dir() else [source]
+    if not files:
+        raise DataError(f"{source}: the folder holds no {', '.join(DATA_SUFFIXES)} files")
+    for f in files:
+        if f.suffix.lower() in TABLE_BUILDERS:
+            yield from _rows(_open_table(f, data.streaming), str(f))
+        else:
+            yield from _json_records(f)
+
+
+def _is_saved(folder: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return (folder / "state.json").exists() or (folder / "dataset_dict.json").exists()
+
+
+def _rows(ds, where: str) -> Iterator[tuple[str, object]]:
+    for i, rec in enumerate(ds):
+        yield f"{where}: row {i}", rec
+
+
+def _open_table(path: Path, streaming: bool):
+    import csv
+
+    from datasets import Features, Value, load_dataset
+    from datasets.exceptions import DatasetsError
+
+    kw = {}
+    if path.suffix.lower() == ".csv":  # every cell text: a reply "42" stays a string, not an inferred int
+        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:
+            kw["features"] = Features({col: Value("string") for col in next(csv.reader(f), [])})
+    try:
+        return load_dataset(TABLE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train",
+                            streaming=streaming, **kw)
+    except (DatasetsError, ValueError, OSError) as e:
+        cause = e.__cause__ or e
+        raise DataError(f"{path}: cannot read it as {path.suffix[1:]}: {type(cause).__name__}: {cause}") from None
+
+
+def _open_dataset(source: Path | str, data: DataSpec):
+    """The split of a saved folder, hub-style folder or hub id (an IterableDataset with ``data.streaming``)."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+    from datasets.exceptions import DatasetsError
+
+    try:
+        if isinstance(source, Path) and _is_saved(source):
+            ds = load_from_disk(str(source))
+            if isinstance(ds, DatasetDict):
+                if data.split not in ds:
+                    raise ValueError(f"no split {data.split!r} (splits: {', '.join(ds)}): set data.split")
+                ds = ds[data.split]
+            return ds.to_iterable_dataset() if data.streaming else ds
+        ds = load_dataset(str(source), data.subset, split=data.split, revision=data.revision,
+                          streaming=data.streaming)
+    except (DatasetsError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: the hub client after a failure
+        raise _load_error(source, data, e) from None
+    if data.columns and ds.column_names is not None:
+        missing = [f"'{col}' (data.columns.{key})" for key, col in data.columns.items() if col not in ds.column_names]
+        if missing:
+            raise DataError(f"{_name(source, data)}: no column {', '.join(missing)}; its columns: "
+                            f"{', '.join(ds.column_names)}")
+    return ds
+
+
+def _load_error(source: Path | str, data: DataSpec, e: Exception) -> DataError:
+    hint = ""
+    if isinstance(source, str) and isinstance(e, (OSError, RuntimeError)):
+        hint = (" (is the hub reachable from here? offline, use a saved or hub-style local folder, or a dataset "
+                "already in the datasets cache with HF_HUB_OFFLINE=1)")
+    return DataError(f"{_name(source, data)}: cannot load the dataset: {e}{hint}")
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, object]]:
+    """A .jsonl/.json file's records with their line (record index for .json); file-level problems raise."""
+    with path.open("rb") as f:
+        if not any(line.strip() for line in f):
+            raise DataError(f"{path}: the file is empty: add records (one JSON object per line) or fix data.path")
     if path.suffix.lower() == ".json":
+        raw = path.read_bytes()
         try:
             doc = json.loads(_decode(raw, path, 0))
         except json.JSONDecodeError as e:
@@ -131,39 +290,28 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
         if not isinstance(doc, list):
             raise DataError(f"{path}: a .json data file must hold a list of records (or write one record per line "
                             "as .jsonl)")
-        items = [(i + 1, r) for i, r in enumerate(doc)]  # record index, not line
-    else:
-        for lineno, line in enumerate(raw.split(b"\n"), 1):
-            if not line.strip():
-                continue
-            if len(line) > MAX_LINE_BYTES:
-                items.append((lineno, DataError(
-                    f"the line is {len(line) / (1 << 20):.0f} MiB (limit {MAX_LINE_BYTES >> 20} MiB): a record "
-                    "that long is cut to data.max_seq_len tokens anyway; split it or drop it")))
-                continue
-            try:
-                items.append((lineno, json.loads(_decode(line, path, lineno))))
-            except json.JSONDecodeError as e:
-                items.append((lineno, DataError(f"not valid JSON: {e.msg} (column {e.colno})")))
-            except DataError as e:
-                items.append((lineno, e))
-    out, skipped = [], 0
-    for lineno, rec in items:
-        try:
-            if isinstance(rec, Exception):
-                raise rec
-            f = detect_format(rec) if fmt == "auto" and isinstance(rec, dict) else fmt
-            out.append(to_messages(rec, f))
-        except ValueError as e:
-            msg = f"{path}: record {lineno}: {e}" if path.suffix == ".json" else f"{path}:{lineno}: {e}"
-            if not skip_invalid:
-                hint = " (fix it, or set data.skip_invalid: true to count and skip bad records)"
-                raise DataError(msg + hint) from None
-            log.warning("skipping %s", msg)
-            skipped += 1
-    if not out:
-        raise DataError(f"{path}: no usable records")
-    return out, skipped
+        for i, r in enumerate(doc):
+            yield f"{path}: record {i + 1}", r
+        return
+    with path.open("rb") as f:  # line by line: a large file is never held whole
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield from _json_line(path, lineno, line.rstrip(b"\r\n"))
+
+
+def _json_line(path: Path, lineno: int, line: bytes) -> Iterator[tuple[str, object]]:
+    where = f"{path}:{lineno}"
+    if len(line) > MAX_LINE_BYTES:
+        yield where, DataError(
+            f"the line is {len(line) / (1 << 20):.0f} MiB (limit {MAX_LINE_BYTES >> 20} MiB): a record "
+            "that long is cut to data.max_seq_len tokens anyway; split it or drop it")
+        return
+    try:
+        yield where, json.loads(_decode(line, path, lineno))
+    except json.JSONDecodeError as e:
+        yield where, DataError(f"not valid JSON: {e.msg} (column {e.colno})")
+    except DataError as e:
+        yield where, e
 
 
 def _decode(raw: bytes, path: Path, lineno: int) -> str:
@@ -286,9 +434,33 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def content_hash(path: Path, data: DataSpec, tokenizer) -> str:
-    h = hashlib.sha256(path.read_bytes())
-    h.update(data.model_dump_json(exclude={"path"}).encode())
+def source_fingerprint(source: Path | str, data: DataSpec) -> str:
+    """What identifies the records' content: a file's bytes, a folder's files (a saved dataset's fingerprints),
+    or a hub dataset's id, subset, split, revision and builder hash (data files at the revision)."""
+    h = hashlib.sha256()
+    if data.dataset is not None and not (isinstance(source, Path) and _is_saved(source)):
+        from datasets import load_dataset_builder
+        from datasets.exceptions import DatasetsError
+
+        try:
+            builder = load_dataset_builder(str(source), data.subset, revision=data.revision)
+        except (DatasetsError, ValueError, OSError, RuntimeError) as e:
+            raise _load_error(source, data, e) from None
+        h.update(json.dumps([str(source), data.subset, data.split, data.revision, builder.hash]).encode())
+        return h.hexdigest()
+    files = [source] if source.is_file() else sorted(
+        f for f in source.rglob("*") if f.is_file() and (f.suffix.lower() in DATA_SUFFIXES or f.name == "state.json"))
+    for f in files:
+        h.update(str(f.relative_to(source)).encode() if f != source else b"")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def content_hash(source: Path | str, data: DataSpec, tokenizer) -> str:
+    h = hashlib.sha256(source_fingerprint(source, data).encode())
+    h.update(data.model_dump_json(exclude={"path", "dataset"}).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()[:16]
 
@@ -304,11 +476,19 @@ def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) 
     }
 
 
-def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path,
+def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
             records: tuple[list[list[dict]], int] | None = None) -> PreparedData:
-    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match.
-    ``records``: :func:`read_records` of the file when the caller has read it already."""
-    from datasets import Dataset
+    """Tokenize and split the records at ``data_path`` (a local path, or a hub id with ``data.dataset``); reuse the
+    cached result when content, settings and tokenizer match. ``records``: :func:`read_records` of the source
+    when the caller has read it already.
+
+    With ``data.streaming`` the records are read, tokenized and written to the cache in one pass that holds no
+    more than a writer batch; the validation split is then drawn per record from a seeded hash of its position
+    (about ``val_split`` of the records) rather than by shuffling the whole set."""
+    import tempfile
+
+    from datasets import Dataset, Features, List, Value
+    from datasets.exceptions import DatasetsError
 
     key = content_hash(data_path, data, tokenizer)
     out = cache_dir / key
@@ -316,55 +496,118 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path,
         log.info("data cache hit %s", out)
         return PreparedData.from_dir(out)
 
-    conversations, skipped = records or read_records(data_path, data.format, data.skip_invalid)
-    rows = []
-    for k, messages in enumerate(conversations, 1):
-        try:
-            rows.append(tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt))
-        except DataError as e:
-            raise DataError(f"{data_path}: record {k}: {e}") from None
-    no_target = sum(all(label == IGNORE_INDEX for label in r["labels"]) for r in rows)
-    if no_target:
-        log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
-                    no_target, data.max_seq_len)
-    rows = [r for r in rows if any(label != IGNORE_INDEX for label in r["labels"])]
-    if not rows:
-        raise DataError(f"{data_path}: every record lost its reply to truncation: raise data.max_seq_len")
-    ds = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
-    if data.val_split > 0 and len(ds) >= 2:
-        n_val = max(1, round(len(ds) * data.val_split))
-        split = ds.train_test_split(test_size=n_val, seed=data.seed, shuffle=True)
-        train, val = split["train"], split["test"]
+    if records is not None:
+        pairs: Iterator = ((f"{data_path}: record {k}", m) for k, m in enumerate(records[0], 1))
+        skipped = records[1]
+    elif data.streaming:
+        pairs, skipped = _good_records(data_path, data), 0
     else:
-        train, val = ds, ds.select([])
-    stats = length_stats([len(r["input_ids"]) for r in rows], [r["full_length"] for r in rows], data.max_seq_len)
-    stats["train_tokens"] = int(sum(len(x) for x in train["input_ids"]))
+        got, skipped = read_records(data_path, data.format, data.skip_invalid, data)
+        pairs = ((f"{data_path}: record {k}", m) for k, m in enumerate(got, 1))
+    seen = {"no_target": 0, "skipped": skipped}
+    lengths: list[int] = []
+    full: list[int] = []
 
-    import tempfile
+    def rows():
+        for i, (where, messages) in enumerate(pairs):
+            try:
+                r = tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+            if all(label == IGNORE_INDEX for label in r["labels"]):
+                seen["no_target"] += 1
+                continue
+            lengths.append(len(r["input_ids"]))
+            full.append(r["full_length"])
+            yield {"input_ids": r["input_ids"], "labels": r["labels"], "val": _in_val(i, data)}
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
+    features = Features({"input_ids": List(Value("int64")), "labels": List(Value("int64")), "val": Value("bool")})
+    ds = None
+    try:
+        if data.streaming:
+            ds = Dataset.from_generator(rows, features=features, cache_dir=str(tmp / "gen"), fingerprint=key)
+        elif got := list(rows()):
+            ds = Dataset.from_list(got, features=features)
+    except DatasetsError as e:  # the generator's own DataError (a record the template cannot render), or no rows
+        if isinstance(e.__cause__, DataError):
+            raise e.__cause__ from None
+        if lengths:
+            raise
+    except ValueError:  # datasets' "no data" when the generator yielded nothing
+        if lengths:
+            raise
+    if seen["no_target"]:
+        log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
+                    seen["no_target"], data.max_seq_len)
+    if ds is None or not len(ds):
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"{_name(data_path, data)}: every record lost its reply to truncation: raise "
+                        "data.max_seq_len")
+    if data.streaming:
+        train = ds.filter(lambda v: not v, input_columns="val").remove_columns("val")
+        val = ds.filter(lambda v: v, input_columns="val").remove_columns("val")
+    else:
+        ds = ds.remove_columns("val")
+        if data.val_split > 0 and len(ds) >= 2:
+            n_val = max(1, round(len(ds) * data.val_split))
+            split = ds.train_test_split(test_size=n_val, seed=data.seed, shuffle=True)
+            train, val = split["train"], split["test"]
+        else:
+            train, val = ds, ds.select([])
+    stats = length_stats(lengths, full, data.max_seq_len)
+    stats["train_tokens"] = int(sum(len(x) for x in train["input_ids"])) if not data.streaming else int(
+        sum(sum(len(x) for x in b["input_ids"]) for b in train.iter(batch_size=1024)))
+
     train.save_to_disk(str(tmp / "train"))
     val.save_to_disk(str(tmp / "val"))
     prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val),
-                            n_skipped=skipped, n_no_target=no_target, stats=stats)
+                            n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats)
     (tmp / "prepared.json").write_text(prepared.to_json())
+    del ds, train, val
+    import shutil
+
+    shutil.rmtree(tmp / "gen", ignore_errors=True)
     try:
         tmp.rename(out)
     except OSError:  # a concurrent prepare of the same content finished first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData.from_dir(out)
 
 
+def _good_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, list[dict]]]:
+    """The usable records, lazily (bad ones refused or, with skip_invalid, skipped)."""
+    for where, item in iter_records(source, data):
+        if isinstance(item, DataError):
+            _refuse_or_skip(item, data.skip_invalid)
+        else:
+            yield where, item
+
+
+def _in_val(i: int, data: DataSpec) -> bool:
+    """Streaming's validation draw: a seeded hash of the record's position, below ``val_split``."""
+    if not data.streaming or data.val_split <= 0:
+        return False
+    digest = hashlib.sha256(f"{data.seed}:{i}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < data.val_split
+
+
 def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
-    """:func:`prepare` for a pipeline: its data file and settings, its model's tokenizer, the shared cache."""
+    """:func:`prepare` for a pipeline: its data source and settings, its model's tokenizer, the shared cache.
+    Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record)."""
     from fitburst.models import cache_root, tokenizer_for
 
-    records = read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)  # bad data: before any load
+    source, data = spec.data_source(), spec.data
+    if data.streaming:
+        count_records(source, data)
+        records = None
+    else:
+        records = read_records(source, data.format, data.skip_invalid, data)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data", records=records)
+    return prepare(data, source, tok, cache_root() / "data", records=records)
 
 
 def load_split(prepared: PreparedData, split: str):
@@ -373,10 +616,22 @@ def load_split(prepared: PreparedData, split: str):
     return load_from_disk(str(Path(prepared.dir) / split))
 
 
-def collate(batch: list[dict], pad_id: int) -> dict:
-    """Pad a batch to its longest sample (right padding); labels padded with -100."""
+def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
+    """Pad a batch to its longest sample (right padding); labels padded with -100.
+
+    ``packed``: padding-free, transformers' ``DataCollatorWithFlattening``: the samples concatenated into one row
+    with no attention mask and position ids restarting at each sample, from which the model's mask keeps attention
+    within each sample (sdpa, eager and flash alike); each sample's first label is -100, so no sample is predicted
+    from the one before it (its first token is never a target unpacked either). The model must run with
+    ``config.use_cache = False`` (as :func:`fitburst.train.prepare_for_training` sets): transformers looks for
+    packed positions only when no cache is passed, and with one the samples silently attend to each other."""
     import torch
 
+    if packed:
+        from transformers import DataCollatorWithFlattening
+
+        flat = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX)
+        return flat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batch])
     n = max(len(b["input_ids"]) for b in batch)
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.long)
@@ -387,3 +642,9 @@ def collate(batch: list[dict], pad_id: int) -> dict:
         labels[i, :k] = torch.tensor(b["labels"])
         mask[i, :k] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def batch_tokens(batch: dict) -> int:
+    """Real (non-padding) tokens in a collated batch."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()

@@ -132,7 +132,7 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "quant": s.quant, "double_quant": s.double_quant, "dropout": s.dropout})
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype,
+        "optimizer": s.optimizer, "precision": s.dtype, "packing": s.packed_fill > 0,
         "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
         else s.attention})
     update = {"method": method, "training": training}
@@ -209,9 +209,9 @@ def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, floa
     tokenizer cannot be fetched here) ``data.max_seq_len`` for both lengths and the data file's record count."""
     if prepared is not None:
         return prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-    from fitburst.data import read_records
+    from fitburst.data import count_records
 
-    n = len(read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)[0])
+    n = count_records(spec.data_source(), spec.data)[0]
     seq = spec.data.max_seq_len
     return seq, round(n * (1 - spec.data.val_split)), seq
 

@@ -45,8 +45,23 @@ class ModelSpec(Strict):
         return v
 
 
+RECORD_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")
+
+
 class DataSpec(Strict):
-    path: str = Field(description="a .jsonl or .json file, relative to pipelines.yaml")
+    """Where the records live (``path`` or ``dataset``) and how they become training samples."""
+
+    path: str | None = Field(default=None, description="a local .jsonl/.json/.csv/.parquet/.arrow file, a folder of "
+                             "them, or a folder written by Dataset.save_to_disk; relative to pipelines.yaml")
+    dataset: str | None = Field(default=None, description="a Hugging Face dataset id (org/name) or a hub-style local "
+                                "folder, read with datasets.load_dataset")
+    subset: str | None = Field(default=None, description="the dataset's configuration (load_dataset's name)")
+    split: str = "train"
+    revision: str | None = Field(default=None, description="a hub branch, tag or commit")
+    streaming: bool = Field(default=False, description="read and tokenize in one bounded-memory pass (sets too "
+                            "large for memory)")
+    columns: dict[str, str] = Field(default_factory=dict, description="record field <- column in the data, e.g. "
+                                    "{instruction: prompt, output: answer}")
     format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion"] = "auto"
     template: Literal["auto", "chatml", "alpaca", "none"] = "auto"
     max_seq_len: int = Field(default=512, ge=8, le=1_048_576)
@@ -54,6 +69,27 @@ class DataSpec(Strict):
     seed: int = 42
     skip_invalid: bool = False
     train_on_prompt: bool = False
+
+    @field_validator("columns")
+    @classmethod
+    def _known_fields(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, col in v.items():
+            if key not in RECORD_FIELDS:
+                close = difflib.get_close_matches(key, RECORD_FIELDS, n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"record fields: {', '.join(RECORD_FIELDS)}"
+                raise ValueError(f"'{key}' is not a record field ({hint}); write {{field: column in your data}}")
+            if not col.strip():
+                raise ValueError(f"columns.{key} names no column")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError("set exactly one of data.path (local file or folder) and data.dataset (hub id or "
+                             "hub-style folder)")
+        if self.path is not None and (self.subset or self.revision):
+            raise ValueError("subset and revision belong to a hub dataset: use data.dataset, or drop them")
+        return self
 
 
 class MethodSpec(Strict):
@@ -94,6 +130,8 @@ class TrainingSpec(Strict):
     gradient_checkpointing: bool = False
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
+    packing: bool = Field(default=False, description="padding-free batches: each micro-batch's samples in one row, "
+                          "positions restarting and attention kept within each sample")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -126,6 +164,7 @@ class AllowSpec(Strict):
     reduce_batch: bool = True
     attention: bool = True
     dropout: bool = True
+    packing: bool = True
 
 
 class PreflightSpec(Strict):
@@ -359,9 +398,21 @@ class PipelineSpec(Strict):
                              "false")
         return self
 
-    def data_path(self) -> Path:
+    def data_path(self) -> Path | None:
+        """data.path resolved against pipelines.yaml's folder; None for a hub dataset."""
+        if self.data.path is None:
+            return None
         p = Path(self.data.path).expanduser()
         return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def data_source(self) -> Path | str:
+        """Where the records are: a local path (data.path, or a data.dataset naming a local folder) or a hub id."""
+        if self.data.path is not None:
+            return self.data_path()
+        ref = self.data.dataset
+        local = Path(ref).expanduser()
+        local = local if local.is_absolute() else Path(self.base_dir) / local
+        return local if ref.startswith((".", "/", "~")) or local.is_dir() else ref
 
     def config_hash(self) -> str:
         """A short hash of what decides the result (not tags, schedule or tracking)."""
@@ -573,10 +624,13 @@ def _build(
         else:
             where, src = f"line {_locate(lines, name, loc)}: ", ""
         problems.append(f"pipeline '{name}': {where}field '{'.'.join(loc)}'{src} (got {value!r}): {why}")
-    if not spec.data_path().exists():
-        line = _locate(lines, name, ("data", "path"))
-        problems.append(f"pipeline '{name}': line {line}: field 'data.path' (got {spec.data.path!r}): file not "
-                        f"found at {spec.data_path()} (paths are relative to {path.name}'s folder)")
+    source = spec.data_source()
+    if isinstance(source, Path) and not source.exists():
+        key = "path" if spec.data.path is not None else "dataset"
+        line = _locate(lines, name, ("data", key))
+        problems.append(f"pipeline '{name}': line {line}: field 'data.{key}' (got {getattr(spec.data, key)!r}): "
+                        f"{'file' if key == 'path' else 'folder'} not found at {source} (paths are relative to "
+                        f"{path.name}'s folder)")
     return (None, problems) if problems else (spec, [])
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fitburst.data import IGNORE_INDEX, PreparedData, collate, load_split
+from fitburst.data import IGNORE_INDEX, PreparedData, batch_tokens, collate, load_split
 from fitburst.device import (
     Amp,
     make_amp,
@@ -213,8 +213,9 @@ def total_steps(spec: PipelineSpec, n_train: int) -> int:
     return max(1, math.ceil(per_epoch * (tr.epochs or 1.0) / tr.grad_accum))
 
 
-def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int):
-    """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume."""
+def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int, packed: bool = False):
+    """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume;
+    ``packed``: each micro-batch one padding-free row (:func:`fitburst.data.collate`)."""
     import torch
 
     n = len(rows)
@@ -223,7 +224,7 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
     while True:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         for i in range(offset, per_epoch):
-            yield collate([rows[j] for j in order[i * batch_size:(i + 1) * batch_size]], pad_id)
+            yield collate([rows[j] for j in order[i * batch_size:(i + 1) * batch_size]], pad_id, packed)
         epoch, offset = epoch + 1, 0
 
 
@@ -306,7 +307,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
 
     rows = load_split(prepared, "train").to_list()
-    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum)
+    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum, tr.packing)
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     model.train()
     bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress, unit="step")
@@ -320,7 +321,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
                                   amp=amp)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
                 scheduler.step()
-            tokens += sum(int(b["attention_mask"].sum()) for b in micro)
+            tokens += sum(batch_tokens(b) for b in micro)
             meter.sample()
             step += 1
             window_loss += loss * n_labels

@@ -58,6 +58,7 @@ class TrainSettings:
     keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
     eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
     padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
+    packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quant == "none":
@@ -92,7 +93,7 @@ class TrainSettings:
             if self.kbit
             else ""
         )
-        ck = " ckpt" if self.grad_checkpointing else ""
+        ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         return (
             f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
             f"{self.optimizer} {self.attention}"
@@ -124,6 +125,7 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         attention=attention,
         keep_logits=False,
         eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
+        packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
     )
 
 
@@ -496,6 +498,10 @@ def estimate(
     a = 4 if s.kbit else d
     a_lm = 4 if s.kbit else d
     T = s.batch * s.seq_len
+    b, S, padded = s.batch, s.seq_len, s.batch > 1 if s.padded is None else s.padded
+    if s.packed_fill:  # one row of the real tokens; sdpa/eager get a block-diagonal mask, flash-attn varlen none
+        T = S = max(1, round(T * s.packed_fill))
+        b, padded = 1, s.attention != "flash"
     full = s.method == "full"
     targets = set() if full else resolve_targets(shape, s.targets)
     attention = s.attention
@@ -503,11 +509,10 @@ def estimate(
         attention = "sdpa"
     if attention == "sdpa":
         attention = "math" if device.kind == "mps" else "flash"
-    padded = s.batch > 1 if s.padded is None else s.padded
     c = _Ctx(
         T=T,
-        b=s.batch,
-        S=s.seq_len,
+        b=b,
+        S=S,
         a=a,
         full=full,
         lora=not full,

@@ -24,6 +24,8 @@ EstimateFn = Callable[[TrainSettings, Device], Estimate]
 # relative step time of each rung (1.0 = unchanged); the planner minimises the product
 _COST = {
     "attention": 0.9,  # flash / sdpa is faster than eager
+    "packing": 0.9,  # flash-attn varlen computes no padding (offered for flash only: on the CPU, sdpa with a block
+    # mask over one long row was slower than padded batches on the demo data, benchmarks/packing.py)
     "dropout": 0.98,
     "optimizer_8bit": 1.02,
     "gradient_checkpointing": 1.33,  # one extra forward
@@ -86,6 +88,9 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
         target = "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
         out.append(("attention", lambda x, t=target: replace(x, attention=t),
                     f"attention eager -> {target}: no seq x seq probability matrix kept"))
+    if allow["packing"] and not s.packed_fill and s.batch > 1 and s.attention == "flash":
+        out.append(("packing", lambda x: replace(x, packed_fill=1.0),
+                    "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"))
     if allow["dropout"] and s.method != "full" and s.dropout > 0:
         out.append(("dropout", lambda x: replace(x, dropout=0.0),
                     f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input"))

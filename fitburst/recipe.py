@@ -8,6 +8,7 @@ the same things wherever it trained.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult, evaluate
 from fitburst.oom import train_stepping_down
 from fitburst.spec import PipelineSpec
-from fitburst.tracking import Tracker
+from fitburst.tracking import Tracker, redact
 from fitburst.train import MetricsFn, TrainResult
+
+log = logging.getLogger(__name__)
 
 
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
@@ -39,9 +42,16 @@ def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | 
         result = train_stepping_down(spec, prepared, run_dir, device=device, on_metrics=metrics_fn,
                                      on_stepdown=stepped_down, progress=progress)
     if tracker is not None:
-        tracker.log_train(result, path=path)
-        if estimate is not None:
-            tracker.log_memory_comparison(estimate, result)
+        from mlflow.exceptions import MlflowException
+
+        try:
+            tracker.log_train(result, path=path)
+            if estimate is not None:
+                tracker.log_memory_comparison(estimate, result)
+        except MlflowException as e:  # the server went away: the trained run must not be lost over its record
+            log.warning("MLflow unreachable after training (%s): the result, adapter and loss curve are in %s; "
+                        "metrics are replayed from its outbox when the server is back", redact(str(e))[:200],
+                        result.run_dir)
     return result
 
 

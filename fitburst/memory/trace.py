@@ -234,26 +234,22 @@ def _materialize(model, rec) -> None:
     peft adds them); a parameter shared by two modules (tied embeddings) materializes once."""
     import torch
 
+    adapter = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
     memo: dict[int, torch.Tensor] = {}
-    mods = list(model.modules())
-    order = [m for m in mods if not _is_adapter(m)] + [m for m in mods if _is_adapter(m)]
-    for m in order:
-        rec.tag = "adapter" if _is_adapter(m) else ""
-        for store in (m._parameters, m._buffers):
-            for k, t in store.items():
-                if t is None or t.device.type != "meta":
-                    continue
-                if id(t) not in memo:
-                    new = torch.empty_like(t, device="cpu")
-                    memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
-                        t, torch.nn.Parameter) else new
-                store[k] = memo[id(t)]
+    for second in (False, True):
+        for m in model.modules():
+            for store in (m._parameters, m._buffers):
+                for k, t in store.items():
+                    if t is None or (id(t) in adapter) != second:
+                        continue
+                    if id(t) not in memo and t.device.type == "meta":
+                        rec.tag = "adapter" if second else ""
+                        new = torch.empty_like(t, device="cpu")
+                        memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                            t, torch.nn.Parameter) else new
+                    if id(t) in memo:
+                        store[k] = memo[id(t)]
     rec.tag = ""
-
-
-def _is_adapter(m) -> bool:
-    return any(n.startswith("lora_") for n, _ in m.named_parameters(recurse=False)) or type(
-        m).__module__.startswith("peft") and not list(m.children()) and bool(list(m.parameters(recurse=False)))
 
 
 def _phase_hooks(model, optimizer, rec, prefix: list[str]):

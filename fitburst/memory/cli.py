@@ -48,6 +48,12 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "--safety-margin", type=float, default=0.1, help="headroom the plan keeps (fraction of budget)"
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="trace the real training step at full size with no memory (torch; seconds) instead of the "
+        "instant analytic estimate",
+    )
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -83,12 +89,29 @@ def run_estimate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .estimator import estimate
+    from .estimator import error_band, estimate
 
-    est = estimate(shape, settings, device, args.safety_margin)
+    if args.exact:
+        from fitburst.spec import PipelineSpec
+
+        from .trace import traced_estimate
+
+        spec = PipelineSpec.model_validate(
+            dict(name="estimate", model=dict(name=args.model), data=dict(path="unused.jsonl"))
+        )
+        try:
+            est = traced_estimate(spec, settings, device, seq_len=args.seq_len)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        est.safety_margin = args.safety_margin
+        est.fits = est.reserved_peak_bytes <= device.budget_bytes * (1 - args.safety_margin)
+    else:
+        est = estimate(shape, settings, device, args.safety_margin)
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
         d = est.to_dict()
+        d["error_band"] = error_band(device.kind, exact=args.exact)
         d["verdict"] = plan.verdict
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
         if plan.burst_gpu:

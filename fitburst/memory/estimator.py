@@ -33,6 +33,24 @@ MEASURED_COUNTERPART = {"cuda": "allocated_peak_bytes", "mps": "reserved_peak_by
 def measured_counterpart(estimate: dict, kind: str) -> int:
     """The estimate's figure that a measured peak (``MemoryPeak.allocated_bytes``) on ``kind`` compares with."""
     return int(estimate[MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")])
+# How far each estimate is from the truth, measured (fractions, low/high): the analytic estimate against the traced
+# step on a grid of small llama/qwen2 configurations (tests/test_trace.py: -0.04 % .. +1.39 %, allocated peak); the
+# traced estimate against real runs: CPU live tensor bytes of the project's step (tests/test_trace.py, within
+# 0.5 %), T4 reserved + context on the held-out rows of ../shared/memory/t4_dev.csv
+# (benchmarks/preflight_accuracy.py, part b).
+ANALYTIC_BAND = {"cpu": (-0.02, 0.02), "cuda": (-0.02, 0.02), "mps": (-0.02, 0.02)}
+EXACT_BAND = {"cpu": (-0.005, 0.005), "cuda": (-0.004, 0.001), "mps": (-0.15, 0.15)}
+
+
+def error_band(kind: str, *, exact: bool) -> dict:
+    """The measured error band of an estimate on a device kind: ``low``/``high`` fractions of the figure that
+    decides a fit (reserved + context on CUDA) and where the numbers come from."""
+    low, high = (EXACT_BAND if exact else ANALYTIC_BAND)[kind]
+    src = ("traced step vs real runs (T4 held-out rows; CPU live tensor bytes)" if exact
+           else "analytic vs traced step on a grid of small configurations")
+    return {"low": low, "high": high, "source": src}
+
+
 BNB_MIN_8BIT = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
 BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
 

@@ -54,6 +54,18 @@ ARCHS = {
         max_position_embeddings=4096,
     ),
 }
+# architectures beyond the bundled configs (small random configs, real proportions of their families)
+_SMALL = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, vocab_size=6000, max_position_embeddings=4096)
+ARCHS.update({
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=192, intermediate_size=768, num_hidden_layers=2,
+                     num_attention_heads=6, vocab_size=6000, max_position_embeddings=4096, tie_word_embeddings=False),
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, **_SMALL),
+    "starcoder2": dict(model_type="starcoder2", tie_word_embeddings=True, **_SMALL),
+    "granite": dict(model_type="granite", tie_word_embeddings=True, **_SMALL),
+    "gemma": dict(model_type="gemma", head_dim=32, tie_word_embeddings=True, **_SMALL),
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0, **{**_SMALL, "num_key_value_heads": 6}),
+})
 
 
 def build(arch: str, root: str) -> str:

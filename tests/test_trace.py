@@ -183,52 +183,9 @@ def test_rule_cublas_workspaces_once_per_thread():
 
 
 def test_rule_peft_adapter_upcast():
-    ev = [A(1, 800, "adapter", "load")]
+    ev = [A(0, 50, "", "load"), A(1, 800, "adapter", "load"), A(2, 80, "adapter", "load"), A(3, 10, "", "forward")]
     out = ck.peft_adapter_upcast(ev, "fp16")
-    assert [(e.kind, e.size) for e in out] == [("alloc", 400), ("alloc", 800), ("free", 400)]
+    assert [(e.kind, e.size) for e in out] == [("alloc", 50), ("alloc", 400), ("alloc", 40),  # all 16-bit copies
+                                               ("alloc", 800), ("free", 400), ("alloc", 80), ("free", 40),
+                                               ("alloc", 10)]
     assert ck.peft_adapter_upcast(ev, "fp32") == ev
-
-
-# --- the analytic estimate against the trace ------------------------------------------------------------
-
-GRID = [dict(attention="eager"), dict(batch=2, seq_len=128, grad_checkpointing=True), dict(method="full"),
-        dict(targets="all-linear", rank=16), dict(dropout=0.05, dtype="bf16"),
-        dict(arch="qwen2", batch=2, seq_len=96, attention="eager")]
-# worst |analytic / traced - 1| measured on this grid: 1.39 % (llama, LoRA r8 bf16 with dropout); the analytic
-# estimate is "within 2 % of the trace" on these shapes (ANALYTIC_BAND in fitburst/memory/estimator.py)
-ANALYTIC_TOLERANCE = 0.02
-
-
-def test_analytic_estimate_is_within_its_band_of_the_trace(tmp_path):
-    from fitburst.memory import estimate, load_shape
-    from fitburst.memory.estimator import ANALYTIC_BAND
-
-    dev = resolve_device("cpu:8GiB")
-    errs = []
-    for kw in GRID:
-        kw = dict(kw)
-        arch = kw.pop("arch", "llama")
-        d = tmp_path / arch
-        d.mkdir(exist_ok=True)
-        (d / "config.json").write_text(json.dumps({**CFG, "model_type": arch}))
-        s = replace(settings(**kw), keep_logits=False)
-        traced = trace_step(spec_for(d), s, seq_len=s.seq_len).live_peaks()[0]
-        analytic = estimate(load_shape(str(d)), s, dev, calibrate=False).allocated_peak_bytes
-        errs.append(analytic / traced - 1)
-    assert max(map(abs, errs)) <= ANALYTIC_TOLERANCE, errs
-    assert ANALYTIC_BAND["cpu"][0] <= min(errs) and max(errs) <= ANALYTIC_BAND["cpu"][1]
-
-
-def test_cli_exact_prints_the_same_keys_plus_an_error_band(model_dir, capsys):
-    from fitburst.memory.cli import main
-
-    args = ["--model", str(model_dir), "--seq-len", str(S), "--device", "T4", "--json"]
-    assert main(args) == 0
-    analytic = json.loads(capsys.readouterr().out)
-    assert main(args + ["--exact"]) == 0
-    exact = json.loads(capsys.readouterr().out)
-    assert set(exact) == set(analytic) and "error_band" in exact
-    assert exact["error_band"]["high"] < analytic["error_band"]["high"]
-    assert exact["allocated_peak_bytes"] != analytic["allocated_peak_bytes"]  # a different computation
-    assert main(args + ["--exact", "--method", "qlora"]) == 2
-    assert "nf4" in capsys.readouterr().err

@@ -140,20 +140,21 @@ def cublas_workspaces(events, device: Device):
 
 
 def peft_adapter_upcast(events, dtype: str):
-    """Before each adapter weight's fp32 allocation, its copy in the base layer's 16-bit dtype (freed after)."""
+    """peft places every new adapter weight on the base layer's device in its 16-bit dtype while injecting, and
+    up-casts them to fp32 once all are injected: all 16-bit copies first, then per weight fp32 alloc, 16-bit free."""
     if dtype == "fp32":
         return events
     from dataclasses import replace
 
-    out, nxt = [], max((e.sid for e in events), default=0) + 1
-    for e in events:
-        if e.kind == "alloc" and e.tag == "adapter" and e.phase == "load":
-            half = replace(e, sid=nxt, size=e.size // 2, tag="adapter_16bit")
-            out += [half, e, replace(half, kind="free", op="")]
-            nxt += 1
-        else:
-            out.append(e)
-    return out
+    adapters = [e for e in events if e.kind == "alloc" and e.tag == "adapter" and e.phase == "load"]
+    if not adapters:
+        return events
+    first = events.index(adapters[0])
+    nxt = max(e.sid for e in events) + 1
+    halves = [replace(e, sid=nxt + i, size=e.size // 2, tag="adapter_16bit") for i, e in enumerate(adapters)]
+    upcast = [x for h, e in zip(halves, adapters, strict=True) for x in (e, replace(h, kind="free", op=""))]
+    rest = [e for e in events[first:] if not (e.kind == "alloc" and e.tag == "adapter" and e.phase == "load")]
+    return events[:first] + halves + upcast + rest
 
 
 def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> str:

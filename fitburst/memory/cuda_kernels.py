@@ -5,6 +5,7 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   host tensors too, and never reach the trace).
 - :func:`softmax_half_to_float`: CUDA's ``softmax(fp16 x, dtype=fp32)`` writes fp32 straight from fp16 input;
   the CPU makes an fp32 copy of ``x`` first (b*h*s*s*4 bytes in eager attention).
+- :func:`softmax_backward_temp`: CUDA's softmax backward holds a ``grad * output`` temporary beside its result.
 - :func:`sdpa_kernel`: the CPU runs SDPA's flash kernel for CPU; a GPU runs the memory-efficient kernel (sm < 80,
   or with a mask) whose logsumexp is padded to 32 rows and whose backward holds a ``delta`` (b,h,s fp32) and an
   fp32 dq accumulator; FlashAttention-2 (sm >= 80, no mask) matches the CPU kernel's outputs.
@@ -45,6 +46,22 @@ def _without(events, sids: set[int]):
 
 def drop_cpu_resident(events):
     return _without(events, _sids(events, "step_counter"))
+
+
+def softmax_backward_temp(events):
+    """CUDA's softmax backward allocates a ``grad * output`` temporary (the grad's size) beside its result, freed
+    when the kernel ends; the CPU kernel allocates only the result. (The half-to-float case:
+    :func:`softmax_half_to_float`.)"""
+    from dataclasses import replace
+
+    out, nxt = [], max((e.sid for e in events), default=0) + 1
+    for e in events:
+        out.append(e)
+        if e.kind == "alloc" and e.tag == "softmax_bwd":
+            tmp = replace(e, sid=nxt, op="softmax_backward_tmp", tag="softmax_tmp")
+            out += [tmp, replace(tmp, kind="free", op="")]
+            nxt += 1
+    return out
 
 
 def softmax_half_to_float(events, dtype: str):
@@ -167,6 +184,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int):
     s = settings
     events = drop_cpu_resident(list(trace.events))
     events = softmax_half_to_float(events, s.dtype)
+    events = softmax_backward_temp(events)
     if s.attention in ("sdpa", "flash"):
         padded = s.batch > 1 if s.padded is None else s.padded
         events = sdpa_kernel(events, sdpa_kernel_for(device, s, padded), batch=s.batch, heads=trace.heads,

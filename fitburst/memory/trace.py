@@ -144,8 +144,8 @@ def _recorder_cls():
             elif func is aten._softmax.default and self._upcast is not None and self.sid_of(args[0]) == self._upcast:
                 self._retag(args[0], "softmax_upcast")
                 h2f = True
-            elif func is aten._softmax_backward_data.default and self.sid_of(args[1]) in self.h2f:
-                tag = "softmax_bwd_h2f"
+            elif func is aten._softmax_backward_data.default:
+                tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
             elif "scaled_dot_product" in name:
                 tag = "sdpa_bwd" if "backward" in name else "sdpa_fwd"
             for t in tree_leaves(out):
@@ -226,10 +226,34 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(s.dtype), attn_implementation=impl,
                                                  trust_remote_code=trust_remote_code)
+    if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+        from fitburst.models import quantization_config
+
+        head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
+        model = replace_with_bnb_linear(model, modules_to_not_convert=head,
+                                        quantization_config=quantization_config(s.quant, s.double_quant,
+                                                                                torch_dtype(s.dtype)))
+        model.is_loaded_in_4bit = True
     return model
 
 
-def _materialize(model, rec) -> None:
+def _quantized(w, compute_dtype):
+    """A 4-bit weight as bitsandbytes loads it: the 16-bit weight, quantized (packed uint8 + QuantState)."""
+    import bitsandbytes as bnb
+    import torch
+
+    full = torch.empty(w.shape, dtype=compute_dtype, device="cpu")
+    packed, state = bnb.functional.quantize_4bit(full, blocksize=w.blocksize, compress_statistics=w.compress_statistics,
+                                                 quant_type=w.quant_type, quant_storage=w.quant_storage)
+    del full
+    p = torch.nn.Parameter(packed, requires_grad=False)
+    p.quant_state = state
+    return p
+
+
+def _materialize(model, rec, compute_dtype=None) -> None:
     """Fake CPU storage for every meta parameter and buffer: base weights first (as loaded), then adapters (as
     peft adds them); a parameter shared by two modules (tied embeddings) materializes once."""
     import torch
@@ -244,9 +268,12 @@ def _materialize(model, rec) -> None:
                         continue
                     if id(t) not in memo and t.device.type == "meta":
                         rec.tag = "adapter" if second else ""
-                        new = torch.empty_like(t, device="cpu")
-                        memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
-                            t, torch.nn.Parameter) else new
+                        if type(t).__name__ == "Params4bit":
+                            memo[id(t)] = _quantized(t, compute_dtype)
+                        else:
+                            new = torch.empty_like(t, device="cpu")
+                            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                                t, torch.nn.Parameter) else new
                     if id(t) in memo:
                         store[k] = memo[id(t)]
     rec.tag = ""
@@ -277,13 +304,13 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     whose measurements came from another loop passes that loop's step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training, torch_dtype
 
     s = settings
-    if s.kbit:
+    if s.quant == "int8":
         raise TraceUnsupported(
-            f"the traced estimate does not cover {s.quant} quantization yet (bitsandbytes layers on the meta "
-            "device): use the analytic estimate (fitburst estimate without --exact) for QLoRA")
+            "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
+            "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
     t0 = time.perf_counter()
     step = step or optimizer_step
     sp = spec_with(spec, s)
@@ -297,7 +324,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     rec = _recorder_cls()()
     prefix = ["warmup."]
     with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded):
-        _materialize(model, rec)
+        _materialize(model, rec, torch_dtype(s.dtype))
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training

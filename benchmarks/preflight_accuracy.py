@@ -1,20 +1,25 @@
 """Accuracy of fitburst's peak-memory estimates (traced and analytic).
 
-(a) real training steps (2 optimizer steps) of small random llama / qwen2 models on CPU, built and stepped by
-    fitburst's own code (fitburst.train.build_model / make_optimizer, the loop's step via
-    fitburst.probe.optimizer_step), measured by a dispatch-level storage tracker (exact live tensor bytes, what
-    CUDA's max_memory_allocated counts), against ``estimate(..., device=cpu, keep_logits=False)``;
-(b) published peaks in ../shared/memory/calibration.csv (LitGPT and torchtune code paths, not ours) against
-    the estimate for the same settings on the GPU they ran on.
+(a) real training steps (2 optimizer steps) of small random models of 9 architectures on CPU (llama, qwen2 and ones
+    not among the bundled configs: gpt_neox, olmo2, starcoder2, granite, gemma, phi3), built and stepped by
+    fitburst's own code (fitburst.train.build_model / make_optimizer / optimizer_step), measured by a
+    dispatch-level storage tracker (exact live tensor bytes), against the traced estimate
+    (fitburst.memory.trace.trace_step: the same functions under FakeTensorMode) and the analytic one;
+(t4) ../shared/memory/t4_dev.csv: the harness's step traced at full size, CUDA-kernel rules, caching-allocator
+    replay, against measured max_memory_allocated and max_memory_reserved + context. The SmolLM2-135M rows were
+    used to choose the allocator's driver-placement rule ("fit row"); the TinyLlama rows are held out;
+(c) published peaks in ../shared/memory/calibration.csv (LitGPT and torchtune code paths, not ours) against
+    the analytic estimate for the same settings on the GPU they ran on;
+(7b) the time to trace Qwen2.5-7B LoRA (batch 1 x 1024, two steps).
 
-Prints per-row error, median / worst absolute error, and fit-verdict agreement. ~30 s on 2 cores.
+Prints per-row error, median / worst absolute error per group, and the trace time per configuration.
+Usage: python benchmarks/preflight_accuracy.py [--parts a,t4,c,7b] [--quick] [--json out.json]
 
 Optional comparison with fitcheck-llm (https://pypi.org/project/fitcheck-llm/, T4-calibrated): when the interpreter
 in $FITCHECK_PYTHON (default /tmp/fitcheck-venv/bin/python) can import ``fitcheck``, benchmarks/_fitcheck.py runs
 there on the same rows, offline, and its estimate and error are printed beside ours. fitcheck's headline total is
 peak *reserved* + CUDA context; the rows measured *allocated* bytes, so its error is taken on its tensor sum
 (total - its overhead term) and the total's error is shown too. It is never installed into fitburst's environment.
-Usage: python benchmarks/preflight_accuracy.py [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -528,6 +533,9 @@ def main() -> int:
         out.update(t4=t, summary_t4=show_t4(t))
     if "c" in parts:
         b = part_b()
+        answers = run_fitcheck([r["fc_req"] for r in b])
+        if answers is not None:
+            attach_fitcheck(b, answers)
         for r in b:
             r.pop("fc_req", None)
         out.update(c=b, summary_c=show("(c) published peaks (calibration.csv; LitGPT / torchtune code paths, analytic "

@@ -89,7 +89,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .estimator import error_band, estimate
+    from .estimator import estimate
 
     if args.exact:
         from fitburst.spec import PipelineSpec
@@ -111,7 +111,6 @@ def run_estimate(args: argparse.Namespace) -> int:
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
         d = est.to_dict()
-        d["error_band"] = error_band(device.kind, exact=args.exact)
         d["verdict"] = plan.verdict
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
         if plan.burst_gpu:

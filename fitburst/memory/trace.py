@@ -20,7 +20,7 @@ from pathlib import Path
 from fitburst.errors import UserError
 
 from .devices import Device, MiB
-from .estimator import Estimate, TrainSettings
+from .estimator import Estimate, TrainSettings, error_band
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
@@ -411,4 +411,5 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         budget_bytes=device.budget_bytes, fits=fits,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes)
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes,
+        error_band=error_band(device.kind, exact=True, kbit=s.kbit))

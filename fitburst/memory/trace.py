@@ -392,7 +392,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     if device.kind == "cuda":
         events, start = cuda_kernels.apply(trace, device, s, seq_len)
         peak, peak_phase, phases = live_peaks(events, start)
-        replay = allocator.replay(events, start=start)
+        replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
         alloc, reserved = replay.peak_allocated, replay.peak_reserved
         total = reserved + device.context_bytes
     else:

@@ -94,6 +94,9 @@ def test_qlora_traces_4bit_weights_and_int8_is_refused(model_dir):
     kv = CFG["num_key_value_heads"] * CFG["head_dim"]
     numel = CFG["num_hidden_layers"] * h * (2 * h + 2 * kv + 3 * i)
     assert sum(e.size for e in quantized) == numel // 2 + numel // 64 * 4  # nf4 packed + fp32 absmax per 64
+    cast = [e for e in tr.events if e.tag == "kbit_upcast"]  # embeddings (tied head) and norms, fp32 after prep
+    h_norms = (2 * CFG["num_hidden_layers"] + 1) * h
+    assert sum(e.size for e in cast) == 4 * (CFG["vocab_size"] * h + h_norms)
     assert len({e.sid for e in quantized}) == 2 * linears  # packed weight + absmax per linear layer
     with pytest.raises(TraceUnsupported, match="int8"):
         trace_step(spec_for(model_dir), settings(quant="int8"), seq_len=S)
@@ -250,3 +253,12 @@ def test_cli_exact_prints_the_same_keys_plus_an_error_band(model_dir, capsys):
     assert exact["allocated_peak_bytes"] != analytic["allocated_peak_bytes"]  # a different computation
     assert main(args + ["--exact", "--quant", "int8"]) == 2
     assert "int8" in capsys.readouterr().err
+
+
+def test_rule_kbit_prepare_upcast():
+    ev = [A(1, 800, "kbit_upcast", "load"), A(2, 100, "", "load"), A(3, 80, "adapter", "load"), A(4, 10)]
+    out = ck.kbit_prepare_upcast(ev)
+    assert [(e.kind, e.size) for e in out] == [("alloc", 400), ("alloc", 100),  # loaded in 16 bits
+                                               ("alloc", 800), ("free", 400),  # cast before the adapters
+                                               ("alloc", 80), ("alloc", 10)]
+    assert ck.kbit_prepare_upcast(ev[1:]) == ev[1:]

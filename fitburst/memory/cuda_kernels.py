@@ -14,6 +14,8 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   1 MiB per thread at its first biased GEMM.
 - :func:`peft_adapter_upcast`: peft moves a new adapter to the base layer's device and dtype first, then up-casts
   it to fp32 (a 16-bit transient per adapter weight).
+- :func:`kbit_prepare_upcast`: k-bit loading brings embeddings, norms and head in 16 bits; k-bit preparation then
+  casts them to fp32 (the trace builds them in fp32 directly).
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
 """
@@ -174,6 +176,22 @@ def peft_adapter_upcast(events, dtype: str):
     return events[:first] + halves + upcast + rest
 
 
+def kbit_prepare_upcast(events):
+    """k-bit loading: the non-quantized weights (embeddings, norms, head) arrive in 16 bits with the quantized ones;
+    prepare_model_for_kbit_training then casts each to fp32 (fp32 alloc, 16-bit free) before peft adds adapters."""
+    from dataclasses import replace
+
+    cast = [e for e in events if e.kind == "alloc" and e.tag == "kbit_upcast" and e.phase == "load"]
+    if not cast:
+        return events
+    nxt = max(e.sid for e in events) + 1
+    halves = {e.sid: replace(e, sid=nxt + i, size=e.size // 2, tag="kbit_16bit") for i, e in enumerate(cast)}
+    load_end = max(i for i, e in enumerate(events) if e.phase == "load" and e.tag != "adapter") + 1
+    head = [halves.get(e.sid, e) if e.kind == "alloc" else e for e in events[:load_end]]
+    upcast = [x for e in cast for x in (e, replace(halves[e.sid], kind="free", op=""))]
+    return head + upcast + events[load_end:]
+
+
 def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> str:
     """What SDPA picks on a GPU: FlashAttention-2 on sm >= 80 (bf16 capable) without a mask, else memory-efficient."""
     return "flash" if device.supports_bf16 and not padded else "efficient"
@@ -190,6 +208,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int):
         events = sdpa_kernel(events, sdpa_kernel_for(device, s, padded), batch=s.batch, heads=trace.heads,
                              seq_len=seq_len, head_dim=trace.head_dim)
     events = cublas_workspaces(events, device)
+    events = kbit_prepare_upcast(events)
     events = peft_adapter_upcast(events, s.dtype)
     return events, measured_start(events)
 

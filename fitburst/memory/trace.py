@@ -259,6 +259,7 @@ def _materialize(model, rec, compute_dtype=None) -> None:
     import torch
 
     adapter = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
+    quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
     memo: dict[int, torch.Tensor] = {}
     for second in (False, True):
         for m in model.modules():
@@ -271,6 +272,10 @@ def _materialize(model, rec, compute_dtype=None) -> None:
                         if type(t).__name__ == "Params4bit":
                             memo[id(t)] = _quantized(t, compute_dtype)
                         else:
+                            # k-bit preparation made this 16-bit weight fp32 (it loads in 16 bits, then is cast)
+                            cast = (quantized and isinstance(t, torch.nn.Parameter) and not second
+                                    and t.dtype == torch.float32 and compute_dtype != torch.float32)
+                            rec.tag = "kbit_upcast" if cast else rec.tag
                             new = torch.empty_like(t, device="cpu")
                             memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
                                 t, torch.nn.Parameter) else new

@@ -375,7 +375,7 @@ def show_t4(rows: list[dict]) -> dict:
         out[name] = dict(allocated=_stats([r["alloc_err"] for r in rr]),
                          total=_stats([r["total_err"] for r in rr]))
         print(f"{name}: allocated {out[name]['allocated']}; reserved + context {out[name]['total']}")
-    print(f"refused (QLoRA not traced yet): {sum('error' in r for r in rows)} of {len(rows)}")
+    print(f"refused by the trace: {sum('error' in r for r in rows)} of {len(rows)}")
     return out
 
 

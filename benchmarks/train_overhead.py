@@ -4,8 +4,10 @@ Both train the same model (the demo architecture scaled up), on the same prepare
 optimizer, scheduler and clipping, for the same number of steps; repetitions interleave the two so drift on a
 shared machine hits both. Prints steps/s of each and ``ratio`` = fitburst / bare (target >= 0.97 at the larger
 size, where a bare step takes >= 0.2 s so the figure measures what fitburst adds, not Python's per-step cost).
+The ``bf16`` rows compare the mixed-precision path (bf16 base, fp32 adapters, ``torch.autocast``) with a bare
+autocast peft loop.
 
-    python benchmarks/train_overhead.py [--reps 3] [--steps 20]
+    python benchmarks/train_overhead.py [--reps 3] [--steps 20] [--rows demo,scaled,scaled-bf16]
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bare_loop(spec, prepared, steps: int) -> float:
-    """The reference: from_pretrained + get_peft_model + AdamW + the same batches, nothing else."""
+    """The reference: from_pretrained + get_peft_model + AdamW + the same batches, nothing else (under
+    ``torch.autocast`` with a bf16 base when the spec says bf16)."""
+    import contextlib
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import get_scheduler
@@ -34,7 +39,8 @@ def bare_loop(spec, prepared, steps: int) -> float:
     m, tr = spec.method, spec.training
     torch.manual_seed(tr.seed)
     tok = load_tokenizer(spec.model.name)
-    model = load_model(spec.model.name, dtype=torch.float32, device="cpu")
+    low = tr.precision == "bf16"
+    model = load_model(spec.model.name, dtype=torch.bfloat16 if low else torch.float32, device="cpu")
     model.config.use_cache = False
     model = get_peft_model(model, LoraConfig(r=m.rank, lora_alpha=m.alpha, lora_dropout=m.dropout,
                                              target_modules=m.target_modules, task_type="CAUSAL_LM"))
@@ -45,7 +51,8 @@ def bare_loop(spec, prepared, steps: int) -> float:
     model.train()
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = model(**next(stream)).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16) if low else contextlib.nullcontext():
+            loss = model(**next(stream)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tr.max_grad_norm)
         opt.step()
@@ -62,10 +69,10 @@ def fitburst_loop(spec, prepared, steps: int) -> float:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def measure(label: str, model_dir: Path, steps: int, reps: int, batch: int) -> dict:
+def measure(label: str, model_dir: Path, steps: int, reps: int, batch: int, precision: str = "fp32") -> dict:
     overrides = {"model.name": str(model_dir), "training.max_steps": steps, "training.micro_batch_size": batch,
                  "training.grad_accum": 1, "training.checkpoint_every": 10**6, "training.log_every": 10,
-                 "training.precision": "fp32", "method.dropout": 0.0}
+                 "training.precision": precision, "method.dropout": 0.0}
     spec = load_pipeline(ROOT / "pipelines.yaml", "demo", overrides)
     tok = load_tokenizer(spec.model.name)
     prepared = prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
@@ -87,15 +94,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", default="demo,scaled,scaled-bf16", help="comma-separated: demo, scaled, scaled-bf16")
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    rows = [
-        measure("demo (0.6M params)", demo_model_dir(), args.steps * 5, args.reps, 8),
-        measure("scaled (h768 x 12 layers)", demo_model_dir(hidden_size=768, num_hidden_layers=12), args.steps,
-                args.reps, 16),
-    ]
+    cases = {
+        "demo": lambda: measure("demo (0.6M params)", demo_model_dir(), args.steps * 5, args.reps, 8),
+        "scaled": lambda: measure("scaled (h768 x 12 layers)", demo_model_dir(hidden_size=768, num_hidden_layers=12),
+                                  args.steps, args.reps, 16),
+        "scaled-bf16": lambda: measure("scaled, bf16 autocast", demo_model_dir(hidden_size=768, num_hidden_layers=12),
+                                       args.steps, args.reps, 16, precision="bf16"),
+    }
+    rows = [cases[name.strip()]() for name in args.rows.split(",")]
     print(f"\n{'size':<28}{'fitburst steps/s':>18}{'bare steps/s':>15}{'bare s/step':>13}{'ratio':>8}")
     for r in rows:
         print(f"{r['size']:<28}{r['fitburst']:>18.3f}{r['bare']:>15.3f}{r['bare_step_s']:>13.3f}{r['ratio']:>8.3f}")

@@ -8,6 +8,7 @@ estimate   "will it fit?" for a model without a pipeline file
 train      one training step of the DAG with no Prefect (what the cloud node runs)
 serve      register every pipeline as a Prefect deployment with its schedule
 calibrate  fit the estimator's correction constants from MLflow history
+merge      fold a run's LoRA adapter into its base model (a plain model folder, base dtype)
 """
 
 from __future__ import annotations
@@ -32,13 +33,51 @@ def parse_overrides(items: list[str]) -> dict:
     """``--set training.max_steps=5`` pairs -> a dotted-key dict; values parse as YAML scalars."""
     import yaml
 
+    from fitburst.errors import UserError
+
     out = {}
     for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE (e.g. training.max_steps=20), got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise UserError(f"--set expects KEY=VALUE (e.g. training.max_steps=20), got {item!r}")
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {k.strip()}: the value {v!r} is not a YAML scalar, list or mapping "
+                            f"({getattr(e, 'problem', e)}); quote it") from None
     return out
+
+
+def _device_arg(value: str) -> str:
+    """argparse type for --device: a name the memory model knows (checked before any compute)."""
+    if value.lower() in ("auto", "cpu", "cuda", "mps"):
+        return value
+    from fitburst.memory.devices import resolve_device
+
+    try:
+        resolve_device(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _positive_int(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _spec_file(value: str) -> str:
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"no file at {value!r} (the resolved pipeline YAML, PipelineSpec.to_yaml)")
+    return value
+
+
+def _prepared_dir(value: str) -> str:
+    if not (Path(value) / "prepared.json").is_file():
+        raise argparse.ArgumentTypeError(f"no prepared data at {value!r} (a folder holding prepared.json, as "
+                                         "`fitburst prepare` writes)")
+    return value
 
 
 def cmd_validate(args) -> int:
@@ -65,42 +104,36 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_preflight(args) -> int:
-    from fitburst.preflight import preflight
+    from fitburst.preflight import data_facts, preflight
     from fitburst.spec import load_pipeline
 
     spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
-    n_train = mean = None
-    if args.seq_len:
-        seq = args.seq_len
-    else:
-        try:
-            from fitburst.data import prepare_pipeline
+    try:
+        from fitburst.data import prepare_pipeline
 
-            prepared = prepare_pipeline(spec)
-            seq, n_train, mean = prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-        except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
-            seq = spec.data.max_seq_len
-            logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
-                                                "data.max_seq_len=%d", type(e).__name__, seq)
-    report = preflight(spec, seq, args.device, n_train=n_train, mean_len=mean)
-    if report.verdict == "burst" and spec.burst.policy != "never":
-        from fitburst.preflight import attach_candidates
-
-        attach_candidates(report, spec)
+        seq, n_train, mean = data_facts(spec, prepare_pipeline(spec))
+    except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
+        seq, n_train, mean = data_facts(spec)
+        logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
+                                            "data.max_seq_len=%d", type(e).__name__, seq)
+    report = preflight(spec, args.seq_len or seq, args.device, n_train=n_train, mean_len=mean)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         from rich.markdown import Markdown
 
         _console().print(Markdown(report.to_markdown()))
-    return 0 if report.verdict != "fail" else 3
+    return 0 if report.verdict.placement != "fail" else 3
 
 
 def cmd_run(args) -> int:
+    from fitburst.spec import load_pipeline
+
+    overrides = parse_overrides(args.set)
+    load_pipeline(args.file, args.pipeline, overrides)  # a mistake is one message here, not a Prefect traceback
     from flows.finetune import finetune
 
-    summary = finetune(pipeline=args.pipeline, overrides=parse_overrides(args.set), pipelines_file=args.file,
-                       dry_run=args.dry_run)
+    summary = finetune(pipeline=args.pipeline, overrides=overrides, pipelines_file=args.file, dry_run=args.dry_run)
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
     print(json.dumps(summary, indent=2, default=str))
@@ -112,10 +145,9 @@ def cmd_run(args) -> int:
 def cmd_train(args) -> int:
     """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed."""
     from fitburst.data import PreparedData
-    from fitburst.evaluate import evaluate
+    from fitburst.recipe import run_recipe
     from fitburst.spec import load_resolved
     from fitburst.tracking import RUN_ID_ENV, Tracker
-    from fitburst.train import train
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
@@ -130,20 +162,20 @@ def cmd_train(args) -> int:
         Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate, indent=2))
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
-        tracker = Tracker.attach(os.environ[RUN_ID_ENV])
-    result = train(spec, prepared, args.run_dir, device=args.device,
-                   on_metrics=tracker.log_metrics if tracker else None, progress=not args.quiet)
+        tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
+    result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
+                            device=args.device, evaluate_after=args.eval, progress=not args.quiet)
     print(f"trained {result.steps} steps on {result.device} in {result.seconds:.1f}s; adapter: {result.adapter_dir}")
-    if args.eval and spec.eval.enabled:
-        ev = evaluate(spec, prepared, result.adapter_dir, device=result.device, precision=result.precision)
-        ev.save(args.run_dir)
+    if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
-        if tracker:
-            tracker.log_eval(ev)
-    if tracker:  # the node logs straight into the launcher's MLflow run, with its own device's estimate
-        tracker.log_train(result, path="cloud")
-        if estimate is not None:
-            tracker.log_memory_comparison(estimate, result)
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from fitburst.share import merge
+
+    dest = merge(args.run, args.out)
+    print(f"merged model written to {dest}")
     return 0
 
 
@@ -173,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("preflight", help="estimate peak memory and plan a fit")
     with_pipeline(sp)
-    sp.add_argument("--device", help="auto, cpu, cuda, mps, a named device (T4, RTX4090, A6000, M2-Max-32GB) "
-                                     "or cuda:24GiB / mps:36GiB / cpu:64GiB")
-    sp.add_argument("--seq-len", type=int, help="plan for this sequence length instead of the data's longest")
+    sp.add_argument("--device", type=_device_arg,
+                    help="auto, cpu, cuda, mps, a named device (T4, RTX4090, A6000, M2-Max-32GB) "
+                         "or cuda:24GiB / mps:36GiB / cpu:64GiB")
+    sp.add_argument("--seq-len", type=_positive_int,
+                    help="plan for this sequence length instead of the data's longest")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_preflight)
 
@@ -186,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=run_estimate)
 
     sp = sub.add_parser("train", help="train a resolved spec on prepared data (the cloud node's command)")
-    sp.add_argument("--spec", required=True, help="resolved pipeline YAML (PipelineSpec.to_yaml)")
-    sp.add_argument("--prepared", required=True, help="prepared data folder (fitburst prepare)")
+    sp.add_argument("--spec", required=True, type=_spec_file, help="resolved pipeline YAML (PipelineSpec.to_yaml)")
+    sp.add_argument("--prepared", required=True, type=_prepared_dir, help="prepared data folder (fitburst prepare)")
     sp.add_argument("--run-dir", required=True)
     sp.add_argument("--device", default=None)
     sp.add_argument("--eval", action="store_true", help="evaluate base vs tuned afterwards")
@@ -203,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_arguments(sp)
     sp.set_defaults(func=lambda a: __import__("fitburst.memory.calibrate", fromlist=["main"]).main(a))
+
+    sp = sub.add_parser("merge", help="merge a run's adapter into its base model (base dtype)")
+    sp.add_argument("run", help="run folder (runs/<pipeline>/<id>), adapter folder, or MLflow run id")
+    sp.add_argument("--out", "-o", help="output folder (default: <run folder>/merged)")
+    sp.set_defaults(func=cmd_merge)
     return p
 
 

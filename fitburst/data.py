@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -106,29 +107,46 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
     return out
 
 
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json")
+MAX_LINE_BYTES = 16 << 20  # a record this long is cut to data.max_seq_len tokens anyway; refuse it before tokenizing
+
+
 def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> tuple[list[list[dict]], int]:
     """Read a .jsonl or .json file into message lists; a bad record raises DataError with its line number
     unless ``skip_invalid`` (then it is counted and logged)."""
     if not path.exists():
         raise DataError(f"{path}: data file not found (data.path is relative to pipelines.yaml)")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        raise DataError(f"{path}: data.path must name a .jsonl or .json file (one JSON record per line, or a JSON "
+                        f"list of records); convert the {path.suffix or 'extension-less'} file first")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise DataError(f"{path}: the file is empty: add records (one JSON object per line) or fix data.path")
     items: list[tuple[int, object]] = []
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         try:
-            doc = json.loads(text)
+            doc = json.loads(_decode(raw, path, 0))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(doc, list):
-            raise DataError(f"{path}: a .json data file must hold a list of records")
+            raise DataError(f"{path}: a .json data file must hold a list of records (or write one record per line "
+                            "as .jsonl)")
         items = [(i + 1, r) for i, r in enumerate(doc)]  # record index, not line
     else:
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(raw.split(b"\n"), 1):
             if not line.strip():
                 continue
+            if len(line) > MAX_LINE_BYTES:
+                items.append((lineno, DataError(
+                    f"the line is {len(line) / (1 << 20):.0f} MiB (limit {MAX_LINE_BYTES >> 20} MiB): a record "
+                    "that long is cut to data.max_seq_len tokens anyway; split it or drop it")))
+                continue
             try:
-                items.append((lineno, json.loads(line)))
+                items.append((lineno, json.loads(_decode(line, path, lineno))))
             except json.JSONDecodeError as e:
-                items.append((lineno, DataError(f"not valid JSON: {e.msg}")))
+                items.append((lineno, DataError(f"not valid JSON: {e.msg} (column {e.colno})")))
+            except DataError as e:
+                items.append((lineno, e))
     out, skipped = [], 0
     for lineno, rec in items:
         try:
@@ -148,25 +166,48 @@ def read_records(path: Path, fmt: str = "auto", skip_invalid: bool = False) -> t
     return out, skipped
 
 
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    """UTF-8 text (a leading BOM dropped); a DataError naming the line and the bad byte otherwise."""
+    try:
+        return raw.decode("utf-8-sig" if lineno <= 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        where = lineno or raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        msg = (f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}): re-save the file as UTF-8, e.g. "
+               "`iconv -f latin1 -t utf-8`")
+        if lineno:
+            raise DataError(msg) from None
+        raise DataError(f"{path}:{where}: {msg}") from None
+
+
 # --- tokenization -----------------------------------------------------------------------------------
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def chat_template_kwargs(tokenizer, template: str) -> dict:
+    """``apply_chat_template`` arguments for ``data.template`` auto/chatml: the tokenizer's own template, or ChatML."""
+    if template == "chatml" or not getattr(tokenizer, "chat_template", None):
+        from fitburst.models import CHATML_TEMPLATE
+
+        return {"chat_template": CHATML_TEMPLATE}
+    return {}
+
 
 def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]], bool]:
     """Render a conversation to text; return it, the character spans of assistant replies, and whether the
-    text already carries the model's special tokens."""
-    if template in ("auto", "chatml"):
-        if template == "chatml" or not getattr(tokenizer, "chat_template", None):
-            from fitburst.models import CHATML_TEMPLATE
+    text already carries the model's special tokens.
 
-            kw = {"chat_template": CHATML_TEMPLATE}
-        else:
-            kw = {}
-        spans, text = [], ""
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw))
-            text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
-            spans.append((start, len(text)))
+    With a chat template, each reply runs from the end of the rendered prompt before it to the end of the rendered
+    conversation up to it, where both renderings really are prefixes of the whole text. Templates that render
+    history differently (Qwen3 gives only the turns after the last user turn a ``<think>`` block) fail that check;
+    the replies are then located by their content in the whole text (plus the end-of-turn token right after)."""
+    if template in ("auto", "chatml"):
+        kw = chat_template_kwargs(tokenizer, template)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+        spans = _prefix_spans(messages, tokenizer, kw, text)
+        if spans is None:
+            spans = _content_spans(messages, text, tokenizer.eos_token)
         return text, spans, True
     eos = tokenizer.eos_token or ""
     text, spans = "", []
@@ -181,15 +222,59 @@ def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tu
     return text, spans, False
 
 
+def _prefix_spans(messages: list[dict], tokenizer, kw: dict, text: str) -> list[tuple[int, int]] | None:
+    """Reply spans from rendered prefixes, or None where a rendered prefix is not a prefix of ``text``."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
+        if not (text.startswith(prompt) and text.startswith(upto)):
+            return None
+        spans.append((len(prompt), len(upto)))
+    return spans
+
+
+def _content_spans(messages: list[dict], text: str, eos: str | None) -> list[tuple[int, int]]:
+    """Reply spans found by content: turns are searched from the last backwards (so a reply that also occurs in a
+    header or an earlier turn is found where it really is); a reply takes the end-of-turn token right after it."""
+    spans, limit = [], len(text)
+    for i in range(len(messages) - 1, -1, -1):
+        content = messages[i]["content"].strip()  # templates often trim
+        if not content:
+            continue
+        at = text.rfind(content, 0, limit)
+        if at < 0:
+            raise DataError(f"messages[{i}] ({messages[i]['role']}): the chat template does not render this turn's "
+                            "content verbatim, so its reply tokens cannot be located; set data.template: chatml, or "
+                            "give the tokenizer a template with {% generation %} blocks")
+        if messages[i]["role"] == "assistant":
+            end = at + len(content)
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+            spans.append((at, end))
+        limit = at
+    return spans[::-1]
+
+
 def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, train_on_prompt: bool) -> dict:
-    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len."""
-    text, spans, has_special = render(messages, tokenizer, template)
-    enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    labels = []
-    for tok, (s, e) in zip(ids, enc["offset_mapping"], strict=True):
-        inside = any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
-        labels.append(tok if (train_on_prompt or inside) else IGNORE_INDEX)
+    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len.
+
+    A chat template with ``{% generation %}`` blocks gives its own assistant-token mask
+    (``return_assistant_tokens_mask``); otherwise :func:`render` finds the reply spans."""
+    kw = chat_template_kwargs(tokenizer, template) if template in ("auto", "chatml") else None
+    if kw is not None and GENERATION_TAG.search(kw.get("chat_template") or tokenizer.chat_template):
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **kw)
+        ids, keep = list(enc["input_ids"]), [bool(k) for k in enc["assistant_masks"]]
+    else:
+        text, spans, has_special = render(messages, tokenizer, template)
+        enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        keep = [any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
+                for s, e in enc["offset_mapping"]]
+    labels = [tok if (train_on_prompt or inside) else IGNORE_INDEX for tok, inside in zip(ids, keep, strict=True)]
     return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
 
 
@@ -219,8 +304,10 @@ def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) 
     }
 
 
-def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> PreparedData:
-    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match."""
+def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path,
+            records: tuple[list[list[dict]], int] | None = None) -> PreparedData:
+    """Tokenize and split ``data_path``; reuse the cached result when file, settings and tokenizer match.
+    ``records``: :func:`read_records` of the file when the caller has read it already."""
     from datasets import Dataset
 
     key = content_hash(data_path, data, tokenizer)
@@ -229,8 +316,13 @@ def prepare(data: DataSpec, data_path: Path, tokenizer, cache_dir: Path) -> Prep
         log.info("data cache hit %s", out)
         return PreparedData.from_dir(out)
 
-    conversations, skipped = read_records(data_path, data.format, data.skip_invalid)
-    rows = [tokenize(m, tokenizer, data.template, data.max_seq_len, data.train_on_prompt) for m in conversations]
+    conversations, skipped = records or read_records(data_path, data.format, data.skip_invalid)
+    rows = []
+    for k, messages in enumerate(conversations, 1):
+        try:
+            rows.append(tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt))
+        except DataError as e:
+            raise DataError(f"{data_path}: record {k}: {e}") from None
     no_target = sum(all(label == IGNORE_INDEX for label in r["labels"]) for r in rows)
     if no_target:
         log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
@@ -270,8 +362,9 @@ def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a pipeline: its data file and settings, its model's tokenizer, the shared cache."""
     from fitburst.models import cache_root, tokenizer_for
 
+    records = read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)  # bad data: before any load
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data")
+    return prepare(spec.data, spec.data_path(), tok, cache_root() / "data", records=records)
 
 
 def load_split(prepared: PreparedData, split: str):

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fitburst.data import IGNORE_INDEX, PreparedData, collate, load_split
-from fitburst.spec import PipelineSpec, resolve_env
+from fitburst.device import Amp, make_amp
+from fitburst.spec import PipelineSpec
 
 
 @dataclass
@@ -36,25 +37,54 @@ class EvalResult:
         return cls(**json.loads(Path(run_dir, "eval.json").read_text()))
 
 
-def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str,
-              max_batches: int | None = None) -> tuple[float, int]:
-    """Token-weighted mean cross-entropy over the labelled tokens of ``rows``; returns (loss, n_tokens)."""
+# Label positions whose full-vocabulary fp32 logits exist at once: the eval never holds (batch x seq x vocab) logits.
+EVAL_CHUNK_TOKENS = 1024
+
+
+def _decoder_and_head(model):
+    """The transformer body (hidden states out) and the output projection of a causal LM, peft-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings(), base.config
+
+
+def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str, max_batches: int | None = None,
+              *, amp: Amp | None = None, chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, int]:
+    """Token-weighted mean cross-entropy over the labelled tokens of ``rows``; returns (loss, n_tokens).
+
+    The body runs once per batch of ``batch_size``; the output projection and the fp32 cross-entropy then run on the
+    labelled positions only, ``chunk_tokens`` at a time, so full-vocabulary fp32 logits for a whole eval batch never
+    exist (the figure the preflight plans the eval phase with)."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
-    total, count = 0.0, 0
+    decoder, head, config = _decoder_and_head(model)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    autocast = amp.autocast if amp is not None else contextlib.nullcontext
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     model.eval()
     with torch.no_grad():
         for i, start in enumerate(range(0, len(rows), batch_size)):
             if max_batches is not None and i >= max_batches:
                 break
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            logits, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
-            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="sum").item()
-            count += int((labels != IGNORE_INDEX).sum())
-    return (total / count if count else float("nan")), count
+            with autocast():
+                hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 use_cache=False).last_hidden_state
+            labels = batch["labels"][:, 1:]
+            keep = labels != IGNORE_INDEX
+            hidden, labels = hidden[:, :-1][keep], labels[keep]  # (n_labelled, hidden), (n_labelled,)
+            for s in range(0, labels.numel(), chunk_tokens):
+                with autocast():
+                    logits = head(hidden[s:s + chunk_tokens])
+                logits = logits.float()
+                if softcap:  # Gemma-style final logit soft-capping, as the model's own forward applies it
+                    logits = torch.tanh(logits / softcap) * softcap
+                total += F.cross_entropy(logits, labels[s:s + chunk_tokens], reduction="sum")
+                del logits
+            count += int(labels.numel())
+    return (total.item() / count if count else float("nan")), count
 
 
 def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, device: str) -> list[dict]:
@@ -78,36 +108,36 @@ def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, 
 
 def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path, *, device: str,
              precision: str) -> EvalResult:
-    """Load the base model once, attach the saved adapter, and measure base vs tuned on the validation split."""
+    """Load the base model once, attach the saved adapter, and measure base vs tuned on the validation split, in
+    batches of ``spec.eval.batch_size`` under the run's autocast."""
     from peft import PeftModel
 
-    from fitburst.models import load_model, load_tokenizer
-    from fitburst.train import torch_dtype
+    from fitburst.models import load_pipeline_model, load_tokenizer
 
     rows = load_split(prepared, "val").to_list()
     if not rows:
         raise ValueError(f"pipeline '{spec.name}' has no validation split: set data.val_split > 0 or eval.enabled: "
                          "false")
-    m, ev = spec.model, spec.eval
-    token = resolve_env(m.hf_token)
+    ev = spec.eval
+    amp = make_amp(precision, device, pure_bf16=spec.training.pure_bf16)
     tok = load_tokenizer(str(adapter_dir))
-    base = load_model(m.name, dtype=torch_dtype(precision), device=device, quant=spec.method.quant,
-                      double_quant=spec.method.double_quant, revision=m.revision, token=token,
-                      trust_remote_code=m.trust_remote_code)
+
+    def measure(model) -> tuple[float, int, list[dict]]:
+        loss, n = eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches, amp=amp)
+        with amp.autocast():
+            samples = generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
+        return loss, n, samples
+
+    base = load_pipeline_model(spec, device, precision)
     if spec.method.type == "full":  # the "adapter" folder holds the whole tuned model
-        base_loss, n = eval_loss(base, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches)
-        base_samples = generate_samples(base, tok, rows, ev.samples, ev.max_new_tokens, device)
+        base_loss, n, base_samples = measure(base)
         del base
-        tuned = load_model(str(adapter_dir), dtype=torch_dtype(precision), device=device)
-        tuned_loss, _ = eval_loss(tuned, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches)
-        tuned_samples = generate_samples(tuned, tok, rows, ev.samples, ev.max_new_tokens, device)
+        tuned_loss, _, tuned_samples = measure(load_pipeline_model(spec, device, precision, path=str(adapter_dir)))
     else:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
         with model.disable_adapter():
-            base_loss, n = eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches)
-            base_samples = generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
-        tuned_loss, _ = eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches)
-        tuned_samples = generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
+            base_loss, n, base_samples = measure(model)
+        tuned_loss, _, tuned_samples = measure(model)
     samples = [{**t, "base_completion": b["completion"]} for t, b in zip(tuned_samples, base_samples, strict=True)]
     return EvalResult(base_loss=base_loss, base_ppl=math.exp(min(base_loss, 50)), tuned_loss=tuned_loss,
                       tuned_ppl=math.exp(min(tuned_loss, 50)), n_tokens=n, samples=samples)

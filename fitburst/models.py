@@ -11,6 +11,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fitburst.spec import PipelineSpec
 
 DEMO_MODEL = "fitburst/tiny-demo"
 DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
@@ -167,6 +171,22 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
     if quant in ("nf4", "fp4") and device == "cpu":
         _disable_bnb_cpu_repack(model)
     return model
+
+
+def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None):
+    """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
+    revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`."""
+    from fitburst.device import check_quant_supported, weight_dtype
+    from fitburst.spec import resolve_env
+
+    m, method, tr = spec.model, spec.method, spec.training
+    check_quant_supported(method.quant, device)
+    dtype = weight_dtype(precision, method.type, tr.pure_bf16)
+    if path is not None:
+        return load_model(path, dtype=dtype, device=device, attention=tr.attention)
+    return load_model(m.name, dtype=dtype, device=device, quant=method.quant, double_quant=method.double_quant,
+                      attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
+                      trust_remote_code=m.trust_remote_code)
 
 
 def _disable_bnb_cpu_repack(model) -> None:

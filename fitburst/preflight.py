@@ -1,25 +1,112 @@
-"""Preflight: will this run fit on this device? Estimate, plan, verdict, before any weights are loaded.
+"""Preflight: will this run fit on this device, and where should it run? Decided before any weights load.
 
-It maps a pipeline to the memory model's :class:`TrainSettings` (sequence length from the prepared data's
-longest sample, since batches pad to their longest), asks the planner for the fastest configuration that fits
-the device with the configured safety margin, and writes the plan back into the spec the train step runs.
+A pipeline becomes the memory model's :class:`TrainSettings` (sequence length from the prepared data's longest
+sample, since batches pad to their longest); the planner finds the fastest configuration that fits the local
+device (:func:`fitburst.memory.plan_fit`), the local device is timed (:mod:`fitburst.hours`), and
+:func:`decide` places the run: local, burst (cloud candidates from :func:`fitburst.cloud.rank_candidates`) or
+fail. The report keeps these typed objects; :meth:`PreflightReport.to_dict` is its form outside the process.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
+from fitburst.cloud.rank import Candidate, rank_candidates
 from fitburst.errors import UserError
-from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device, settings_from_spec
+from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
+from fitburst.memory import Device, ModelShape, TrainSettings, load_shape, plan_fit, resolve_device, settings_from_spec
+from fitburst.memory.planner import EstimateFn, Plan
 from fitburst.spec import PipelineSpec
 
 GIB = 1024**3
+Placement = Literal["local", "burst", "fail"]
 
 
 class PreflightFailed(UserError, RuntimeError):
     """The run does not fit anywhere it is allowed to run."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Where the run goes and why: the one placement decision (see :func:`decide`)."""
+
+    placement: Placement
+    reason: str
+
+
+@dataclass
+class PreflightReport:
+    pipeline: str
+    verdict: Verdict
+    device: Device  # the local device planned for
+    plan: Plan  # the plan for the local device (fits or the closest miss)
+    seq_len: int
+    planned: PipelineSpec  # the spec with the plan applied (what the train step runs)
+    tokens: int | None = None  # tokens the run will process (time and cost estimates)
+    local_time: Hours | None = None  # on the local device, with the source of the throughput
+    candidates: list[Candidate] = field(default_factory=list)  # cloud GPUs, best first (burst only)
+
+    @property
+    def estimate(self):
+        return self.plan.estimate
+
+    @property
+    def changes(self) -> list[str]:
+        return self.plan.changes
+
+    @property
+    def reason(self) -> str:
+        return self.verdict.reason
+
+    @property
+    def local_hours(self) -> float | None:
+        return self.local_time.hours if self.local_time else None
+
+    def planned_spec(self) -> PipelineSpec:
+        return self.planned
+
+    def to_dict(self) -> dict:
+        """The JSON form (``fitburst preflight --json``, MLflow's preflight/report.json)."""
+        return {
+            "pipeline": self.pipeline, "verdict": self.verdict.placement, "reason": self.verdict.reason,
+            "device": {"name": self.device.name, "kind": self.device.kind, "total_bytes": self.device.total_bytes,
+                       "budget_bytes": self.device.budget_bytes},
+            "estimate": self.estimate.to_dict(), "changes": list(self.changes),
+            "settings": asdict(self.plan.settings), "needed_bytes": self.plan.needed_bytes,
+            "limit_bytes": self.plan.limit_bytes, "seq_len": self.seq_len, "spec_yaml": self.planned.to_yaml(),
+            "tokens": self.tokens, "local_hours": self.local_hours,
+            "local_hours_source": self.local_time.source if self.local_time else None,
+            "candidates": [c.to_dict() for c in self.candidates]}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    def to_markdown(self) -> str:
+        e = self.estimate
+        rows = "\n".join(f"| {k} | {v / GIB:.3f} |" for k, v in sorted(e.components.items(), key=lambda kv: -kv[1]))
+        plan = "\n".join(f"- {c}" for c in self.changes) or "- none needed"
+        band = f" (error band {e.band.low:+.0%} / {e.band.high:+.0%}: {e.band.source})" if e.band else ""
+        time = f"\n\nTime here: ~{_duration(self.local_hours)} ({self.local_time.source})." if self.local_time else ""
+        cands = ""
+        if self.candidates:
+            cands = ("\n\n### Cloud candidates\n| GPU | provider | fits | est. peak GiB | $/h | hours | total $ |\n"
+                     "|---|---|---|---|---|---|---|\n")
+            cands += "\n".join(
+                f"| {c.gpu} | {c.provider} | {c.fits} | "
+                f"{(c.estimate.device_total_bytes if c.estimate else 0) / GIB:.1f} "
+                f"| {c.hourly_usd or '-'} | {c.est_hours or '-'} | {c.est_total_usd or '-'} |" for c in self.candidates)
+        return (
+            f"## Preflight: `{self.pipeline}` on {self.device.name}\n\n"
+            f"**Verdict: {self.verdict.placement}** - {self.verdict.reason}\n\n"
+            f"Estimated peak {e.device_total_bytes / GIB:.3f} GiB (allocated {e.allocated_peak_bytes / GIB:.3f}, "
+            f"reserved {e.reserved_peak_bytes / GIB:.3f}; {self.plan.needed_bytes / GIB:.3f} at the upper edge"
+            f"{band}) against {self.plan.limit_bytes / GIB:.3f} GiB (budget less "
+            f"{e.safety_margin:.0%} headroom); peak phase: {e.peak_phase}; sequence length {self.seq_len}.{time}\n\n"
+            f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
 
 
 def _duration(hours: float) -> str:
@@ -33,8 +120,13 @@ def model_ref(spec: PipelineSpec) -> str:
     return resolve_model_ref(spec.model.name) if spec.model.name == DEMO_MODEL else spec.model.name
 
 
+def spec_shape(spec: PipelineSpec) -> ModelShape:
+    """The model's shape from its config.json (at ``model.revision`` when fetched from the hub)."""
+    return load_shape(model_ref(spec), spec.model.revision)
+
+
 def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
-    """The spec with the planner's settings written back (what the train step then runs)."""
+    """The spec with the planner's settings written back (what the train and eval steps then run)."""
     method = spec.method.model_copy(update={
         "type": "qlora" if s.quant != "none" and spec.method.type == "lora" else spec.method.type,
         "quant": s.quant, "double_quant": s.double_quant, "dropout": s.dropout})
@@ -43,117 +135,132 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "optimizer": s.optimizer, "precision": s.dtype,
         "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
         else s.attention})
-    return spec.model_copy(update={"method": method, "training": training})
+    update = {"method": method, "training": training}
+    if s.eval_batch:
+        update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})
+    return spec.model_copy(update=update)
 
 
-@dataclass
-class PreflightReport:
-    pipeline: str
-    verdict: str  # local | burst | fail
-    reason: str
-    device: dict
-    estimate: dict
-    changes: list[str]
-    settings: dict
-    seq_len: int
-    spec_yaml: str  # the resolved spec with the plan applied
-    tokens: int | None = None  # tokens the run will process (time and cost estimates)
-    local_hours: float | None = None
-    candidates: list[dict] = field(default_factory=list)
+def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
+    """The estimate that verifies the chosen plan (the planner searches with the analytic one).
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    Merge point for the traced estimate (branch i8-trace): return
+    ``lambda s, d: replace(traced_estimate(spec, s, d, seq_len=seq_len), method="traced")`` from
+    ``fitburst.memory.trace`` (``method`` picks its error band in ``fitburst.memory.calibration``).
+    Until then None: the analytic estimate decides alone."""
+    return None
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
-    @classmethod
-    def load(cls, path: str | Path) -> PreflightReport:
-        return cls(**json.loads(Path(path).read_text()))
+def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
+           rank: Callable[[], list[Candidate]]) -> tuple[Verdict, list[Candidate]]:
+    """The placement rule, by fit and by time, under ``spec.burst.policy``: (verdict, cloud candidates ranked
+    when the cloud was considered). ``rank`` is asked only when bursting is on the table."""
+    policy, cap = spec.burst.policy, spec.burst.max_local_hours
+    hours = local_time.hours if local_time else None
+    slow = plan.fits and cap is not None and hours is not None and hours > cap
+    here = f"; ~{_duration(hours)} here ({local_time.source})" if local_time and hours is not None else ""
+    fits = (f"fits in {plan.limit_bytes / GIB:.2f} GiB (budget less {plan.estimate.safety_margin:.0%} headroom; "
+            f"{plan.needed_bytes / GIB:.2f} GiB at the estimate's upper edge)"
+            + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured") + here)
+    if policy == "never" or (policy == "auto" and plan.fits and not slow):
+        if plan.fits:
+            return Verdict("local", fits + (f", over max_local_hours {cap:g} but burst.policy is never"
+                                            if slow else "")), []
+        return Verdict("fail", "does not fit the local device even with every allowed change, and burst.policy "
+                               "is never: allow more changes under preflight.allow, shorten data.max_seq_len, or "
+                               "set burst.policy: auto"), []
+    if policy == "always":
+        why = "burst policy is 'always'"
+    elif not plan.fits:
+        why = "does not fit on the local device"
+    else:
+        why = f"fits locally but needs ~{hours:.1f} h there ({local_time.source}), over max_local_hours {cap:g}"
+    candidates = rank()
+    usable = [c for c in candidates if c.usable]
+    if usable:
+        best = usable[0]
+        cost = f", ~{best.est_hours} h, ~${best.est_total_usd}" if best.est_total_usd is not None else ""
+        return Verdict("burst", f"{why}: bursting to {best.label()}{cost}"), candidates
+    refused = "; ".join(f"{c.gpu} on {c.provider}: {c.reason}" for c in candidates) or "no offer found"
+    if plan.fits and policy == "auto":
+        return Verdict("local", f"{fits}; {why}, but no allowed cloud GPU is usable ({refused})"), candidates
+    return Verdict("fail", f"{why}, and no allowed cloud GPU is usable: {refused}"), candidates
 
-    def planned_spec(self) -> PipelineSpec:
-        import yaml
 
-        return PipelineSpec.model_validate(yaml.safe_load(self.spec_yaml))
+def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, plan: Plan, seq_len: int,
+             tokens: int | None, *, measured_tokens_per_s: float | None = None,
+             exact: EstimateFn | None = None) -> PreflightReport:
+    """Time the local plan, place the run (:func:`decide`) and write the report."""
+    local_time = (estimate_hours(shape, plan.settings, throughput(device, measured_tokens_per_s), tokens)
+                  if plan.fits else None)
 
-    def to_markdown(self) -> str:
-        e = self.estimate
-        rows = "\n".join(f"| {k} | {v / GIB:.3f} |" for k, v in sorted(e["components"].items(), key=lambda kv: -kv[1]))
-        plan = "\n".join(f"- {c}" for c in self.changes) or "- none needed"
-        cands = ""
-        if self.candidates:
-            cands = ("\n\n### Cloud candidates\n| GPU | fits | est. peak GiB | $/h | hours | total $ |\n"
-                     "|---|---|---|---|---|---|\n")
-            cands += "\n".join(
-                f"| {c.get('gpu')} | {c.get('fits')} | {c.get('estimate', {}).get('device_total_bytes', 0) / GIB:.1f} "
-                f"| {c.get('hourly_usd') or '-'} | {c.get('est_hours') or '-'} | {c.get('est_total_usd') or '-'} |"
-                for c in self.candidates)
-        return (
-            f"## Preflight: `{self.pipeline}` on {self.device['name']}\n\n"
-            f"**Verdict: {self.verdict}** - {self.reason}\n\n"
-            f"Estimated peak {e['device_total_bytes'] / GIB:.3f} GiB (allocated {e['allocated_peak_bytes'] / GIB:.3f}, "
-            f"reserved {e['reserved_peak_bytes'] / GIB:.3f}) of a {e['budget_bytes'] / GIB:.3f} GiB budget; "
-            f"peak phase: {e['peak_phase']}; sequence length {self.seq_len}.\n\n"
-            f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
+    def rank() -> list[Candidate]:
+        cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+
+    verdict, candidates = decide(spec, plan, local_time, rank)
+    planned = apply_settings(spec, plan.settings) if plan.fits else spec
+    return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
+                           planned=planned, tokens=tokens, local_time=local_time, candidates=candidates)
+
+
+def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, float | None]:
+    """(longest sequence, training examples, mean length) of the prepared data; without prepared data (its
+    tokenizer cannot be fetched here) ``data.max_seq_len`` for both lengths and the data file's record count."""
+    if prepared is not None:
+        return prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
+    from fitburst.data import read_records
+
+    n = len(read_records(spec.data_path(), spec.data.format, spec.data.skip_invalid)[0])
+    seq = spec.data.max_seq_len
+    return seq, round(n * (1 - spec.data.val_split)), seq
 
 
 def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, *, n_train: int | None = None,
               mean_len: float | None = None) -> PreflightReport:
-    """Estimate ``spec`` at ``seq_len`` on the device, plan a fit, and decide local / burst / fail.
+    """Plan ``spec`` at ``seq_len`` for the device, time it, and decide local / burst / fail.
 
-    ``n_train`` and ``mean_len`` (from the prepared data) give the token count behind the time estimate that
-    ``burst.max_local_hours`` is checked against."""
-    from fitburst.cloud.rank import estimate_hours, should_burst, train_tokens
-
+    ``n_train`` and ``mean_len`` (from the prepared data) give the token count behind the time estimates that
+    ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
-    shape = load_shape(model_ref(spec))
-    settings = settings_from_spec(spec, device, seq_len)
-    plan = plan_fit(shape, settings, device, safety_margin=spec.preflight.safety_margin,
-                    allow=spec.preflight.allow.model_dump())
-    est = plan.estimate.to_dict()
-    tokens = train_tokens(spec, n_train, mean_len)
-    local_hours = estimate_hours(shape, plan.settings, device.kind, tokens) if plan.fits else None
-    burst, why = should_burst(spec, plan.fits, local_hours)
-    budget = est["budget_bytes"] * (1 - spec.preflight.safety_margin)
-    if burst:
-        verdict, reason = "burst", f"{why}: bursting to a cloud GPU"
-    elif plan.fits:
-        verdict = "local"
-        reason = (f"fits in {budget / GIB:.2f} GiB (budget less {spec.preflight.safety_margin:.0%} margin)"
-                  + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured")
-                  + (f"; ~{_duration(local_hours)} here" if local_hours is not None else ""))
-    else:
-        verdict = "fail"
-        reason = (f"does not fit {device.name} even with every allowed change, and burst.policy is never: "
-                  "allow more changes under preflight.allow, shorten data.max_seq_len, or set burst.policy: auto")
-    planned = apply_settings(spec, plan.settings) if plan.fits else spec
-    est["plan"] = list(plan.changes)
-    return PreflightReport(
-        pipeline=spec.name, verdict=verdict, reason=reason,
-        device={"name": device.name, "kind": device.kind, "total_bytes": device.total_bytes,
-                "budget_bytes": device.budget_bytes},
-        estimate=est, changes=list(plan.changes), settings=asdict(plan.settings), seq_len=seq_len,
-        spec_yaml=planned.to_yaml(), tokens=tokens, local_hours=local_hours)
+    shape = spec_shape(spec)
+    exact = exact_estimate(spec, seq_len)
+    plan = plan_fit(shape, settings_from_spec(spec, device, seq_len), device, spec.preflight.safety_margin,
+                    spec.preflight.allow.model_dump(), exact=exact)
+    return conclude(spec, shape, device, plan, seq_len, train_tokens(spec, n_train, mean_len), exact=exact)
 
 
-def attach_candidates(report: PreflightReport, spec: PipelineSpec) -> None:
-    """Fill ``report.candidates`` with the cloud GPUs the burst policy allows, re-estimated on each, cheapest
-    first (the burst path launches from this list)."""
-    from fitburst.cloud import rank_candidates
+def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes: int, why: str, *,
+                      measured_tokens_per_s: float | None = None) -> PreflightReport:
+    """The report re-planned for a smaller budget on the same device (after a probe measured more than the
+    estimate), from the already planned settings, and placed again."""
+    device = replace(report.device, budget_bytes=budget_bytes)
+    shape = spec_shape(spec)
+    exact = exact_estimate(spec, report.seq_len)
+    plan = plan_fit(shape, settings_from_spec(report.planned, device, report.seq_len), device,
+                    spec.preflight.safety_margin, spec.preflight.allow.model_dump(), exact=exact)
+    plan.changes[:0] = [*report.changes, why]
+    return conclude(report.planned, shape, device, plan, report.seq_len, report.tokens,
+                    measured_tokens_per_s=measured_tokens_per_s, exact=exact)
 
-    settings = settings_from_spec(spec, None, report.seq_len)  # precision: auto resolves per GPU, not for here
-    report.candidates = [c.to_dict() for c in rank_candidates(spec, load_shape(model_ref(spec)), settings,
-                                                              tokens=report.tokens)]
+
+def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> PreflightReport:
+    """The report with the local device timed by a measured throughput (the probe's), and placed again."""
+    shape = spec_shape(spec)
+    return conclude(report.planned, shape, report.device, report.plan, report.seq_len, report.tokens,
+                    measured_tokens_per_s=tokens_per_s, exact=exact_estimate(spec, report.seq_len))
 
 
 def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], dict]:
     """Plan ``spec`` for the device this process runs on, with no burst option (what the cloud node does before
-    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate;
-    raises PreflightFailed when nothing allowed fits."""
+    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate
+    (as JSON, for the run folder); raises PreflightFailed when nothing allowed fits."""
     device = resolve_device(spec.preflight.device)
-    plan = plan_fit(load_shape(model_ref(spec)), settings_from_spec(spec, device, seq_len), device,
-                    safety_margin=spec.preflight.safety_margin, allow=spec.preflight.allow.model_dump())
+    plan = plan_fit(spec_shape(spec), settings_from_spec(spec, device, seq_len), device,
+                    spec.preflight.safety_margin, spec.preflight.allow.model_dump(),
+                    exact=exact_estimate(spec, seq_len))
     if not plan.fits:
-        raise PreflightFailed(f"{spec.name} does not fit {device.name} "
-                         f"({plan.estimate.device_total_bytes / GIB:.1f} GiB needed) with any allowed change")
+        raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
+                              f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "
+                              "allowed change")
     return apply_settings(spec, plan.settings), list(plan.changes), plan.estimate.to_dict()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +37,17 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     """
     import torch
 
+    from fitburst.device import make_amp, resolve_precision, select_device
     from fitburst.memory import estimate as estimate_fn
-    from fitburst.memory import load_shape, resolve_device, settings_from_spec
+    from fitburst.memory import resolve_device, settings_from_spec
     from fitburst.meter import MemoryMeter
-    from fitburst.preflight import model_ref
-    from fitburst.train import (
-        build_model,
-        count_params,
-        make_optimizer,
-        optimizer_step,
-        resolve_precision,
-        select_device,
-    )
+    from fitburst.preflight import spec_shape
+    from fitburst.train import build_model, count_params, make_optimizer, optimizer_step
 
     tr = spec.training
     device = device or select_device(spec.preflight.device)
     precision = resolve_precision(tr.precision, device)
+    amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
     torch.manual_seed(tr.seed)
     t0 = time.perf_counter()
     meter = MemoryMeter(device)
@@ -71,8 +67,10 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
 
     with tracker if tracker is not None else contextlib.nullcontext():
         for _ in range(steps):
+            t_step = time.perf_counter()
             losses.append(optimizer_step(model, optimizer, params, [batch] * tr.grad_accum, device=device,
-                                         max_grad_norm=tr.max_grad_norm))
+                                         max_grad_norm=tr.max_grad_norm, amp=amp))
+            step_seconds = time.perf_counter() - t_step  # the last step: warm-up (first step) excluded
             meter.sample()
     peak = meter.peak().to_dict()
     if tracker is not None:
@@ -83,7 +81,7 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     if estimate is None:
         dev = resolve_device(device)
         settings = settings_from_spec(spec, dev, seq_len)
-        estimate = estimate_fn(load_shape(model_ref(spec)), settings, dev).to_dict()
+        estimate = estimate_fn(spec_shape(spec), settings, dev).to_dict()
     from fitburst.memory.estimator import measured_counterpart
 
     kind = device.split(":")[0]
@@ -104,67 +102,49 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
         "ratio": (measured / est_alloc) if measured and est_alloc else None,
         "losses": losses,
         "seconds": seconds,
+        "step_seconds": step_seconds,
+        # padded tokens of the longest batch per optimizer step / its time: what fitburst.hours times the run by
+        "tokens_per_s": tr.grad_accum * int(batch["input_ids"].numel()) / step_seconds if step_seconds else None,
         "trainable_params": trainable,
         "total_params": total,
         "meter": peak,
     }
 
 
-def _device_of(report, spec):
-    from fitburst.memory import resolve_device
-
-    try:
-        return resolve_device(report.device["name"])
-    except ValueError:  # the local device as probed ("cpu (local)"): probe it again
-        return resolve_device(spec.preflight.device)
-
-
 def replan(spec, report, result: dict):
-    """The preflight report after a probe: unchanged when the measured peak fits the budget (less the safety
-    margin); otherwise re-planned one rung down, for the budget scaled by estimated / measured (so that the
-    estimate, wrong by the probe's ratio, still lands inside the real budget)."""
-    from dataclasses import asdict, replace
+    """The preflight report after a probe: re-timed with the measured throughput when there is one; unchanged
+    in memory when the measured peak fits the budget less the headroom; otherwise re-planned for the budget
+    scaled by estimated / measured (so that the estimate, wrong by the probe's ratio, still lands inside the
+    real budget) and placed again."""
+    from fitburst.preflight import replan_for_budget, retime
 
-    from fitburst.memory import load_shape, plan_fit, settings_from_spec
-    from fitburst.preflight import apply_settings, model_ref
-
-    margin = spec.preflight.safety_margin
-    budget = report.device["budget_bytes"] * (1 - margin)
+    rate = result.get("tokens_per_s")
+    limit = report.plan.limit_bytes
     measured = result.get("measured_peak_bytes") or 0
-    if measured <= budget or not result.get("estimated_peak_bytes"):
-        return report
+    if measured <= limit or not result.get("estimated_peak_bytes"):
+        return retime(spec, report, rate) if rate else report
     scale = result["estimated_peak_bytes"] / measured
-    device = _device_of(report, spec)
-    device = replace(device, budget_bytes=int(report.device["budget_bytes"] * scale))
-    planned = report.planned_spec()
-    settings = settings_from_spec(planned, device, report.seq_len)
-    plan = plan_fit(load_shape(model_ref(spec)), settings, device, safety_margin=margin,
-                    allow=spec.preflight.allow.model_dump(), _burst=False)
+    budget = int(report.device.budget_bytes * scale)
     gib = 1024**3
-    why = (f"probe measured {measured / gib:.3f} GiB > {budget / gib:.3f} GiB budget less margin "
+    why = (f"probe measured {measured / gib:.3f} GiB > {limit / gib:.3f} GiB budget less headroom "
            f"(estimate x{measured / result['estimated_peak_bytes']:.2f}): re-planned for a "
-           f"{device.budget_bytes / gib:.3f} GiB budget")
-    est = plan.estimate.to_dict()
-    est["plan"] = list(plan.changes)
-    if plan.fits and plan.changes:
-        changes = [*report.changes, why, *plan.changes]
-        return replace(report, reason=f"{report.reason}; {why}", changes=changes, estimate=est,
-                       settings=asdict(plan.settings), spec_yaml=apply_settings(planned, plan.settings).to_yaml())
-    burst = spec.burst.policy != "never"
-    verdict = "burst" if burst else "fail"
-    reason = f"{why}, and nothing allowed fits it" + (": bursting to a cloud GPU" if burst else "")
-    return replace(report, verdict=verdict, reason=reason, changes=[*report.changes, why], estimate=est)
+           f"{budget / gib:.3f} GiB budget")
+    new = replan_for_budget(spec, report, budget, why, measured_tokens_per_s=rate)
+    if not new.plan.fits:
+        return replace(new, verdict=replace(new.verdict, reason=f"{why}, and nothing allowed fits it; "
+                                                                f"{new.verdict.reason}"))
+    return new
 
 
 def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
     """What the preflight task runs when ``preflight.probe`` is set: probe the planned run on the local device,
     log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
-    if report.verdict != "local" or prepared is None:
+    if report.verdict.placement != "local" or prepared is None:
         return report, None
     import torch
 
     try:
-        result = probe(report.planned_spec(), prepared, steps=steps, estimate=report.estimate)
+        result = probe(report.planned, prepared, steps=steps, estimate=report.estimate.to_dict())
     except torch.OutOfMemoryError:  # the probe itself did not fit: at least the whole device was needed
         import gc
 
@@ -173,9 +153,9 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
             torch.cuda.empty_cache()
         from fitburst.memory.estimator import measured_counterpart
 
-        est = measured_counterpart(report.estimate, report.device["kind"])
-        total = report.device["total_bytes"]
-        result = {"device": report.device["name"], "oom": True, "measured_peak_bytes": total,
+        est = measured_counterpart(report.estimate.to_dict(), report.device.kind)
+        total = report.device.total_bytes
+        result = {"device": report.device.name, "oom": True, "measured_peak_bytes": total,
                   "estimated_peak_bytes": est, "ratio": total / est if est else None,
                   "measured_rss_peak_bytes": None, "seq_len": report.seq_len, "seconds": None}
     new = replan(spec, report, result)
@@ -186,12 +166,13 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
                              "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
                              "memory.probe_seq_len": result["seq_len"],
                              "memory.probe_seconds": result["seconds"],
-                             "memory.probe_replanned": float(new is not report)})
+                             "memory.probe_tokens_per_s": result.get("tokens_per_s"),
+                             "memory.probe_replanned": float(new.plan is not report.plan)})
         tracker.set_tags({"probe.device": result["device"]})
         tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")
     log.info("probe on %s: measured %s bytes vs estimated %s (x%.2f)%s", result["device"],
              result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
-             "; re-planned" if new is not report else "")
+             "; re-planned" if new.plan is not report.plan else "")
     return new, result
 
 

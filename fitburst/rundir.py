@@ -54,6 +54,16 @@ def _finished(run_dir: Path) -> bool:
     return r.get("steps", 0) >= r.get("total_steps", 1)
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step-*"))
+
+
+def _cloud_live(run_dir: Path) -> bool:
+    """A burst whose cluster or job may still be running (fitburst.cloud's cloud.json): a rerun reattaches."""
+    rec = run_dir / "cloud.json"
+    return rec.exists() and json.loads(rec.read_text()).get("state") in ("launching", "running")
+
+
 def open_run_dir(spec: PipelineSpec, resume: bool = True) -> tuple[Path, bool]:
     """Claim a run folder for ``spec``: the newest resumable one with the same config, else a new one.
     Returns (folder, resumed)."""
@@ -62,7 +72,7 @@ def open_run_dir(spec: PipelineSpec, resume: bool = True) -> tuple[Path, bool]:
     h = spec.config_hash()
     if resume:
         for d in sorted(base.glob(f"*-{h}"), reverse=True):
-            if (d / "checkpoints").is_dir() and any((d / "checkpoints").glob("step-*")) and not _finished(d):
+            if (_has_checkpoint(d) or _cloud_live(d)) and not _finished(d):
                 if _claim(d):
                     return d, True
     while True:

@@ -90,6 +90,7 @@ class TrainingSpec(Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    pure_bf16: bool = Field(default=False, description="opt-in: step bf16 weights directly (no fp32 master copy)")
     gradient_checkpointing: bool = False
     optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
@@ -100,6 +101,12 @@ class TrainingSpec(Strict):
     @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum
+
+    @model_validator(mode="after")
+    def _pure_bf16_needs_bf16(self):
+        if self.pure_bf16 and self.precision != "bf16":
+            raise ValueError("pure_bf16 keeps bf16 weights: set precision: bf16 (or pure_bf16: false)")
+        return self
 
 
 class EvalSpec(Strict):
@@ -123,7 +130,7 @@ class AllowSpec(Strict):
 
 class PreflightSpec(Strict):
     device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
-    safety_margin: float = Field(default=0.10, ge=0.0, lt=0.9)
+    safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.calibration)
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
 
@@ -183,6 +190,9 @@ class BurstSpec(Strict):
     def _spot_needs_provider(self) -> BurstSpec:
         if self.spot and self.providers == ["lambda"]:
             raise ValueError("Lambda has no spot instances: set spot: false or add another provider")
+        if self.spot and self.bucket is None:
+            raise ValueError("a spot node can be reclaimed mid-run and its disk goes with it: set burst.bucket "
+                             "(s3://... or gs://...) so checkpoints survive and the restart resumes, or spot: false")
         from fitburst.cloud.gpus import SKY_NAMES
 
         if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):
@@ -197,6 +207,28 @@ class BurstSpec(Strict):
         return self
 
 
+CRON_FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day-of-month", 1, 31), ("month", 1, 12), ("weekday", 0, 7))
+_CRON_NAMES = {n: i for i, n in enumerate(
+    ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"], 1)} | {
+    n: i for i, n in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])}
+_CRON_PART = re.compile(r"^(\*|([a-z0-9]+)(?:-([a-z0-9]+))?)(?:/([0-9]+))?$")
+
+
+def _cron_field_ok(text: str, lo: int, hi: int) -> bool:
+    """One cron field (``*``, ``5``, ``1-5``, ``*/15``, ``mon-fri``, lists of these) lies within lo..hi.
+    (Prefect, which runs the schedule, vendors croniter; fitburst itself does not import Prefect.)"""
+    for part in text.split(","):
+        m = _CRON_PART.match(part)
+        if not m or m.group(4) == "0":
+            return False
+        for bound in (m.group(2), m.group(3)):
+            if bound is not None:
+                n = _CRON_NAMES.get(bound, int(bound) if bound.isdigit() else -1)
+                if not lo <= n <= hi:
+                    return False
+    return True
+
+
 class ScheduleSpec(Strict):
     cron: str | None = None
     timezone: str = "UTC"
@@ -204,8 +236,13 @@ class ScheduleSpec(Strict):
     @field_validator("cron")
     @classmethod
     def _cron_shape(cls, v: str | None) -> str | None:
-        if v is not None and len(v.split()) != 5:
-            raise ValueError("cron needs five fields (minute hour day month weekday), e.g. '0 2 * * *'")
+        if v is not None:
+            if len(v.split()) != 5:
+                raise ValueError("cron needs five fields (minute hour day month weekday), e.g. '0 2 * * *'")
+            for text, (what, lo, hi) in zip(v.split(), CRON_FIELDS, strict=True):
+                if not _cron_field_ok(text.lower(), lo, hi):
+                    raise ValueError(f"cron {what} field {text!r} is not a value, range, list or step in {lo}-{hi} "
+                                     "(e.g. '0 2 * * *' is 02:00 every day)")
         return v
 
     @field_validator("timezone")
@@ -287,6 +324,12 @@ class NotifySpec(Strict):
 class TrackingSpec(Strict):
     uri: str | None = Field(default=None, description="MLflow tracking URI; MLFLOW_TRACKING_URI wins when set")
     experiment: str = "fitburst"
+    log_model: bool = Field(default=True, description="log the tuned model as an MLflow model (transformers "
+                            "flavor; a LoRA adapter references its base model instead of copying it)")
+    register_as: str | None = Field(default=None, description="register each run's model under this name in the "
+                                    "MLflow Model Registry; alias 'champion' follows the best eval loss")
+    push_to_hub: str | None = Field(default=None, description="Hugging Face repo id (org/name) to push the adapter "
+                                    "and a generated model card to after the run; needs HF_TOKEN")
 
 
 class PipelineSpec(Strict):
@@ -422,25 +465,92 @@ def load_file(path: str | os.PathLike) -> tuple[dict, dict[tuple, int]]:
     return doc, lines
 
 
+def _check_defaults(doc: dict, lines: dict) -> list[str]:
+    """The ``defaults`` section on its own: a bad value there is an error even while every pipeline overrides
+    it (a pipeline added later would inherit it). Only errors inside keys the section sets are reported."""
+    defaults = doc.get("defaults")
+    if defaults is None:
+        return []
+    if not isinstance(defaults, dict):
+        return [f"defaults: line {lines.get(('defaults',), 1)}: 'defaults' must be a mapping of pipeline fields"]
+    placeholder = {"model": {"name": "placeholder/model"}, "data": {"path": "placeholder.jsonl"}}
+    try:
+        PipelineSpec.model_validate(_deep_merge(placeholder, defaults))
+        return []
+    except ValidationError as e:
+        out = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            if not loc or not _has_path(defaults, loc[:1]):  # () is a rule across sections pipelines complete
+                continue
+            line = next((lines[("defaults",) + loc[:n]] for n in range(len(loc), 0, -1)
+                         if ("defaults",) + loc[:n] in lines), lines.get(("defaults",)))
+            out.append("defaults: " + _explain(err, f"line {line}: " if line else "", ""))
+        return out
+
+
+def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
+    """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
+    from fitburst.memory.devices import resolve_device
+
+    out: list[tuple[tuple, str]] = []
+    device = spec.preflight.device
+    named = None if device.lower() in ("auto", "cpu", "cuda", "mps") else resolve_device(device)
+    kind = "mps" if device.lower() == "mps" else (named.kind if named else None)
+    if named is not None and kind == "cuda" and not named.supports_bf16 and spec.training.precision == "bf16":
+        out.append((("training", "precision"), f"{named.name} has no bf16 support: set training.precision: fp16 (or "
+                                               "auto, which picks fp16 there)"))
+    if kind == "mps" and spec.method.quant != "none":
+        out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
+                                         "use method.type: lora with quant: none on MPS, or a CUDA device"))
+    out += [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
+    return out
+
+
+def _model_folder_problems(model: ModelSpec) -> list[str]:
+    """A local model folder must hold a readable config.json of a model type transformers knows."""
+    p = Path(model.name).expanduser()
+    if not (p.is_dir() or model.name.startswith((".", "/", "~")) or model.name.count("/") > 1):
+        return []  # a hub id (org/name) or the built-in demo
+    if not p.is_dir():
+        return [f"no model folder at {p.resolve()} (a local model is a folder saved with save_pretrained; "
+                "a hub model is written org/name)"]
+    cfg_path = p / "config.json"
+    if not cfg_path.exists():
+        return [f"{p} has no config.json: point model.name at the folder save_pretrained wrote"]
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{cfg_path} is not valid JSON ({e}): re-save the model with save_pretrained"]
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        return [f"{cfg_path} has no 'model_type': re-save the model with save_pretrained"]
+    if not (model.trust_remote_code and "auto_map" in cfg):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if model_type not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "upgrade transformers, or set trust_remote_code"
+            return [f"{cfg_path}: model_type {model_type!r} is unknown to transformers ({hint})"]
+    return []
+
+
 def _build(
-    name: str, doc: dict, lines: dict, path: Path, overrides: dict | None
+    name: str, doc: dict, lines: dict, path: Path, overrides: dict | None, skip_defaults: bool = False
 ) -> tuple[PipelineSpec | None, list[str]]:
+    """Validate one pipeline; with ``skip_defaults`` errors that come only from the defaults section (already
+    reported by :func:`_check_defaults`) are left out."""
     defaults = doc.get("defaults") or {}
     body = doc["pipelines"][name]
     if not isinstance(body, dict):
         return None, [f"line {lines.get(('pipelines', name), 1)}: pipeline '{name}' must be a mapping"]
-    merged = _deep_merge(defaults, body)
+    merged = _deep_merge(defaults if isinstance(defaults, dict) else {}, body)
     if overrides:
         merged = _deep_merge(merged, overrides)
     merged["name"] = name
     merged["base_dir"] = str(path.parent.resolve())
     try:
         spec = PipelineSpec.model_validate(merged)
-        if not spec.data_path().exists():
-            line = _locate(lines, name, ("data", "path"))
-            return None, [f"pipeline '{name}': line {line}: field 'data.path' (got {spec.data.path!r}): file not "
-                          f"found at {spec.data_path()} (paths are relative to {path.name}'s folder)"]
-        return spec, []
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -448,11 +558,32 @@ def _build(
             src = ""
             if overrides and _has_path(overrides, loc):
                 where, src = "", " (from overrides)"
+            elif skip_defaults and _has_path(defaults, loc) and not _has_path(body, loc):
+                continue
             else:
                 line = _locate(lines, name, loc)
                 where = f"line {line}: " if line else ""
             problems.append(f"pipeline '{name}': " + _explain(err, where, src))
         return None, problems
+    problems = []
+    for loc, why in _impossible(spec):
+        value = _get(spec, loc)
+        if overrides and _has_path(overrides, loc):
+            where, src = "", " (from overrides)"
+        else:
+            where, src = f"line {_locate(lines, name, loc)}: ", ""
+        problems.append(f"pipeline '{name}': {where}field '{'.'.join(loc)}'{src} (got {value!r}): {why}")
+    if not spec.data_path().exists():
+        line = _locate(lines, name, ("data", "path"))
+        problems.append(f"pipeline '{name}': line {line}: field 'data.path' (got {spec.data.path!r}): file not "
+                        f"found at {spec.data_path()} (paths are relative to {path.name}'s folder)")
+    return (None, problems) if problems else (spec, [])
+
+
+def _get(obj: Any, loc: tuple) -> Any:
+    for part in loc:
+        obj = getattr(obj, part)
+    return obj
 
 
 def _has_path(d: Any, loc: tuple) -> bool:
@@ -479,7 +610,9 @@ def load_pipeline(path: str | os.PathLike, name: str, overrides: dict | None = N
         close = difflib.get_close_matches(name, list(doc["pipelines"]), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"pipelines here: {', '.join(doc['pipelines'])}"
         raise SpecError(str(path), [f"no pipeline named '{name}' ({hint})"])
-    spec, problems = _build(name, doc, lines, Path(path), expand_dotted(overrides or {}))
+    problems = _check_defaults(doc, lines)
+    spec, errs = _build(name, doc, lines, Path(path), expand_dotted(overrides or {}), skip_defaults=bool(problems))
+    problems += errs
     if problems:
         raise SpecError(str(path), problems)
     assert spec is not None
@@ -489,9 +622,9 @@ def load_pipeline(path: str | os.PathLike, name: str, overrides: dict | None = N
 def load_all(path: str | os.PathLike) -> dict[str, PipelineSpec]:
     """Validate every pipeline in the file; collect all problems into one SpecError."""
     doc, lines = load_file(path)
-    specs, problems = {}, []
+    specs, problems = {}, _check_defaults(doc, lines)
     for name in doc["pipelines"]:
-        spec, errs = _build(name, doc, lines, Path(path), None)
+        spec, errs = _build(name, doc, lines, Path(path), None, skip_defaults=bool(problems))
         problems += errs
         if spec:
             specs[name] = spec
@@ -523,6 +656,8 @@ def resolve_env(value: str | None) -> str | None:
 def load_resolved(path: str | os.PathLike) -> PipelineSpec:
     """Load one pipeline written by :meth:`PipelineSpec.to_yaml` (what the cloud node and ``fitburst train`` read)."""
     p = Path(path)
+    if not p.is_file():
+        raise SpecError(str(p), ["file not found (pass the YAML written by PipelineSpec.to_yaml as --spec)"])
     try:
         return PipelineSpec.model_validate(yaml.safe_load(p.read_text()))
     except (ValidationError, yaml.YAMLError) as e:

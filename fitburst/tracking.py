@@ -11,11 +11,12 @@ import json
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from fitburst import __version__
-from fitburst.spec import PipelineSpec
+from fitburst.spec import PipelineSpec, resolve_env
 
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
 RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
@@ -79,6 +80,7 @@ class Tracker:
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(spec.tracking.experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(spec.tracking.experiment)
+        mark_model_training(client, exp_id, exp.tags if exp else {})
         base = {"pipeline": spec.name, "fitburst.version": __version__, "config_hash": spec.config_hash(),
                 "model": spec.model.name, "method": spec.method.type, **spec.tags}
         if sha := git_sha():
@@ -146,29 +148,37 @@ class Tracker:
             self.log_params(changed)
         self.log_text(planned.to_yaml(), "config/planned.yaml")
 
-    def log_prepared(self, prepared) -> None:
+    def log_prepared(self, prepared, source: str | Path | None = None) -> None:
+        """Split sizes and token statistics as params (one value each, not one-point metrics), the statistics as a
+        table, and the splits as MLflow dataset inputs (see :meth:`log_dataset_inputs`)."""
         self.log_params({"data.content_hash": prepared.content_hash, "data.n_train": prepared.n_train,
                          "data.n_val": prepared.n_val, "data.n_skipped": prepared.n_skipped})
-        self.log_metrics({f"data.tokens_{k}": v for k, v in prepared.stats.items()
-                          if isinstance(v, int | float)})
+        self.log_params({f"data.tokens.{k}": round(v, 2) if isinstance(v, float) else v
+                         for k, v in prepared.stats.items()})
+        self.client.log_table(self.run_id, {"statistic": list(prepared.stats),
+                                            "tokens": [prepared.stats[k] for k in prepared.stats]},
+                              "data/token_stats.json")
+        if source is not None:
+            self.log_dataset_inputs(prepared, source)
 
     def log_preflight(self, report) -> None:
-        est = report.estimate
-        self.set_tags({"device": report.device["name"], "verdict": report.verdict})
+        rep = report.to_dict()  # the report leaves the process here
+        est = rep["estimate"]
+        self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"]})
         from fitburst.memory.estimator import measured_counterpart
 
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
-                          "memory.estimated_comparable_bytes": measured_counterpart(est, report.device["kind"]),
+                          "memory.estimated_comparable_bytes": measured_counterpart(est, rep["device"]["kind"]),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
                           "memory.budget_bytes": est["budget_bytes"]})
-        self.log_dict(report.to_dict(), "preflight/report.json")
+        self.log_dict(rep, "preflight/report.json")
         self.log_text(report.to_markdown(), "preflight/report.md")
         with tempfile.TemporaryDirectory() as d:
             from fitburst.plots import memory_bar_chart
 
-            title = f"{report.pipeline} on {report.device['name']}"
+            title = f"{rep['pipeline']} on {rep['device']['name']}"
             memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=title)
             self.log_artifacts(Path(d) / "memory_breakdown.png", "preflight")
 
@@ -188,15 +198,11 @@ class Tracker:
         metrics = Path(result.run_dir) / "metrics.jsonl"
         if metrics.exists():
             self.log_artifacts(metrics, "train")
-            from fitburst.plots import loss_curve
-
-            with tempfile.TemporaryDirectory() as d:
-                loss_curve(metrics, Path(d) / "loss.png", title=result.run_dir)
-                self.log_artifacts(Path(d) / "loss.png", "train")
+            self.log_loss_curve(result.run_dir)
 
     def log_memory_comparison(self, estimate: dict, result) -> None:
         from fitburst.memory.estimator import measured_counterpart
-        from fitburst.plots import memory_bar_chart
+        from fitburst.plots import memory_comparison
 
         measured, kind = result.peak.get("allocated_bytes"), result.peak.get("kind") or result.device
         comparable = measured_counterpart(estimate, kind)
@@ -204,7 +210,8 @@ class Tracker:
                           "memory.measured_over_estimated": measured / comparable if measured and comparable else None})
 
         with tempfile.TemporaryDirectory() as d:
-            memory_bar_chart(estimate, Path(d) / "memory.png", measured=result.peak, title="estimated vs measured")
+            memory_comparison(estimate, result.peak, Path(d) / "memory.png",
+                              title=f"estimated vs measured on {result.device}, same quantity per row")
             self.log_artifacts(Path(d) / "memory.png", "train")
 
     def log_eval(self, ev) -> None:
@@ -216,7 +223,142 @@ class Tracker:
             self.client.log_table(self.run_id, {c: [redact(str(s[c])) for s in ev.samples] for c in cols},
                                   "eval/samples.json")
 
+    # --- model training: lineage, system metrics, the logged and registered model -------------------------
+    def log_dataset_inputs(self, prepared, source: str | Path) -> None:
+        """Each prepared split as an MLflow dataset input: the data file as source, the content hash (file, data
+        settings and tokenizer) as digest, the split's rows (profile: num_rows) and its token columns (schema)."""
+        from mlflow.data import from_huggingface
+        from mlflow.entities import DatasetInput, InputTag
+
+        from fitburst.data import load_split
+
+        inputs = []
+        for split, context in (("train", "training"), ("val", "validation")):
+            ds = load_split(prepared, split)
+            if split == "val" and not len(ds):
+                continue
+            d = from_huggingface(ds, source=str(Path(source).resolve()), name=f"{Path(source).stem}-{split}",
+                                 digest=prepared.content_hash, targets="labels")
+            inputs.append(DatasetInput(d._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+        self.client.log_inputs(self.run_id, datasets=inputs)
+
+    @contextmanager
+    def system_metrics(self, interval_s: float = 1.0):
+        """CPU, RAM, disk, network (psutil) and GPU (NVML, when nvidia-ml-py and a GPU are present) as
+        ``system/*`` metrics of this run while the block runs."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, samples_before_logging=1,
+                                       resume_logging=True, tracking_uri=self.uri)
+        monitor.start()
+        try:
+            yield monitor
+        finally:
+            monitor.finish()
+
+    def log_model(self, spec: PipelineSpec, adapter_dir: str | Path, *, precision: str = "fp32",
+                  tags: dict | None = None):
+        """The tuned model as an MLflow model (transformers flavor, task ``llm/v1/chat``: chat messages in, the
+        tokenizer's chat template applied, greedy decoding). A LoRA/QLoRA adapter is saved alone and references its
+        base (a local folder by path, a hub model by id), so the base weights are not copied. The base is loaded on
+        CPU in the training dtype to log it, and once more by MLflow to check the input example: for a base too big
+        for this machine's RAM set ``tracking.log_model: false``. Returns MLflow's ModelInfo."""
+        import mlflow
+        from peft import PeftModel
+
+        from fitburst.data import read_records
+        from fitburst.device import torch_dtype
+        from fitburst.models import load_model, load_tokenizer, resolve_model_ref
+
+        m = spec.model
+        token = resolve_env(m.hf_token)
+        tok = load_tokenizer(str(adapter_dir))
+        base_ref = resolve_model_ref(m.name)
+        dtype = torch_dtype(precision)
+        if spec.method.type == "full":
+            model = load_model(str(adapter_dir), dtype=dtype, device="cpu")
+        else:  # unquantized base on CPU: what the flavor records and reloads (QLoRA trains on a 4-bit copy of it)
+            base = load_model(m.name, dtype=dtype, device="cpu", revision=m.revision, token=token,
+                              trust_remote_code=m.trust_remote_code)
+            model = PeftModel.from_pretrained(base, str(adapter_dir))
+        example = None
+        conversations, _ = read_records(spec.data_path(), spec.data.format, skip_invalid=True)
+        if conversations:  # the first record's conversation up to its last reply
+            conv = conversations[0]
+            last = max((i for i, msg in enumerate(conv) if msg["role"] == "assistant"), default=len(conv))
+            prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
+            example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
+        mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI
+        local_base = Path(base_ref).is_dir() and spec.method.type != "full"
+        return mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
+            base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
+            model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
+            pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
+
+    def log_loss_curve(self, run_dir: str | Path, ev=None) -> None:
+        """``train/loss.png``: the train loss curve, with the base and tuned validation losses when evaluated."""
+        from fitburst.plots import loss_curve
+
+        metrics = Path(run_dir) / "metrics.jsonl"
+        if not metrics.exists():
+            return
+        points = {"base": ev.base_loss, "tuned": ev.tuned_loss} if ev is not None else None
+        if ev is not None:  # the same two points as a metric beside train_loss: base at step 0, tuned at the last step
+            last = json.loads(metrics.read_text().strip().splitlines()[-1])["step"]
+            self.log_metrics({"val_loss": ev.base_loss}, step=0)
+            self.log_metrics({"val_loss": ev.tuned_loss}, step=last)
+        with tempfile.TemporaryDirectory() as d:
+            loss_curve(metrics, Path(d) / "loss.png", title=Path(run_dir).name, eval_points=points)
+            self.log_artifacts(Path(d) / "loss.png", "train")
+
+    def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
+        """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when
+        its eval loss is lower than the current champion's (or there is none). Returns version, champion, moved."""
+        from mlflow.exceptions import MlflowException
+
+        reg = self.client
+        try:
+            reg.get_registered_model(name)
+        except MlflowException:
+            reg.create_registered_model(name, description="fine-tuned by fitburst; alias 'champion': best eval loss")
+        version = reg.create_model_version(name, f"models:/{model_id}", run_id=self.run_id, model_id=model_id,
+                                           tags={k: redact(str(v)) for k, v in tags.items()})
+        try:
+            holder = reg.get_model_version_by_alias(name, CHAMPION)
+            held = holder.tags.get("eval.tuned_loss")
+        except MlflowException:
+            holder, held = None, None
+        better = tuned_loss is not None and (holder is None or held is None or tuned_loss < float(held))
+        if better:
+            reg.set_registered_model_alias(name, CHAMPION, version.version)
+        champion = version.version if better else holder.version if holder else None
+        self.set_tags({"registry.model": name, "registry.version": version.version,
+                       "registry.champion": champion})
+        return {"version": int(version.version), "champion": int(champion) if champion else None, "moved": better}
+
     def where(self) -> str:
         """How to open this run: the store and an `mlflow ui` command."""
         store = redact(self.uri)
         return f"MLflow run {self.run_id} in {store}\n  open it with: mlflow ui --backend-store-uri {store}"
+
+
+# --- model training, lineage and the logged model (issue 12) -------------------------------------------------
+
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI to choose the GenAI or the model-training views
+MODEL_TRAINING = "custom_model_development"
+CHAMPION = "champion"
+
+
+def mark_model_training(client, experiment_id: str, tags: dict) -> None:
+    """Mark the experiment as model training, unless someone already chose a kind for it."""
+    if EXPERIMENT_KIND not in tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+
+
+def pip_requirements() -> list[str]:
+    """Pinned requirements of a logged model (MLflow's own inference imports torchvision, absent here)."""
+    from importlib.metadata import version
+
+    return [f"{p}=={version(p).split('+')[0]}" for p in ("torch", "transformers", "peft", "accelerate", "tokenizers")]
+

@@ -16,10 +16,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fitburst.data import PreparedData, collate, load_split
+from fitburst.data import IGNORE_INDEX, PreparedData, collate, load_split
+from fitburst.device import (
+    Amp,
+    make_amp,
+    resolve_precision,
+    select_device,
+    warn_pure_bf16,
+)
 from fitburst.errors import UserError
 from fitburst.meter import MemoryMeter
-from fitburst.spec import PipelineSpec, resolve_env
+from fitburst.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class TrainResult:
     trainable_params: int
     total_params: int
     resumed_from: int | None = None
+    skipped_steps: int = 0
     peak: dict = field(default_factory=dict)
 
     def save(self) -> None:
@@ -55,70 +63,22 @@ class TrainResult:
         return cls(**json.loads(Path(run_dir, "train_result.json").read_text()))
 
 
-# --- device and precision ----------------------------------------------------------------------------
-
-def select_device(pref: str = "auto") -> str:
-    """The torch device to train on: ``auto`` picks CUDA, then MPS, then CPU."""
-    import torch
-
-    p = pref.lower()
-    if p == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    kind = "cpu" if p.startswith("cpu") else "mps" if p.startswith(("mps", "m1", "m2", "m3", "m4")) else "cuda"
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}[kind]
-    if not available:
-        raise TrainError(f"preflight.device is {pref!r} ({kind}) but torch sees no {kind} device here: "
-                         "set preflight.device: auto, or run where that device is")
-    return kind
-
-
-def resolve_precision(precision: str, device: str) -> str:
-    """The dtype to train in; ``auto`` follows :func:`fitburst.memory.auto_precision` (the estimate's rule)."""
-    import torch
-
-    from fitburst.memory import auto_precision
-
-    bf16 = device != "cuda" or torch.cuda.is_bf16_supported()
-    if precision == "bf16" and not bf16:
-        raise TrainError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
-    return precision if precision != "auto" else auto_precision(device, bf16)
-
-
-def torch_dtype(precision: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def check_quant_supported(quant: str, device: str) -> None:
-    if quant != "none" and device == "mps":
-        raise TrainError("bitsandbytes 4/8-bit quantization does not run on Apple MPS: set method.type: lora "
-                         "and quant: none (the preflight plans for MPS without it), or burst to a CUDA GPU")
-
-
 # --- model setup ---------------------------------------------------------------------------------------
 
 def build_model(spec: PipelineSpec, device: str, precision: str):
-    """Load the base model once and wrap it for the configured method. Returns (model, tokenizer)."""
-    from fitburst.models import load_model, tokenizer_for
+    """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
+    method. Returns (model, tokenizer)."""
+    from fitburst.models import load_pipeline_model, tokenizer_for
 
-    m, method, tr = spec.model, spec.method, spec.training
-    check_quant_supported(method.quant, device)
-    token = resolve_env(m.hf_token)
-    tok = tokenizer_for(m)
-    model = load_model(m.name, dtype=torch_dtype(precision), device=device, quant=method.quant,
-                       double_quant=method.double_quant, attention=tr.attention, revision=m.revision,
-                       token=token, trust_remote_code=m.trust_remote_code)
-    return prepare_for_training(model, spec), tok
+    model = load_pipeline_model(spec, device, precision)
+    return prepare_for_training(model, spec), tokenizer_for(spec.model)
 
 
 def prepare_for_training(model, spec: PipelineSpec):
     """Wrap a loaded base model for the configured method (k-bit prep, checkpointing, LoRA). The preflight's
     trace applies this same function to a model built on the meta device, so estimate and training cannot drift."""
+    import torch
+
     method, tr = spec.method, spec.training
     model.config.use_cache = False
     if method.quant != "none":
@@ -138,6 +98,10 @@ def prepare_for_training(model, spec: PipelineSpec):
         model = get_peft_model(model, LoraConfig(
             r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type="CAUSAL_LM",
             target_modules=targets if targets == "all-linear" else list(targets)))
+    if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
     return model
 
 
@@ -167,8 +131,31 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2) -> Path:
-    """Trainable weights, optimizer, scheduler and RNG state; written atomically, oldest pruned."""
+def rng_states() -> dict:
+    """The RNG states to resume with: CPU always, CUDA and MPS where that device is available."""
+    import torch
+
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        states["mps"] = torch.mps.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    import torch
+
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "mps" in states and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(states["mps"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2, *,
+                    amp: Amp | None = None) -> Path:
+    """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned."""
     import shutil
 
     import torch
@@ -180,8 +167,10 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
     tmp.mkdir(parents=True)
     weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
     save_file(weights, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state()}, tmp / "optim.pt")
+    scaler = amp.scaler if amp is not None else None
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "skipped_steps": amp.skipped_steps if amp is not None else 0}, tmp / "optim.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step}))
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
@@ -192,7 +181,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
     return dest
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str) -> int:
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str, *, amp: Amp | None = None) -> int:
     import torch
     from safetensors.torch import load_file
 
@@ -202,10 +191,15 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str) -> int
         raise TrainError(f"{ckpt} does not match this model/method (unknown tensors such as "
                          f"{sorted(missing)[:2]}): start a new run folder")
     model.load_state_dict(weights, strict=False)
-    state = torch.load(ckpt / "optim.pt", map_location=device, weights_only=False)
+    # on the CPU: RNG states must stay CPU tensors; the optimizer moves its state to each parameter's device
+    state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
+    set_rng_states(state["rng"])
+    if amp is not None:
+        if amp.scaler is not None and state.get("scaler"):
+            amp.scaler.load_state_dict(state["scaler"])
+        amp.skipped_steps = state.get("skipped_steps", 0)
     return json.loads((ckpt / "state.json").read_text())["step"]
 
 
@@ -233,22 +227,47 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
+def label_tokens(batch: dict):
+    """How many tokens a causal-LM loss counts in ``batch`` (labels shifted by one, -100 ignored); a tensor, so
+    counting never waits for the device."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
-                   max_grad_norm: float | None) -> float:
+                   max_grad_norm: float | None, amp: Amp | None = None) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
-    The model output is dropped as soon as the loss is taken, so the logits do not live through backward."""
+
+    The loss is token-weighted over the whole window (sum of token losses / label tokens in the window, through
+    transformers' ``num_items_in_batch``), so two micro-batches of 4 give the gradient of one batch of 8. With
+    ``amp`` (:func:`fitburst.device.make_amp`) the forward runs under autocast, and fp16 goes through its GradScaler:
+    a step whose gradients hold inf/nan is skipped and counted in ``amp.skipped_steps``. The model output is
+    dropped as soon as the loss is taken, so the logits do not live through backward."""
+    import contextlib
+
     import torch
 
-    total = 0.0
+    scaler = amp.scaler if amp is not None else None
+    n_items = sum(label_tokens(mb) for mb in micro_batches).to(device).clamp(min=1)
+    total = torch.zeros((), device=device)
     for mb in micro_batches:
-        loss = model(**{k: v.to(device) for k, v in mb.items()}).loss / len(micro_batches)
-        loss.backward()
-        total += loss.item()
+        with amp.autocast() if amp is not None else contextlib.nullcontext():
+            loss = model(**{k: v.to(device) for k, v in mb.items()}, num_items_in_batch=n_items).loss
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     if max_grad_norm:
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        amp.last_step_skipped = scaler.get_scale() < scale
+        amp.skipped_steps += int(amp.last_step_skipped)
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total.item()
 
 
 def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
@@ -266,6 +285,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     tr = spec.training
     device = device or select_device(spec.preflight.device)
     precision = resolve_precision(tr.precision, device)
+    warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
+    amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
     torch.manual_seed(tr.seed)
 
     meter = MemoryMeter(device)
@@ -281,7 +302,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     step, resumed_from = 0, None
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device)
+        step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp)
         log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
 
     rows = load_split(prepared, "train").to_list()
@@ -290,33 +311,38 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     model.train()
     bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress, unit="step")
     t0, tokens, start_step = time.perf_counter(), 0, step
-    window_loss, window_n, last_loss = 0.0, 0, float("nan")
+    window_loss, window_tokens, last_loss = 0.0, 0, float("nan")
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
             micro = [next(stream) for _ in range(tr.grad_accum)]
-            window_loss += optimizer_step(model, optimizer, params, micro, device=device,
-                                          max_grad_norm=tr.max_grad_norm)
-            scheduler.step()
+            n_labels = int(sum(label_tokens(b) for b in micro))
+            loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
+                                  amp=amp)
+            if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
+                scheduler.step()
             tokens += sum(int(b["attention_mask"].sum()) for b in micro)
             meter.sample()
             step += 1
-            window_n += 1
+            window_loss += loss * n_labels
+            window_tokens += n_labels
             bar.update(1)
             if step % tr.log_every == 0 or step == steps:
-                last_loss = window_loss / window_n
+                last_loss = window_loss / max(window_tokens, 1)  # token-weighted, as each step's loss is
                 row = {"train_loss": last_loss, "learning_rate": scheduler.get_last_lr()[0]}
+                if amp.scaler is not None:
+                    row.update(skipped_steps=amp.skipped_steps, loss_scale=amp.scaler.get_scale())
                 metrics_file.write(json.dumps({"step": step, **row}) + "\n")
                 metrics_file.flush()
                 bar.set_postfix(loss=f"{last_loss:.3f}")
                 if on_metrics:
                     on_metrics(row, step)
-                window_loss, window_n = 0.0, 0
+                window_loss, window_tokens = 0.0, 0
             if step % tr.checkpoint_every == 0 and step < steps:
-                save_checkpoint(run_dir, step, model, optimizer, scheduler)
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
     except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
         optimizer.zero_grad(set_to_none=True)
         if step > (resumed_from or 0):
-            path = save_checkpoint(run_dir, step, model, optimizer, scheduler)
+            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
             log.error("training stopped at step %d (%s); resumable checkpoint: %s", step, type(exc).__name__, path)
         if isinstance(exc, torch.OutOfMemoryError):
             raise TrainError(f"out of memory at step {step} on {device}: lower training.micro_batch_size or "
@@ -328,7 +354,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         metrics_file.close()
     seconds = time.perf_counter() - t0
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
-        save_checkpoint(run_dir, step, model, optimizer, scheduler)
+        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
 
     adapter_dir = run_dir / "adapter"
     model.save_pretrained(adapter_dir)
@@ -338,6 +364,6 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
-        peak=meter.peak().to_dict())
+        skipped_steps=amp.skipped_steps, peak=meter.peak().to_dict())
     result.save()
     return result

@@ -20,6 +20,7 @@ from tasks import artifact_key
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
 from tasks.preflight import preflight_task
+from tasks.publish import publish_model
 from tasks.train import train_local
 
 DEFAULT_FILE = DEFAULT_PIPELINES_FILE
@@ -65,7 +66,15 @@ def overrides_schema() -> dict:
 Overrides = Annotated[dict[str, Any] | None, WithJsonSchema(overrides_schema())]
 
 
-@flow(name="finetune", log_prints=True)
+def flow_run_name() -> str:
+    """``<pipeline>-<UTC date>-<first 8 hex of the flow run id>``, e.g. ``demo-2026-11-23-1a2b3c4d``."""
+    from datetime import datetime, timezone
+
+    pipeline = runtime.flow_run.parameters.get("pipeline", "run")
+    return f"{pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}-{str(runtime.flow_run.id).replace('-', '')[:8]}"
+
+
+@flow(name="finetune", log_prints=True, flow_run_name=flow_run_name)
 def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file: str = DEFAULT_FILE,
              dry_run: bool = False) -> dict:
     """Run one pipeline from pipelines.yaml; ``overrides`` takes dotted keys, e.g. {"training.max_steps": 20}."""
@@ -78,25 +87,28 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         prepared = data_prep(spec, tracker, dry_run=dry_run)
         report: PreflightReport = preflight_task(spec, prepared, tracker)
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
-                   "verdict": report.verdict, "reason": report.reason, "device": report.device["name"],
-                   "plan": report.changes, "estimated_peak_bytes": report.estimate["device_total_bytes"],
-                   "estimated_comparable_bytes": measured_counterpart(report.estimate, report.device["kind"])}
-        if report.verdict == "fail":
+                   "verdict": report.verdict.placement, "reason": report.reason, "device": report.device.name,
+                   "plan": report.changes, "estimated_peak_bytes": report.estimate.device_total_bytes,
+                   "estimated_comparable_bytes": measured_counterpart(report.estimate.to_dict(), report.device.kind)}
+        if report.verdict.placement == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
         tracker.log_planned(spec, planned)
-        if dry_run and report.verdict == "local":
+        if dry_run and report.verdict.placement == "local":
             status = "FINISHED"
             return summary
-        if report.verdict == "local":
-            result = train_local(planned, prepared, tracker, report.estimate)
+        if report.verdict.placement == "local":
+            result = train_local(planned, prepared, tracker, report.estimate.to_dict())
             ev = evaluate_task(planned, prepared, result, tracker) if planned.eval.enabled else None
         else:
             result, ev = _burst(spec, prepared, report, tracker, dry_run)
             if dry_run:
-                summary.update(candidates=report.candidates[:4], burst_plan=result.report)
+                summary.update(candidates=[c.to_dict() for c in report.candidates[:4]], burst_plan=result.report)
                 status = "FINISHED"
                 return summary
+        placement = report.verdict.placement
+        summary.update(publish_model(planned, result, ev, tracker, placement,
+                                     "local" if placement == "local" else "cloud"))
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
                        steps=result.steps, measured_peak_bytes=result.peak.get("allocated_bytes"))
         if ev is not None:
@@ -123,8 +135,8 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")
     run_dir, _ = open_run_dir(spec)
-    local = {"device": report.device["name"], "fits": bool(report.estimate.get("fits")), "hours": report.local_hours,
-             "estimate": report.estimate}
+    local = {"device": report.device.name, "fits": report.plan.fits, "hours": report.local_hours,
+             "estimate": report.estimate.to_dict()}
     try:
         result = train_cloud(spec, prepared, tracker, report.candidates, run_dir, dry_run=dry_run, local=local)
     finally:
@@ -175,7 +187,8 @@ def _publish_summary(s: dict) -> None:
     lines.append(f"| MLflow run | `{s['mlflow_run_id']}` |")
     lines.append(f"| MLflow tracking URI | `{uri}` |")
     if uri.startswith(("http://", "https://")) and facts.get("experiment_id"):
-        link = f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+        link = (f"{uri.rstrip('/')}/#/experiments/{facts['experiment_id']}/runs/{s['mlflow_run_id']}"
+                "?workflowType=machine_learning")  # MLflow 3's UI: the model-training views, not GenAI
         lines.append(f"| MLflow UI | [{s['mlflow_run_id']}]({link}) |")
     else:
         lines.append(f"| open it | `mlflow ui --backend-store-uri '{uri}'`, run `{s['mlflow_run_id']}` |")

@@ -37,7 +37,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
     try:
         prepared_dir = prepared.dir if prepared else None
         res: BurstResult = burst_train(spec, prepared_dir, run_dir, candidates, dry_run=dry_run, log=emit,
-                                       mlflow_run_id=run_id, local=local)
+                                       mlflow_run_id=run_id, local=local, on_ids=_tag_ids(tracker))
     except BurstFailed as e:
         if tracker is not None:
             tracker.set_tags(e.result.tags())
@@ -68,6 +68,13 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
     log.info("cloud run %s on %s (%s): %s, ~$%.2f", res.cluster, res.accelerator, res.provider,
              res.job_status, res.cost_usd or 0.0)
     return result
+
+
+def _tag_ids(tracker: Tracker | None):
+    """The cluster name and job id as MLflow tags the moment they exist (so a lost launcher's run says where)."""
+    if tracker is None:
+        return None
+    return lambda ids: tracker.set_tags({f"cloud.{k}": str(v) for k, v in ids.items()})
 
 
 def _fetch_train_result(tracker: Tracker | None, run_dir: Path) -> None:

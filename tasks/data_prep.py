@@ -29,5 +29,5 @@ def data_prep(spec: PipelineSpec, tracker: Tracker, dry_run: bool = False) -> Pr
     s = prepared.stats
     log.info("%d train / %d val records (%d skipped); tokens p50 %d, p95 %d, max %d; cache %s",
              prepared.n_train, prepared.n_val, prepared.n_skipped, s["p50"], s["p95"], s["max"], prepared.dir)
-    tracker.log_prepared(prepared)
+    tracker.log_prepared(prepared, source=spec.data_path())
     return prepared

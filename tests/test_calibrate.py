@@ -97,3 +97,52 @@ def test_cli_dry_run_writes_nothing(store, tmp_path):
     assert main(["calibrate", "--tracking-uri", store, "--experiment", "calib", "--dry-run"]) == 0
     assert not (tmp_path / "cache" / "calibration.json").exists()
     assert main(["calibrate", "--tracking-uri", store, "--experiment", "nope", "--dry-run"]) == 1
+
+
+def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monkeypatch):
+    """Runs whose true peak is 1.15 x the analytic estimate (reserved 1.25 x): calibrate, then log new runs with
+    the calibrated estimates (as the preflight does, factor recorded), calibrate again: the factor stays."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from fitburst.memory.calibrate import collect, fit, main
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("calib")
+    shape, a100 = load_shape("qwen2.5-0.5b"), resolve_device("A100-80GB")
+
+    def log_runs(n: int) -> None:
+        for i in range(n):
+            raw = estimate(shape, TrainSettings(seq_len=256 * (i + 1)), a100, calibrate=False)
+            e = estimate(shape, TrainSettings(seq_len=256 * (i + 1)), a100)  # with whatever file exists now
+            run = client.create_run(exp, tags={"device": "cuda", "path": "cloud", "cloud.gpu": "A100-80GB"})
+            metrics = {"memory.estimated_comparable_bytes": e.allocated_peak_bytes,
+                       "memory.estimated_reserved_bytes": e.reserved_peak_bytes,
+                       "memory.calibration_factor": e.calibration_factor,
+                       "memory.calibration_reserved_factor": e.reserved_calibration_factor,
+                       "memory.measured_peak_bytes": 1.15 * raw.allocated_peak_bytes,
+                       "memory.measured_reserved_bytes": 1.25 * raw.reserved_peak_bytes}
+            client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+            client.set_terminated(run.info.run_id)
+
+    factors = []
+    for _ in range(3):
+        log_runs(3)
+        assert main(_args(uri)) == 0
+        g = json.loads((tmp_path / "cache" / "calibration.json").read_text())["gpus"]["A100-80GB"]
+        factors.append((g["factor"], g["reserved_factor"]))
+    assert factors == [pytest.approx((1.15, 1.25), abs=1e-3)] * 3  # converged at the first fit, and stays
+    e = estimate(shape, TrainSettings(seq_len=256), a100)
+    raw = estimate(shape, TrainSettings(seq_len=256), a100, calibrate=False)
+    assert e.reserved_peak_bytes == pytest.approx(1.25 * raw.reserved_peak_bytes, rel=1e-3)
+    assert e.allocated_peak_bytes == pytest.approx(1.15 * raw.allocated_peak_bytes, rel=1e-3)
+    # runs made with the fitted file: measured / logged estimate is ~1.0 (what the old rule fitted, undoing the
+    # correction); with the applied factor divided out they still give 1.15
+    later = [r for r in client.search_runs([exp], "metrics.`memory.calibration_factor` > 1.01")]
+    assert len(later) == 6
+    logged = [r.data.metrics["memory.measured_peak_bytes"] / r.data.metrics["memory.estimated_comparable_bytes"]
+              for r in later]
+    assert max(abs(x - 1) for x in logged) < 1e-3
+    assert fit(collect(client, "calib"))["gpus"]["A100-80GB"]["factor"] == pytest.approx(1.15, abs=1e-3)

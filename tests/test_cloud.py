@@ -15,11 +15,11 @@ from fitburst.cloud import (
     canonical_gpu,
     check_budget,
     dry_run_report,
-    estimate_hours,
     offers,
     rank_candidates,
-    should_burst,
 )
+from fitburst.hours import estimate_hours, throughput
+from fitburst.memory import resolve_device
 from fitburst.memory.estimator import TrainSettings, settings_from_spec
 from fitburst.memory.shapes import load_shape
 from fitburst.spec import SpecError, load_all, load_pipeline
@@ -121,7 +121,7 @@ def test_small_qlora_fits_a_t4_and_a_short_run_is_cheapest_there():
     cands = rank_candidates(spec, shape, settings, tokens=200_000, offer_list=_offers(spec))
     assert all(c.fits for c in cands)
     assert (cands[0].gpu, cands[0].provider) == ("T4", "azure")
-    assert cands[0].settings["dtype"] == "fp16"
+    assert cands[0].settings.dtype == "fp16"
 
 
 def test_a_long_run_prefers_the_faster_gpu_even_at_a_higher_hourly_price():
@@ -141,9 +141,10 @@ def test_measured_hours_replace_the_flops_estimate():
 
 def test_time_estimates_order_devices():
     spec, shape, settings = small_qlora()
-    h = {d: estimate_hours(shape, settings, d, 10_000_000) for d in ("cpu", "T4", "A6000", "H100")}
-    assert h["cpu"] > h["T4"] > h["A6000"] > h["H100"] > 0
-    assert estimate_hours(shape, settings, "T4", None) is None
+    h = {d: estimate_hours(shape, settings, throughput(resolve_device(d)), 10_000_000).hours
+         for d in ("cpu:64GiB", "T4", "A6000", "H100")}
+    assert h["cpu:64GiB"] > h["T4"] > h["A6000"] > h["H100"] > 0
+    assert estimate_hours(shape, settings, throughput(resolve_device("T4")), None) is None
 
 
 # --- budget caps and placement -------------------------------------------------------------------------
@@ -175,19 +176,6 @@ def test_no_fitting_gpu_is_a_clear_error():
         check_budget(spec, cands)
     with pytest.raises(BurstError, match="no GPU candidates"):
         check_budget(spec, [])
-
-
-@pytest.mark.parametrize("policy, fits, hours, cap, expected", [
-    ("auto", False, None, None, True),
-    ("auto", True, 2.0, None, False),
-    ("auto", True, 30.0, 8.0, True),  # fits, but too slow locally
-    ("never", False, None, None, False),
-    ("always", True, 0.1, None, True),
-])
-def test_placement_policy(policy, fits, hours, cap, expected):
-    spec = load_pipeline(PIPELINES, "demo", {"burst.policy": policy, "burst.max_local_hours": cap})
-    burst, why = should_burst(spec, fits, hours)
-    assert burst is expected and why
 
 
 def test_dry_run_report_shows_local_and_cloud_side_by_side():

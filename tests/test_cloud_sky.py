@@ -26,14 +26,14 @@ if "sky" not in sys.modules:
     os.environ["SKY_RUNTIME_DIR"] = _runtime
 os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
 
+import sky  # noqa: E402
+from sky import exceptions as sx  # noqa: E402
 from sky.skylet import job_lib  # noqa: E402
 
-import sky  # noqa: E402
 from fitburst import cloud  # noqa: E402
 from fitburst.cloud import BurstFailed, build_task, burst_train, dry_run_report, task_yaml  # noqa: E402
 from fitburst.cloud.rank import Candidate  # noqa: E402
 from fitburst.spec import load_pipeline  # noqa: E402
-from sky import exceptions as sx  # noqa: E402
 
 
 def offline(request: dict, timeout: int = 120) -> dict:
@@ -99,7 +99,10 @@ def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
     spec_file = Path(task.file_mounts["~/fitburst-job/spec.yaml"])
     assert "qwen7b-lora" in spec_file.read_text() and SECRET not in spec_file.read_text()
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET
-    assert "fitburst train --spec" in task.run and Path(task.workdir) == REPO
+    assert "fitburst.cli train --spec" in task.run
+    # the workdir is a staged copy of the fitburst package only
+    assert sorted(p.name for p in Path(task.workdir).iterdir()) == ["fitburst"]
+    assert (Path(task.workdir) / "fitburst" / "cloud" / "train.yaml").exists()
     # SkyPilot's own schema validation, both ways
     text = task_yaml(task)
     again = sky.Task.from_yaml_str(text)
@@ -112,7 +115,7 @@ def test_no_secret_value_in_task_yaml_or_dry_run_report(demo):
     spec, prepared = demo
     task = build_task(spec, _candidates(), prepared_dir=prepared)
     report = dry_run_report(spec, _candidates(), task)
-    for text in (task_yaml(task), report, (REPO / "sky" / "train.yaml").read_text()):
+    for text in (task_yaml(task), report, cloud.TASK_YAML.read_text()):
         assert SECRET not in text
     assert "HF_TOKEN: <redacted>" in report
 
@@ -120,7 +123,7 @@ def test_no_secret_value_in_task_yaml_or_dry_run_report(demo):
 def test_spec_validation_errors_surface_from_skypilot_for_a_broken_task_yaml(tmp_path, demo):
     spec, prepared = demo
     bad = tmp_path / "train.yaml"
-    bad.write_text((REPO / "sky" / "train.yaml").read_text().replace("run: |", "runn: |"))
+    bad.write_text(cloud.TASK_YAML.read_text().replace("run: |", "runn: |"))
     with pytest.raises(ValueError, match="run"):
         build_task(spec, _candidates(), prepared_dir=prepared, task_yaml=bad)
 
@@ -131,14 +134,16 @@ class FakeSky:
     """Records SkyPilot SDK calls; each behaviour is set per test."""
 
     def __init__(self, monkeypatch, *, launch_error=None, log_code=0, status=job_lib.JobStatus.SUCCEEDED,
-                 tail_error=None, down_error=None):
+                 tail_error=None, down_error=None, clusters=None):
         self.calls: list[tuple] = []
-        self.launch_error, self.log_code, self.status = launch_error, log_code, status
+        self.launch_error, self.log_code, self.job_final = launch_error, log_code, status
         self.tail_error, self.down_error = tail_error, down_error
+        self.clusters = clusters or {}  # name -> ClusterStatus name, for sky.status
         handle = type("Handle", (), {"launched_resources": sky.Resources(infra="runpod/CA",
                                                                           accelerators={"RTXA6000": 1})})()
         self.handle = handle
-        for name in ("launch", "stream_and_get", "tail_logs", "job_status", "down", "api_cancel"):
+        for name in ("launch", "stream_and_get", "tail_logs", "job_status", "down", "api_cancel", "status", "queue",
+                     "start"):
             monkeypatch.setattr(sky, name, getattr(self, name))
 
     def launch(self, task, cluster_name=None, **kw):
@@ -155,7 +160,12 @@ class FakeSky:
                 raise self.launch_error
             return 1, self.handle
         if request_id == "req-status":
-            return {1: self.status}
+            return {1: self.job_final}
+        if isinstance(request_id, tuple) and request_id[0] == "req-cluster-status":
+            return [{"name": n, "status": sky.ClusterStatus[self.clusters[n]]} for n in request_id[1]
+                    if n in self.clusters]
+        if isinstance(request_id, tuple) and request_id[0] == "req-queue":
+            return [{"job_id": 1, "status": self.job_final}] if request_id[1] in self.clusters else []
         if request_id == "req-down" and self.down_error:
             raise self.down_error
         return None
@@ -178,12 +188,25 @@ class FakeSky:
     def api_cancel(self, request_ids=None, **kw):
         self.calls.append(("cancel", request_ids))
 
+    def status(self, cluster_names=None, **kw):
+        self.calls.append(("status", cluster_names))
+        return ("req-cluster-status", tuple(cluster_names or ()))
+
+    def queue(self, cluster_name, **kw):
+        self.calls.append(("queue", cluster_name))
+        return ("req-queue", cluster_name)
+
+    def start(self, cluster_name, **kw):
+        self.calls.append(("start", cluster_name))
+        self.clusters[cluster_name] = "UP"
+        return "req-start"
+
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
 
 
 def _pull(cluster, run_dir, log):
-    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "adapter").mkdir(parents=True, exist_ok=True)
     (run_dir / "train_result.json").write_text("{}")
 
 
@@ -274,9 +297,12 @@ def test_dry_run_launches_nothing(demo, tmp_path, monkeypatch):
 def test_spot_uses_a_managed_job_and_cancels_it_on_interrupt(demo, tmp_path, monkeypatch):
     spec, prepared = demo
     spec = spec.model_copy(update={"burst": spec.burst.model_copy(update={"spot": True})})
-    with pytest.raises(cloud.BurstError, match="managed jobs"):  # outputs would be lost with the cluster
+    with pytest.raises(cloud.BurstError, match="managed jobs"):  # checkpoints would be lost with the node
         burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None)
 
+    spec = _spot(spec)
+    synced = []
+    monkeypatch.setattr(cloud.launch, "_sync_bucket", lambda url, run_dir, log: synced.append(url))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
     calls = []
     monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: calls.append(("launch", task)) or "j")
@@ -294,6 +320,13 @@ def test_spot_uses_a_managed_job_and_cancels_it_on_interrupt(demo, tmp_path, mon
     assert task.secrets["MLFLOW_TRACKING_URI"].get_secret_value() == "https://mlflow.example.com"
     assert all(r.use_spot and r.job_recovery["strategy"] == "FAILOVER" for r in task.resources)
     assert ("cancel", [7]) in calls
+    # RUN_DIR is the bucket, mounted so that the atomic checkpoint rename works; what it held comes home
+    mount = task.storage_mounts["~/fitburst-job/run"]
+    assert mount.mode == sky.StorageMode.MOUNT_CACHED and mount.source == "s3://fitburst-test/qwen7b-lora/run"
+    assert synced == [mount.source]
+    rec = cloud.launch.read_record(tmp_path / "run")
+    assert rec["job_id"] == 7 and rec["managed"] and rec["state"] == "torn_down" and rec["bucket"] == mount.source
+    assert rec["cluster"].startswith("fitburst-qwen7b-lora-")
 
 
 # --- review fixes: the node's spec, interrupts, redaction, the flow's burst branch -----------------------------
@@ -325,7 +358,8 @@ def load_pipeline_yaml(path: Path) -> dict:
 
 
 def _spot(spec):
-    return spec.model_copy(update={"burst": spec.burst.model_copy(update={"spot": True})})
+    return spec.model_copy(update={"burst": spec.burst.model_copy(update={"spot": True,
+                                                                          "bucket": "s3://fitburst-test"})})
 
 
 @pytest.mark.parametrize("cancel_works", [True, False])
@@ -429,3 +463,178 @@ def test_flow_burst_branch_ends_the_mlflow_run_failed_when_the_launch_fails(pref
     runs = client.search_runs([client.get_experiment_by_name("fitburst").experiment_id], "tags.pipeline = 'demo'")
     assert [r.info.status for r in runs] == ["FAILED"]
     assert runs[0].data.tags["cloud.job_status"] == "LAUNCH_FAILED" and runs[0].data.tags["path"] == "cloud"
+    # the cluster name reached MLflow the moment it was chosen (a lost launcher's run says where it ran)
+    assert runs[0].data.tags["cloud.cluster"].startswith("fitburst-demo-")
+
+
+# --- nothing lost: pull before teardown on every exit path, reattach after the launcher died --------------------
+
+def _pull_checkpoint(fake):
+    def pull(cluster, run_dir, log):
+        fake.calls.append(("pull", cluster))
+        (run_dir / "checkpoints" / "step-3").mkdir(parents=True)
+        (run_dir / "checkpoints" / "step-3" / "state.json").write_text("{}")
+    return pull
+
+
+@pytest.mark.parametrize("how", ["job failed", "ctrl-c", "prefect cancel", "our bug"])
+def test_the_checkpoints_of_a_failing_run_come_home_before_teardown(demo, tmp_path, monkeypatch, how):
+    from prefect.exceptions import TerminationSignal
+
+    spec, prepared = demo
+    raised = {"job failed": BurstFailed, "ctrl-c": KeyboardInterrupt, "prefect cancel": TerminationSignal,
+              "our bug": RuntimeError}[how]
+    fake = FakeSky(monkeypatch, log_code=100 if how == "job failed" else 0, status=job_lib.JobStatus.FAILED,
+                   tail_error={"ctrl-c": KeyboardInterrupt(), "prefect cancel": TerminationSignal(15),
+                               "our bug": RuntimeError("boom")}.get(how))
+    ids, run_dir = [], tmp_path / "run"
+    with pytest.raises(raised):
+        burst_train(spec, prepared, run_dir, _candidates(), log=lambda s: None, pull=_pull_checkpoint(fake),
+                    on_ids=ids.append)
+    names = fake.names()
+    assert names.index("pull") < names.index("down")  # home first, then the cluster goes
+    assert (run_dir / "checkpoints" / "step-3" / "state.json").exists()
+    rec = cloud.launch.read_record(run_dir)
+    assert rec["state"] == "collected" and rec["job_id"] == 1 and rec["cluster"] == fake.calls[0][1]
+    assert ids[-1] == {"cluster": rec["cluster"], "job_id": 1, "managed": False}  # the MLflow tags
+
+    # the rerun sends those checkpoints to the new node, which resumes from them
+    fake2 = FakeSky(monkeypatch)
+    burst_train(spec, prepared, run_dir, _candidates(), log=lambda s: None, pull=_pull)
+    assert fake2.task.file_mounts["~/fitburst-job/run/checkpoints"] == str((run_dir / "checkpoints").resolve())
+    assert "launch" in fake2.names()  # collected: nothing to reattach to
+
+
+KILLED_LAUNCHER = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from pytest import MonkeyPatch
+from test_cloud_sky import FakeSky, _candidates, _pull
+from fitburst.cloud import burst_train
+from fitburst.rundir import open_run_dir
+from fitburst.spec import load_pipeline
+
+spec = load_pipeline({pipelines!r}, "qwen7b-lora")
+run_dir, _ = open_run_dir(spec)
+print(run_dir, flush=True)
+fake = FakeSky(MonkeyPatch())
+fake.tail_logs = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # the laptop sleeps, the worker dies
+import sky
+sky.tail_logs = fake.tail_logs
+burst_train(spec, {prepared!r}, run_dir, _candidates(), log=print, pull=_pull)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rerun_after_the_launcher_died_reattaches_instead_of_launching(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path / "runs"))
+    script = KILLED_LAUNCHER.format(tests=str(HERE), repo=str(REPO), pipelines=str(REPO / "pipelines.yaml"),
+                                    prepared=str(prepared))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "SKY_RUNTIME_DIR": os.environ["SKY_RUNTIME_DIR"]})
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    first_dir = Path(proc.stdout.splitlines()[0])
+    rec = cloud.launch.read_record(first_dir)
+    assert rec["state"] == "running" and rec["job_id"] == 1  # written before the launcher died
+
+    from fitburst.rundir import open_run_dir, release
+
+    run_dir, resumed = open_run_dir(spec)  # the rerun finds the same folder: its cluster may still be running
+    release(run_dir)
+    assert run_dir == first_dir and resumed
+    fake, lines = FakeSky(monkeypatch, clusters={rec["cluster"]: "UP"}), []
+    res = burst_train(spec, prepared, run_dir, _candidates(), log=lines.append, pull=_pull)
+    assert res.ok and res.reattached and res.cluster == rec["cluster"] and res.job_id == 1, (lines, fake.calls)
+    assert "launch" not in fake.names()
+    assert ("tail", rec["cluster"], 1) in fake.calls and ("down", rec["cluster"]) in fake.calls
+    assert (run_dir / "train_result.json").exists() and cloud.launch.read_record(run_dir)["state"] == "collected"
+    assert any("reattaching to job 1" in line for line in lines)
+
+
+def test_a_recorded_cluster_that_is_gone_is_launched_again_and_a_stopped_one_started(demo, tmp_path, monkeypatch):
+    spec, prepared = demo
+    run_dir = tmp_path / "run"
+    cloud.launch._record(run_dir, None, cluster="fitburst-qwen7b-lora-old", job_id=4, managed=False, state="running")
+    fake = FakeSky(monkeypatch)  # no such cluster any more
+    res = burst_train(spec, prepared, run_dir, _candidates(), log=lambda s: None, pull=_pull)
+    assert "launch" in fake.names() and res.cluster != "fitburst-qwen7b-lora-old" and not res.reattached
+
+    cloud.launch._record(run_dir, None, cluster="fitburst-qwen7b-lora-old", job_id=1, state="running")
+    fake = FakeSky(monkeypatch, clusters={"fitburst-qwen7b-lora-old": "STOPPED"})  # autostop stopped it
+    res = burst_train(spec, prepared, run_dir, _candidates(), log=lambda s: None, pull=_pull)
+    assert res.reattached and fake.names().index("start") < fake.names().index("tail")
+
+    # the launcher died while launching: the job it submitted is found on the cluster
+    cloud.launch._record(run_dir, None, cluster="fitburst-qwen7b-lora-mid", job_id=None, state="launching")
+    fake = FakeSky(monkeypatch, clusters={"fitburst-qwen7b-lora-mid": "UP"})
+    res = burst_train(spec, prepared, run_dir, _candidates(), log=lambda s: None, pull=_pull)
+    assert res.reattached and res.job_id == 1 and "launch" not in fake.names()
+
+
+def test_autostop_keeps_the_disk_where_the_provider_can_stop_and_no_bucket_holds_the_outputs(demo):
+    spec, prepared = demo
+    aws = Candidate("A6000", "aws", "A10G", 24, True, 1.0, 1.0, 1.0, region="us-east-1")
+    task = build_task(spec, [aws, *_candidates()], prepared_dir=prepared)
+    assert [r.autostop_config.down for r in task.resources] == [False, True, True]  # RunPod/Lambda cannot stop
+    spec = spec.model_copy(update={"burst": spec.burst.model_copy(update={"bucket": "gs://b/x"})})
+    task = build_task(spec, [aws, *_candidates()], prepared_dir=prepared, run_name="20261123-1200-ab-cd")
+    assert [r.autostop_config.down for r in task.resources] == [True, True, True]  # outputs live in the bucket
+    mount = task.storage_mounts["~/fitburst-job/run"]
+    assert mount.source == "gs://b/x/qwen7b-lora/20261123-1200-ab-cd" and mount.mode == sky.StorageMode.MOUNT_CACHED
+
+
+def test_task_yaml_is_package_data_found_through_importlib_resources_and_in_the_wheel(tmp_path):
+    import zipfile
+    from importlib import resources
+
+    found = resources.files("fitburst.cloud").joinpath("train.yaml")
+    assert found.is_file() and Path(str(found)) == cloud.TASK_YAML
+    assert sky.Task.from_yaml(str(found)).run  # SkyPilot reads it
+    src = tmp_path / "src"  # a copy, so the build leaves nothing in the checkout
+    shutil.copytree(REPO / "fitburst", src / "fitburst", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PIP_NO_INDEX": "1"})
+    assert wheel.returncode == 0, wheel.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("fitburst-*.whl"))).namelist()
+    assert "fitburst/cloud/train.yaml" in names
+
+
+def test_the_node_gets_no_raw_cloud_keys_and_the_uploaded_workdir_holds_no_secret_or_local_state(demo, tmp_path,
+                                                                                                 monkeypatch):
+    spec, prepared = demo
+    planted = {"AWS_SECRET_ACCESS_KEY": "aws-PLANTED-secret-1", "AWS_ACCESS_KEY_ID": "AKIAPLANTED000",
+               "GOOGLE_APPLICATION_CREDENTIALS": "/home/me/gcp-PLANTED.json",
+               "MLFLOW_TRACKING_PASSWORD": "mlflow-PLANTED-pw"}
+    for k, v in planted.items():
+        monkeypatch.setenv(k, v)
+    # a package folder as a developer's checkout may leave it: a .env, caches, run folders, an MLflow store
+    package = tmp_path / "pkg"
+    shutil.copytree(REPO / "fitburst", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for junk, text in {".env": f"HF_TOKEN={SECRET}", "runs/demo/x/adapter.bin": SECRET, "mlruns/0/meta.yaml": SECRET,
+                       "__pycache__/spec.cpython-311.pyc": SECRET, ".venv-gpu/pyvenv.cfg": SECRET,
+                       "mlflow.db": SECRET, "key.pem": SECRET}.items():
+        (package / junk).parent.mkdir(parents=True, exist_ok=True)
+        (package / junk).write_text(text)
+    workdir = cloud.task.stage_workdir(tmp_path / "workdir", package)
+    task = build_task(spec, _candidates(), prepared_dir=prepared, workdir=workdir)
+    uploaded = [p for p in Path(task.workdir).rglob("*") if p.is_file()]
+    uploaded += [Path(src) for src in task.file_mounts.values() if Path(src).is_file()]
+    assert len(uploaded) > 20 and not [p for p in uploaded if p.name in (".env", "mlflow.db", "key.pem")
+                                       or {"runs", "mlruns", "__pycache__", ".venv-gpu"} & set(p.parts)]
+    secrets = [SECRET, SECRET + "pw", *planted.values()]
+    for p in uploaded:
+        assert not any(v.encode() in p.read_bytes() for v in secrets), p
+    text = task_yaml(task)
+    assert not any(v in text for v in secrets)
+    # HF token only: MLflow credentials go only to a node that logs to the server, raw cloud keys never
+    assert set(task.secrets) == {"HF_TOKEN"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    task = build_task(spec, _candidates(), prepared_dir=prepared, workdir=workdir, mlflow_run_id="r1")
+    assert set(task.secrets) == {"HF_TOKEN", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_PASSWORD"}
+    # the checkout's .skyignore keeps the same things out of a manual `sky launch`
+    ignored = set((REPO / ".skyignore").read_text().split())
+    assert {".env", "runs/", "mlruns/", ".venv*/", "__pycache__/", "mlflow.db"} <= ignored

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,63 @@ def test_truncation_that_removes_the_reply_is_reported(tmp_path, demo_tokenizer)
     prepared = prepare(DataSpec(path=str(p), val_split=0.0, max_seq_len=16), p, demo_tokenizer, tmp_path / "c")
     assert prepared.n_no_target == 1 and prepared.n_train == 1
     assert prepared.stats["n_truncated"] == 1
+
+
+# --- assistant-only masks on real chat templates (tokenizer folders in tests/fixtures/tokenizers) -------------------
+
+TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital of France."},
+        {"role": "user", "content": "Give me two colours."},
+        {"role": "assistant", "content": "Red and blue."},
+        {"role": "user", "content": "And one more?"},
+        {"role": "assistant", "content": "Green."}]
+
+
+def labelled_runs(row) -> list[list[int]]:
+    runs, run = [], []
+    for tok, label in zip(row["input_ids"], row["labels"], strict=True):
+        if label != IGNORE_INDEX:
+            assert label == tok
+            run.append(tok)
+        elif run:
+            runs, run = runs + [run], []
+    return runs + ([run] if run else [])
+
+
+@pytest.mark.parametrize("name, eot", [("qwen3-style", "<|im_end|>"), ("llama3-style", "<|eot_id|>"),
+                                       ("llama3-style-generation", "<|eot_id|>")])
+def test_masks_hold_exactly_the_assistant_tokens(name, eot):
+    """Each labelled run is one reply and its end-of-turn token, nothing of the user's turns or the headers: by
+    content search where history changes the rendering (qwen3), by verified prefixes (llama3), by the tokenizer's
+    own {% generation %} mask (llama3-generation)."""
+    from fitburst.models import load_tokenizer
+
+    tok = load_tokenizer(str(TOKENIZERS / name))
+    row = tokenize(CHAT, tok, "auto", 512, False)
+    replies = [m["content"] + eot for m in CHAT if m["role"] == "assistant"]
+    assert [tok.decode(run) for run in labelled_runs(row)] == replies
+    assert tok.decode(row["input_ids"]).count("What is the capital") == 1
+
+
+def test_history_dependent_template_is_detected(demo_tokenizer):
+    """The Qwen3-style template renders an earlier reply without the <think> block it gets as the last turn, so
+    the rendered prefixes are not prefixes of the whole text (the old spans ran into the next user turn)."""
+    from fitburst.data import _prefix_spans
+    from fitburst.models import load_tokenizer
+
+    qwen = load_tokenizer(str(TOKENIZERS / "qwen3-style"))
+    text = qwen.apply_chat_template(CHAT, tokenize=False)
+    assert "<think>" in text and _prefix_spans(CHAT, qwen, {}, text) is None
+    assert _prefix_spans(CHAT, demo_tokenizer, {}, demo_tokenizer.apply_chat_template(CHAT, tokenize=False))
+
+
+def test_template_that_rewrites_replies_fails_with_a_located_message(tmp_path):
+    from fitburst.models import load_tokenizer
+
+    tok = load_tokenizer(str(TOKENIZERS / "qwen3-style"))
+    tok.chat_template = tok.chat_template.replace("m['content'] }}", "m['content'] | upper }}")
+    p = write_jsonl(tmp_path / "d.jsonl", [RECORDS["messages"], {"messages": CHAT}])
+    with pytest.raises(DataError, match=r"d.jsonl: record 2: messages\[6\] \(assistant\).*verbatim"):
+        prepare(DataSpec(path=str(p), val_split=0.0), p, tok, tmp_path / "c")

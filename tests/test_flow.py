@@ -120,3 +120,140 @@ def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):
 
     with pytest.raises(SpecError, match="max_steps"):
         finetune(pipeline="demo", overrides={"training.max_steps": 0}, pipelines_file=str(pipelines_file))
+
+
+def test_flow_and_node_command_record_the_same(demo_run, demo_prepared, tmp_path, monkeypatch):
+    """One recipe, two callers: `fitburst train --eval --plan` (the cloud node's command) on the spec the flow
+    trained records what the flow's train and evaluate tasks recorded; only the path tag says where it ran."""
+    import mlflow
+
+    from fitburst import cli
+    from fitburst.spec import load_resolved
+    from fitburst.tracking import RUN_ID_ENV, Tracker
+
+    flow_id = demo_run["mlflow_run_id"]
+    spec_file = mlflow.artifacts.download_artifacts(run_id=flow_id, artifact_path="config/planned.yaml",
+                                                    dst_path=str(tmp_path))
+    node = Tracker.start(load_resolved(spec_file))
+    monkeypatch.setenv(RUN_ID_ENV, node.run_id)
+    assert cli.main(["train", "--spec", spec_file, "--prepared", demo_prepared.dir, "--run-dir",
+                     str(tmp_path / "run"), "--eval", "--plan", "--quiet"]) == 0
+    node.end()
+
+    def records(run_id: str) -> tuple[dict, set, dict]:
+        run = client().get_run(run_id)
+        ours = ("train.", "eval.", "params.", "memory.measured")
+        metrics = {k: v for k, v in run.data.metrics.items() if k.startswith(ours)}
+        files = {a.path for d in ("adapter", "train", "eval") for a in client().list_artifacts(run_id, d)}
+        tags = {k: run.data.tags.get(k) for k in ("device", "precision", "path")}
+        return metrics, files, tags
+
+    (fm, ff, ft), (nm, nf, nt) = records(flow_id), records(node.run_id)
+    assert set(fm) == set(nm) and ff == nf and {"eval/samples.json", "train/loss.png"} <= ff
+    assert {**ft, "path": None} == {**nt, "path": None} and (ft["path"], nt["path"]) == ("local", "cloud")
+    for key in ("train.steps", "train.tokens", "train.final_loss", "params.trainable", "eval.base_loss",
+                "eval.tuned_loss", "eval.n_tokens"):
+        assert nm[key] == pytest.approx(fm[key], rel=1e-4), key
+    curves = [[m.value for m in client().get_metric_history(r, "train_loss")] for r in (flow_id, node.run_id)]
+    assert curves[1] == pytest.approx(curves[0], rel=1e-4)
+
+
+def test_flow_run_is_named_pipeline_date_short_id(demo_run):
+    import asyncio
+    import re
+
+    from prefect.client.orchestration import get_client
+
+    async def fetch():
+        async with get_client() as c:
+            return await c.read_flow_runs()
+
+    run = next(r for r in asyncio.run(fetch()) if str(r.id) == client().get_run(
+        demo_run["mlflow_run_id"]).data.tags["prefect.flow_run_id"])
+    assert re.fullmatch(r"demo-\d{4}-\d{2}-\d{2}-[0-9a-f]{8}", run.name), run.name
+    assert run.name.endswith(run.id.hex[:8])
+
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def logs():
+        async with get_client() as c:
+            return await c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200)
+
+    # not a terminal: one clean line per logged step, no carriage-return progress bar
+    lines = [m.message for m in asyncio.run(logs())]
+    steps = [m for m in lines if m.startswith("step ")]
+    assert len(steps) == 15 and steps[-1].startswith("step 150/150 · loss ") and "ETA 0s" in steps[-1]
+    assert not [m for m in lines if "\r" in m]
+
+
+def test_progress_artifact_reaches_100_and_preflight_table_exists(demo_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def fetch():
+        async with get_client() as c:
+            keys = ArtifactFilterKey(any_=["training-demo", "training-demo-log", "preflight-table-demo"])
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=keys))
+
+    arts = {a.key: a for a in asyncio.run(fetch())}
+    progress = arts["training-demo"]
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    assert progress.description.startswith("step 150/150 · loss ") and "tokens/s · ETA" in progress.description
+    log = json.loads(arts["training-demo-log"].data)
+    assert [r["step"] for r in log] == list(range(10, 151, 10))
+    table = json.loads(arts["preflight-table-demo"].data)
+    assert {"weights", "lora_weights", "device total (+ context)"} <= {r["item"] for r in table}
+
+
+def test_run_is_model_training_with_lineage_and_system_metrics(demo_run, demo_prepared):
+    run = client().get_run(demo_run["mlflow_run_id"])
+    exp = client().get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    by_context = {next(t.value for t in d.tags if t.key == "mlflow.data.context"): d.dataset
+                  for d in run.inputs.dataset_inputs}
+    assert set(by_context) == {"training", "validation"}
+    for context, n in (("training", demo_prepared.n_train), ("validation", demo_prepared.n_val)):
+        ds = by_context[context]
+        assert ds.digest == run.data.params["data.content_hash"] == demo_prepared.content_hash
+        assert json.loads(ds.profile)["num_rows"] == n
+        assert json.loads(ds.source)["uri"].endswith("fitburst/demo/instructions.jsonl")
+    # token statistics are params (and a table), not one-point metrics
+    assert run.data.params["data.tokens.p95"] == str(demo_prepared.stats["p95"])
+    assert not [k for k in run.data.metrics if k.startswith("data.")]
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
+    # validation loss beside the train loss curve: the base model at step 0, the tuned one at the last step
+    val = sorted((m.step, m.value) for m in client().get_metric_history(run.info.run_id, "val_loss"))
+    assert val == [(0, run.data.metrics["eval.base_loss"]), (150, run.data.metrics["eval.tuned_loss"])]
+
+
+def test_registered_model_generates_like_the_adapter_loaded_directly(demo_run, demo_spec):
+    import mlflow
+    import torch
+    from peft import PeftModel
+
+    from fitburst.models import load_model, load_tokenizer
+
+    run = client().get_run(demo_run["mlflow_run_id"])
+    assert [o.model_id for o in run.outputs.model_outputs] and demo_run["version"] == 1
+    version = client().get_model_version_by_alias("fitburst-demo", "champion")
+    assert str(version.version) == "1" and version.run_id == run.info.run_id
+    assert {k: version.tags[k] for k in ("pipeline", "verdict", "path")} == {"pipeline": "demo", "verdict": "local",
+                                                                             "path": "local"}
+    assert float(version.tags["eval.delta_loss"]) == pytest.approx(run.data.metrics["eval.delta_loss"], abs=1e-5)
+
+    messages = [{"role": "user", "content": "Give me a synonym for happy."}]
+    pyfunc = mlflow.pyfunc.load_model("models:/fitburst-demo@champion")
+    logged = pyfunc.predict({"messages": messages, "max_tokens": 12})[0]["choices"][0]["message"]["content"]
+
+    tok = load_tokenizer(demo_run["adapter_dir"])
+    direct = PeftModel.from_pretrained(load_model(demo_spec.model.name, dtype=torch.float32, device="cpu"),
+                                       demo_run["adapter_dir"])
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = direct.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    expected = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert logged.strip() == expected and expected
+    # and through the transformers flavor: the same PEFT model
+    components = mlflow.transformers.load_model("models:/fitburst-demo/1", return_type="components")
+    assert type(components["model"]).__name__ == "PeftModelForCausalLM"

@@ -73,8 +73,10 @@ def test_hub_ids_map_to_bundled_configs(ref, expect):
 
 
 def test_unknown_model_names_what_was_tried(tmp_path):
-    with pytest.raises(ValueError, match="bundled configs"):
-        load_shape("nobody/no-such-model-7b")
+    with pytest.raises(ValueError, match="not a bundled config"):
+        load_shape("no-such-model-7b")
+    with pytest.raises(ValueError, match="cannot fetch config.json of 'nobody/no-such-model-7b'.*offline"):
+        load_shape("nobody/no-such-model-7b")  # a hub id: the suite runs with HF_HUB_OFFLINE=1
     cfg = json.loads((ROOT / "fitburst/configs/llama-3.2-1b.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert load_shape(str(tmp_path)).hidden == 2048
@@ -223,16 +225,17 @@ def test_seed_qwen7b_lora_r128_on_24gb():
     dev = resolve_device("RTX4090")
     assert not estimate(shape, s, dev, 0.1).fits
     plan = plan_fit(shape, s, dev)
-    assert plan.fits and plan.verdict == "local" and plan.changes
-    assert plan.estimate.device_total_bytes <= dev.total_bytes
+    assert plan.fits and plan.changes
+    assert plan.needed_bytes <= plan.limit_bytes < dev.budget_bytes  # the band's upper edge within budget less headroom
+    assert plan.estimate.band is not None and plan.needed_bytes > plan.estimate.reserved_peak_bytes
     assert plan.settings.batch * plan.settings.grad_accum == 4
-    # the pipeline forbids quantization and checkpointing: still a plan, or a burst with a GPU named
+    # the pipeline forbids quantization and checkpointing: still a plan, or the longest length that fits
     p2 = plan_fit(
         shape, s, dev, allow={"quantize": False, "gradient_checkpointing": False, "reduce_batch": False}
     )
     assert p2.settings.method == "lora" and not p2.settings.grad_checkpointing
     if not p2.fits:
-        assert p2.verdict == "burst" and p2.burst_gpu in ("A6000", "A100-40GB", "A100-80GB", "H100", "L40S")
+        assert any("sequence" in c for c in p2.changes)
 
 
 def test_seed_gemma_270m_at_131072_tokens_on_16gb():
@@ -244,8 +247,8 @@ def test_seed_gemma_270m_at_131072_tokens_on_16gb():
     eager = estimate(shape, replace(s, attention="eager"), dev, 0.1)
     assert eager.allocated_peak_bytes > e.allocated_peak_bytes  # seq x seq probabilities per layer
     plan = plan_fit(shape, s, dev)
-    assert not plan.fits and plan.verdict == "burst"
-    assert any("max_seq_len" in c for c in plan.changes)
+    assert not plan.fits
+    assert any("longest sequence that fits" in c for c in plan.changes)
     fine = estimate(shape, replace(s, seq_len=2048), dev, 0.1)
     assert fine.fits
 
@@ -258,7 +261,6 @@ def test_seed_qwen2_vl_7b_fp32_lora_on_mps_42gib():
     plan = plan_fit(shape, s, dev)
     # no bitsandbytes on MPS: the planner must not quantize
     assert plan.settings.quant == "none"
-    assert plan.fits or plan.verdict == "burst"
 
 
 def test_quantize_only_where_bnb_and_when_allowed():
@@ -267,7 +269,7 @@ def test_quantize_only_where_bnb_and_when_allowed():
     plan = plan_fit(shape, s, resolve_device("T4"))
     assert plan.fits and plan.settings.quant == "nf4"
     nq = plan_fit(shape, s, resolve_device("T4"), allow={"quantize": False})
-    assert nq.settings.quant == "none" and (not nq.fits) and nq.verdict == "burst" and nq.burst_gpu
+    assert nq.settings.quant == "none" and not nq.fits
 
 
 def test_fitting_run_is_left_alone_and_phases_are_monotone_in_batch():

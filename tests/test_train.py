@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from fitburst.train import TrainError, check_quant_supported, latest_checkpoint, select_device, train
+from fitburst.device import DeviceError, check_quant_supported, select_device
+from fitburst.train import latest_checkpoint, train
 
 
 def small(spec, **training):
@@ -72,8 +73,8 @@ def test_quantized_base_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, dem
 
 
 def test_device_refusals():
-    with pytest.raises(TrainError, match="bitsandbytes .* MPS"):
+    with pytest.raises(DeviceError, match="bitsandbytes .* MPS"):
         check_quant_supported("nf4", "mps")
-    with pytest.raises(TrainError, match="no cuda device"):
+    with pytest.raises(DeviceError, match="no cuda device"):
         select_device("T4")
     assert select_device("auto") == "cpu"

@@ -3,14 +3,7 @@ bring the results home, and always tear the cluster down. The only package that 
 
 from fitburst.cloud.gpus import SKY_NAMES, Offer, canonical_gpu, offers
 from fitburst.cloud.launch import BurstFailed, BurstResult, LogStream, burst_train, explain_launch_error
-from fitburst.cloud.rank import (
-    Candidate,
-    budget_problems,
-    estimate_hours,
-    rank_candidates,
-    should_burst,
-    train_tokens,
-)
+from fitburst.cloud.rank import Candidate, budget_problems, rank_candidates
 from fitburst.cloud.task import (
     TASK_YAML,
     BudgetError,
@@ -39,11 +32,8 @@ __all__ = [
     "check_budget",
     "collect_secrets",
     "dry_run_report",
-    "estimate_hours",
     "explain_launch_error",
     "offers",
     "rank_candidates",
-    "should_burst",
     "task_yaml",
-    "train_tokens",
 ]

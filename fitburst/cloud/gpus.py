@@ -1,4 +1,4 @@
-"""GPU names, memory, throughput and prices for the burst path.
+"""GPU names, memory and prices for the burst path (throughput: :mod:`fitburst.hours`).
 
 fitburst names a GPU the way the memory estimator does (``A6000``, ``T4``, ``A100-80GB``, ...). Each provider
 calls some cards differently in SkyPilot's catalog (RunPod ``RTXA6000`` vs Lambda ``A6000``), so
@@ -34,20 +34,6 @@ SKY_NAMES: dict[str, dict[str, str]] = {
     },
     "H100": {"runpod": "H100", "lambda": "H100", "aws": "H100", "gcp": "H100", "azure": "H100"},
 }
-
-# Dense 16-bit tensor-core peak in TFLOP/s (fp16 on T4, bf16 elsewhere) from the vendors' data sheets, and
-# the fraction a LoRA fine-tune sustains (model FLOPs utilisation). Used for time estimates only.
-PEAK_TFLOPS = {
-    "T4": 65.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "A6000": 155.0,
-    "A100-40GB": 312.0,
-    "A100-80GB": 312.0,
-    "H100": 756.0,
-}
-MFU = {"T4": 0.25}
-DEFAULT_MFU = 0.35
 
 # Fallback only: public on-demand list prices (USD/h, one GPU) noted 2026-11 for the cheapest 1-GPU instance.
 # Spot prices are None where the provider has no spot market (Lambda).

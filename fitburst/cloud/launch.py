@@ -1,17 +1,23 @@
 """Launch one burst run, stream its logs, bring the outputs home, and always tear the cluster down.
 
 Two lifecycles (both through SkyPilot's client SDK):
-- on-demand: a cluster. ``sky.launch`` (autostop-with-down as a second guard) -> ``sky.tail_logs`` (follow;
-  0 success, 100 failure) -> ``sky.job_status`` -> rsync ``~/fitburst-job/run`` back -> ``sky.down`` in
-  ``finally`` (success, failure, exceptions, Ctrl-C and Prefect cancellation alike).
-- spot: a managed job (``sky.jobs.launch``), which recovers from preemption from the last checkpoint and tears
-  its own cluster down; fitburst cancels it on any error or interrupt. Its outputs reach home through MLflow
-  (the node logs directly) or ``burst.bucket``.
+- on-demand: a cluster. ``sky.launch`` (autostop as a second guard) -> ``sky.tail_logs`` (follow; 0 success,
+  100 failure) -> ``sky.job_status`` -> rsync ``~/fitburst-job/run`` back -> ``sky.down``. The pull runs before
+  the teardown on every exit path (success, failed job, exception, Ctrl-C, Prefect cancellation), so the
+  checkpoints of a failed run come home and a rerun resumes them (they travel back to the next node).
+- spot: a managed job (``sky.jobs.launch``) whose RUN_DIR is ``burst.bucket`` (MOUNT_CACHED), so a restart after
+  preemption resumes from the newest checkpoint; it tears its own cluster down; fitburst cancels it on any
+  error or interrupt and syncs the bucket home.
+
+The cluster and job ids are written to ``<run folder>/cloud.json`` (and MLflow tags, through ``on_ids``) as soon
+as they exist: a rerun on the same run folder after the launcher died reattaches to the running job, or collects
+a finished one, instead of launching again.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -27,11 +33,14 @@ from typing import Any
 from fitburst.cloud.rank import Candidate
 from fitburst.cloud.task import (
     JOB_DIR,
+    STOPPABLE,
     BurstError,
+    bucket_url,
     build_task,
     check_budget,
     dry_run_report,
     remote_tracking_uri,
+    stage_workdir,
     write_node_spec,
 )
 from fitburst.tracking import redact
@@ -50,6 +59,8 @@ class BurstResult:
     ok: bool
     job_status: str  # SUCCEEDED | FAILED | FAILED_SETUP | CANCELLED | DRY_RUN | LAUNCH_FAILED | ...
     cluster: str | None = None
+    job_id: int | None = None
+    reattached: bool = False  # picked up a job a previous launcher started (cloud.json)
     provider: str | None = None
     gpu: str | None = None
     accelerator: str | None = None
@@ -76,6 +87,7 @@ class BurstResult:
             "cloud.accelerator": self.accelerator,
             "cloud.region": self.region,
             "cloud.cluster": self.cluster,
+            "cloud.job_id": self.job_id,
             "cloud.hourly_usd": f"{self.hourly_usd:.3f}" if self.hourly_usd is not None else None,
             "cloud.cost_usd": f"{self.cost_usd:.3f}" if self.cost_usd is not None else None,
             "cloud.job_status": self.job_status,
@@ -169,6 +181,27 @@ def _pull_outputs(cluster: str, run_dir: Path, log: Callable[[str], Any]) -> Non
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
 
 
+RECORD = "cloud.json"
+LIVE = ("launching", "running")  # record states a rerun reattaches to
+
+
+def read_record(run_dir: str | os.PathLike) -> dict | None:
+    """The run folder's cloud record (cluster, job_id, managed, state), or None."""
+    path = Path(run_dir) / RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _record(run_dir: Path, on_ids: Callable[[dict], Any] | None, **fields: Any) -> None:
+    """Update ``cloud.json`` atomically (and hand new ids to ``on_ids``: the MLflow tags)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rec = {**(read_record(run_dir) or {}), **fields}
+    tmp = run_dir / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps(rec, indent=2))
+    tmp.replace(run_dir / RECORD)
+    if on_ids is not None:
+        on_ids({k: v for k, v in rec.items() if k in ("cluster", "job_id", "managed") and v is not None})
+
+
 def burst_train(
     spec: Any,
     prepared_dir: str | os.PathLike,
@@ -180,26 +213,33 @@ def burst_train(
     mlflow_run_id: str | None = None,
     local: dict | None = None,
     pull: Callable[[str, Path, Callable], None] | None = None,
+    on_ids: Callable[[dict], Any] | None = None,
 ) -> BurstResult:
     """Train ``spec`` on the best usable candidate; return the result with outputs in ``run_dir``.
 
     Budget caps and fit are checked before anything is created (BudgetError / BurstError). With ``dry_run``
     nothing is launched: the report (GPU, provider, $/h, total, task YAML) is returned. On a failed job,
-    failed setup, launch error or interrupt the cluster is torn down and BurstFailed (or the interrupt) is
-    raised, so the flow can mark its MLflow run FAILED.
+    failed setup, launch error or interrupt the outputs so far are pulled home, the cluster is torn down and
+    BurstFailed (or the interrupt) is raised, so the flow can mark its MLflow run FAILED. A ``run_dir`` whose
+    cloud.json names a live cluster or job is reattached to instead of launching. ``on_ids`` receives the
+    cluster name and job id as soon as they exist (to tag the MLflow run).
     """
     candidates = [Candidate.from_dict(c) for c in candidates]
     ok = check_budget(spec, candidates)
-    # the node's spec file lives only until the launch has uploaded it (dry runs included)
-    with tempfile.TemporaryDirectory(prefix="fitburst-spec-") as tmp:
+    # the node's spec file and staged workdir live only until the launch has uploaded them (dry runs included)
+    with tempfile.TemporaryDirectory(prefix="fitburst-task-") as tmp:
         spec_path = write_node_spec(spec, tmp)
-        return _burst_train(spec, prepared_dir, run_dir, candidates, ok, spec_path, dry_run=dry_run, log=log,
-                            mlflow_run_id=mlflow_run_id, local=local, pull=pull)
+        workdir = stage_workdir(Path(tmp) / "workdir")
+        return _burst_train(spec, prepared_dir, Path(run_dir), candidates, ok, spec_path, workdir, dry_run=dry_run,
+                            log=log, mlflow_run_id=mlflow_run_id, local=local, pull=pull, on_ids=on_ids)
 
 
-def _burst_train(spec, prepared_dir, run_dir, candidates, ok, spec_path, *, dry_run, log, mlflow_run_id, local,
-                 pull) -> BurstResult:
-    task = build_task(spec, candidates, prepared_dir=prepared_dir, spec_path=spec_path, mlflow_run_id=mlflow_run_id)
+def _burst_train(spec, prepared_dir, run_dir: Path, candidates, ok, spec_path, workdir, *, dry_run, log,
+                 mlflow_run_id, local, pull, on_ids) -> BurstResult:
+    ckpts = run_dir / "checkpoints"
+    resume = ckpts if not spec.burst.bucket and any(ckpts.glob("step-*")) else None  # travels to the new node
+    task = build_task(spec, candidates, prepared_dir=prepared_dir, spec_path=spec_path, mlflow_run_id=mlflow_run_id,
+                      workdir=workdir, run_name=run_dir.name, checkpoints=resume)
     report = dry_run_report(spec, candidates, task, local=local)
     first = ok[0]
     base = dict(
@@ -215,38 +255,75 @@ def _burst_train(spec, prepared_dir, run_dir, candidates, ok, spec_path, *, dry_
         log(report)
         return BurstResult(ok=True, job_status="DRY_RUN", message="dry run: nothing launched", **base)
     remote = bool(mlflow_run_id and remote_tracking_uri())
+    record = read_record(run_dir)
+    if record is not None and record.get("state") not in LIVE:
+        record = None  # collected or torn down: this is a new launch (resuming the checkpoints above)
     if spec.burst.spot:
-        return _managed_job(spec, task, ok, Path(run_dir), log, remote, base)
-    return _cluster_run(spec, task, ok, Path(run_dir), log, remote, base, pull or _pull_outputs)
+        return _managed_job(spec, task, ok, run_dir, log, remote, base, record, on_ids)
+    attach = _live_cluster(record, log) if record is not None else None
+    return _cluster_run(spec, task, ok, run_dir, log, remote, base, pull or _pull_outputs, attach, on_ids)
 
 
-def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, pull) -> BurstResult:
+def _live_cluster(record: dict, log) -> dict | None:
+    """What of a recorded cluster is still there: ``{"cluster", "job_id"}`` (job_id None: not submitted yet),
+    or None when it is gone. A stopped cluster (autostop on a provider that can stop) is started again."""
     import sky
 
-    name = cluster_name(spec)
+    name = record["cluster"]
+    try:
+        found = sky.stream_and_get(sky.status(cluster_names=[name]))
+        if not found:
+            log(f"recorded cluster {name} no longer exists; launching again" + (
+                "" if record.get("job_id") is None else " (its outputs went with it unless burst.bucket held them)"))
+            return None
+        if _status_name(found[0]["status"]) == "STOPPED":
+            log(f"recorded cluster {name} is stopped; starting it to collect its outputs")
+            sky.stream_and_get(sky.start(name))
+        job_id = record.get("job_id")
+        if job_id is None:  # the launcher died while launching: find the job it may have submitted
+            jobs = sky.stream_and_get(sky.queue(name)) or []
+            job_id = max((j["job_id"] for j in jobs), default=None)
+    except Exception as e:  # noqa: BLE001 - cannot reach it: launch anew (a new name; the old one autostops)
+        log(f"WARNING: could not reach recorded cluster {name} ({type(e).__name__}: {redact(str(e))}); launching "
+            f"a new one (check `sky status {name}`)")
+        return None
+    return {"cluster": name, "job_id": job_id}
+
+
+def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, pull, attach: dict | None,
+                 on_ids) -> BurstResult:
+    import sky
+
+    name = attach["cluster"] if attach else cluster_name(spec)
     result = BurstResult(
         ok=False, job_status="LAUNCHING", cluster=name, run_dir=str(run_dir), logged_remotely=remote, **base
     )
     stream = LogStream(log)
     started = time.monotonic()
-    launched = False
-    request_id = None
+    launched = collected = False
+    request_id = job_id = None
     try:
-        log(f"launching {name}: {', '.join(c.label() for c in ok)} (in this order)")
-        request_id = sky.launch(
-            task, cluster_name=name, idle_minutes_to_autostop=spec.burst.autostop_minutes, down=True
-        )
-        launched = True  # from here on a cluster may exist
-        try:
-            job_id, handle = sky.stream_and_get(request_id, output_stream=stream)
-        except Exception as e:
-            from sky import exceptions as sx
+        if attach and attach["job_id"] is not None:
+            launched, job_id, result.reattached = True, attach["job_id"], True
+            log(f"reattaching to job {job_id} on {name} (recorded in {run_dir / RECORD}); not launching again")
+        else:
+            _record(run_dir, on_ids, cluster=name, job_id=None, managed=False, state="launching")
+            log(f"launching {name}: {', '.join(c.label() for c in ok)} (in this order)")
+            request_id = sky.launch(task, cluster_name=name, idle_minutes_to_autostop=spec.burst.autostop_minutes,
+                                    down=bool(spec.burst.bucket) or ok[0].provider not in STOPPABLE)
+            launched = True  # from here on a cluster may exist
+            try:
+                job_id, handle = sky.stream_and_get(request_id, output_stream=stream)
+            except Exception as e:
+                from sky import exceptions as sx
 
-            setup_failed = isinstance(e, sx.ClusterSetUpError) or "setup" in str(e).lower()
-            result.job_status = "FAILED_SETUP" if setup_failed else "LAUNCH_FAILED"
-            result.message = explain_launch_error(e, ok)
-            raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
-        _describe(result, handle)
+                setup_failed = isinstance(e, sx.ClusterSetUpError) or "setup" in str(e).lower()
+                result.job_status = "FAILED_SETUP" if setup_failed else "LAUNCH_FAILED"
+                result.message = explain_launch_error(e, ok)
+                raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
+            _describe(result, handle)
+            _record(run_dir, on_ids, job_id=job_id, state="running")
+        result.job_id = job_id
         log(
             f"job {job_id} on {name} ({result.accelerator} @ {result.provider} {result.region or ''}); "
             "streaming logs"
@@ -266,10 +343,11 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
         if not remote:
             try:
                 pull(name, run_dir, log)
+                collected = True
             except Exception as e:  # noqa: BLE001
                 result.message = f"training succeeded but pulling outputs from {name} failed: {e}"
                 raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
-        result.ok = True
+        result.ok = collected = True
         result.message = f"trained on {result.accelerator} ({result.provider})"
         return result
     except BaseException as e:
@@ -285,8 +363,26 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
         result.seconds = round(time.monotonic() - started, 1)
         if result.hourly_usd is not None:
             result.cost_usd = round(result.hourly_usd * result.seconds / 3600, 4)
+        if launched and job_id is not None and not collected:
+            # a failed, cancelled or broken run: its checkpoints and logs come home before the cluster goes
+            collected = _pull_quietly(pull, name, run_dir, log)
         if launched:
             result.torn_down = _teardown(name, log)
+        if launched or (run_dir / RECORD).exists():
+            # torn down but not collected: nothing left to reattach to; not torn down: a rerun collects it
+            _record(run_dir, None, state="collected" if collected else ("torn_down" if result.torn_down
+                                                                        else "running"))
+
+
+def _pull_quietly(pull, name: str, run_dir: Path, log) -> bool:
+    """Pull what the node has (best effort, never raises: the error that got us here matters more)."""
+    try:
+        pull(name, run_dir, log)
+        log(f"pulled the outputs of {name} home to {run_dir} (a rerun resumes from its checkpoints)")
+        return True
+    except BaseException as e:  # noqa: BLE001 - including a second Ctrl-C
+        log(f"WARNING: pulling outputs from {name} failed ({type(e).__name__}: {redact(str(e))})")
+        return False
 
 
 def _describe(result: BurstResult, handle: Any) -> None:
@@ -330,41 +426,47 @@ def _quiet(fn, log) -> None:
         log(f"(ignored) {type(e).__name__}: {e}")
 
 
-def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -> BurstResult:
+def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, record: dict | None,
+                 on_ids) -> BurstResult:
     import sky
 
-    bucket = getattr(spec.burst, "bucket", None)
-    if not remote and not bucket:
+    bucket = spec.burst.bucket
+    if not bucket:
         raise BurstError(
-            "spot runs use SkyPilot managed jobs, which delete their cluster when done, so outputs "
-            "must leave the node: set MLFLOW_TRACKING_URI to a server the cloud can reach, or "
-            "burst.bucket (s3://... or gs://...)"
+            "spot runs use SkyPilot managed jobs: a preempted node is replaced and the job restarts, so its "
+            "checkpoints must outlive the node: set burst.bucket (s3://... or gs://...; RUN_DIR is mounted from it "
+            "MOUNT_CACHED) and a provider that mounts buckets (aws, gcp, azure)"
         )
-    if bucket:
-        task.set_storage_mounts({f"~/{JOB_DIR}/run": sky.Storage(source=bucket, mode=sky.StorageMode.MOUNT)})
     task.set_resources(
         type(task.resources)(
             r.copy(job_recovery={"strategy": "FAILOVER", "max_restarts_on_errors": 1}) for r in task.resources
         )
     )
-    name = cluster_name(spec)
+    name = record["cluster"] if record else cluster_name(spec)
     result = BurstResult(
         ok=False, job_status="LAUNCHING", cluster=name, run_dir=str(run_dir), logged_remotely=remote, **base
     )
     stream = LogStream(log)
     started = time.monotonic()
     job_id = request_id = None
+    url = bucket_url(spec, run_dir.name)
     try:
-        request_id = sky.jobs.launch(task, name=name)
-        job_ids, _ = sky.stream_and_get(request_id, output_stream=stream)
-        job_id = job_ids[0] if job_ids else None
+        if record is not None and record.get("job_id") is not None:
+            job_id, result.reattached = record["job_id"], True
+            log(f"reattaching to managed job {job_id} ({name}, recorded in {run_dir / RECORD}); not launching again")
+        else:
+            _record(run_dir, on_ids, cluster=name, job_id=None, managed=True, state="launching", bucket=url)
+            request_id = sky.jobs.launch(task, name=name)
+            job_ids, _ = sky.stream_and_get(request_id, output_stream=stream)
+            job_id = job_ids[0] if job_ids else None
+            _record(run_dir, on_ids, job_id=job_id, state="running")
+        result.job_id = job_id
         code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=stream)
         result.job_status = "SUCCEEDED" if code == 0 else ("CANCELLED" if code == 103 else "FAILED")
         if code != 0:
             result.message = f"managed job {job_id} ended {result.job_status} (exit code {code})"
             raise BurstFailed(result.message, result)
-        if bucket and not remote:
-            _sync_bucket(bucket, run_dir, log)
+        _sync_bucket(url, run_dir, log)
         result.ok, result.message = True, f"managed job {job_id} succeeded"
         return result
     except BaseException as e:
@@ -378,6 +480,8 @@ def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -
             result.torn_down = True  # the job ended on its own; managed jobs delete their own cluster
         else:
             result.torn_down = _cancel_managed(name, job_id, request_id, log)
+        if job_id is not None and not result.ok:  # the checkpoints so far are in the bucket; bring them home too
+            _quiet(lambda: _sync_bucket(url, run_dir, log), log)
         if interrupted or isinstance(e, BurstFailed):
             raise  # unchanged: the flow and Prefect must see the interrupt itself
         raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
@@ -386,6 +490,9 @@ def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict) -
         result.seconds = round(time.monotonic() - started, 1)
         if result.hourly_usd is not None:
             result.cost_usd = round(result.hourly_usd * result.seconds / 3600, 4)
+        if (run_dir / RECORD).exists():  # the bucket keeps everything: a managed run is never lost once done
+            _record(run_dir, None, state="collected" if result.ok else ("torn_down" if result.torn_down
+                                                                        else "running"))
 
 
 def _cancel_managed(name: str, job_id: int | None, request_id: Any, log) -> bool:
@@ -409,10 +516,11 @@ def _cancel_managed(name: str, job_id: int | None, request_id: Any, log) -> bool
         return False
 
 
-def _sync_bucket(bucket: str, run_dir: Path, log) -> None:
-    tool = ["aws", "s3", "sync"] if bucket.startswith("s3://") else ["gsutil", "-m", "rsync", "-r"]
+def _sync_bucket(url: str, run_dir: Path, log) -> None:
+    """Copy one run's folder from the bucket home (the launcher's own credentials; the node never gets them)."""
+    tool = ["aws", "s3", "sync"] if url.startswith("s3://") else ["gsutil", "-m", "rsync", "-r"]
     if shutil.which(tool[0]) is None:
-        raise BurstError(f"outputs are in {bucket}; install {tool[0]} to pull them back")
+        raise BurstError(f"outputs are in {url}; install {tool[0]} to pull them back")
     run_dir.mkdir(parents=True, exist_ok=True)
-    log(f"pulling outputs from {bucket}")
-    subprocess.run([*tool, bucket, str(run_dir)], check=True, timeout=1800)
+    log(f"pulling outputs from {url}")
+    subprocess.run([*tool, url, str(run_dir)], check=True, timeout=1800)

@@ -1,11 +1,13 @@
-"""The SkyPilot task for one burst run: sky/train.yaml, filled in with resources, envs, mounts and secrets."""
+"""The SkyPilot task for one burst run: train.yaml (package data), filled in with resources, envs, mounts, secrets
+and a staged workdir holding only the fitburst package."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,14 @@ from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
 from fitburst.spec import ENV_REF
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TASK_YAML = REPO_ROOT / "sky" / "train.yaml"
-JOB_DIR = "fitburst-job"  # relative to $HOME on the node; matches FITBURST_JOB_DIR in sky/train.yaml
+TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml")))  # package data: works from pip
+JOB_DIR = "fitburst-job"  # relative to $HOME on the node; matches FITBURST_JOB_DIR in train.yaml
+STOPPABLE = ("aws", "gcp", "azure")  # can stop a cluster (disk kept); RunPod and Lambda can only tear down
+# what never goes to the node: local state, caches and anything that may hold a secret
+# (the same list as the checkout's .skyignore)
+WORKDIR_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".env", ".env.*", "*.pem", "*.egg-info", "build",
+                                        ".pytest_cache", ".ruff_cache", "runs", "mlruns", "mlflow.db", ".venv*",
+                                        ".fitburst", ".git")
 NODE_PACKAGES = [
     "torch",
     "transformers",
@@ -32,21 +39,18 @@ NODE_PACKAGES = [
     "rich",
     "mlflow",
 ]
-# Secrets taken from the launcher's environment when set (never written to YAML, logs or MLflow).
+# Secrets taken from the launcher's environment when set (never written to YAML, logs or MLflow): the model hub
+# token only. The tracking server's credentials go only when the node logs to it; artifacts then travel through
+# the server (`mlflow server` proxies its artifact store), so no raw cloud keys (AWS_*, GOOGLE_*, ...) ever leave.
 SECRET_ENV = [
     "HF_TOKEN",
     "HUGGING_FACE_HUB_TOKEN",
+]
+REMOTE_TRACKING_SECRET_ENV = [
+    "MLFLOW_TRACKING_URI",
     "MLFLOW_TRACKING_USERNAME",
     "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN",
-]
-# Only when the node logs to the tracking server itself (its artifact store may be S3).
-REMOTE_TRACKING_SECRET_ENV = [
-    "MLFLOW_TRACKING_URI",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "MLFLOW_S3_ENDPOINT_URL",
 ]
 
 
@@ -121,8 +125,13 @@ def check_budget(spec: Any, candidates: list[Candidate]) -> list[Candidate]:
     return ok
 
 
-def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int) -> list[dict]:
-    """Resource configs (YAML form) for ``ordered``: one per usable candidate, cheapest total first."""
+def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int, bucket: str | None = None
+                  ) -> list[dict]:
+    """Resource configs (YAML form) for ``ordered``: one per usable candidate, cheapest total first.
+
+    Autostop is the second guard after fitburst's own teardown. It stops (keeps the disk, so a rerun can still
+    collect the outputs) where the provider can; it tears down where the outputs are safe in ``bucket`` or the
+    provider cannot stop (RunPod, Lambda: there the outputs wait ``autostop_minutes`` for a rerun)."""
     out = []
     for c in candidates:
         r: dict[str, Any] = {
@@ -132,8 +141,8 @@ def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int
             "disk_size": 100,
         }
         if not spot:
-            # second guard after our own teardown; RunPod cannot stop, so autostop means down
-            r["autostop"] = {"idle_minutes": autostop_minutes, "down": True}
+            r["autostop"] = {"idle_minutes": autostop_minutes,
+                             "down": bucket is not None or c.provider not in STOPPABLE}
         out.append(r)
     return out
 
@@ -147,25 +156,34 @@ def build_task(
     mlflow_run_id: str | None = None,
     workdir: str | os.PathLike | None = None,
     task_yaml: str | os.PathLike = TASK_YAML,
+    run_name: str | None = None,
+    checkpoints: str | os.PathLike | None = None,
 ):
-    """Load sky/train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
+    """Load train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
 
-    ``spec_path``: the resolved spec to mount (``write_node_spec`` into a new temp folder when None; the caller
-    deletes it: burst_train passes its own, removed after the launch).
+    ``spec_path``: the resolved spec to mount and ``workdir``: the staged package (written into a new temp folder
+    when None; the caller deletes it: burst_train passes its own, removed after the launch).
     ``prepared_dir``: the prepared data to mount. ``mlflow_run_id``: with a reachable MLFLOW_TRACKING_URI the
     node logs into that run directly (URI and credentials go as secrets); otherwise outputs are pulled back.
+    ``run_name``: the local run folder's name; with ``burst.bucket`` the node's RUN_DIR is
+    :func:`bucket_url` of it, mounted MOUNT_CACHED. ``checkpoints``: a local checkpoints folder (of a run that
+    failed or was pulled home) to mount into RUN_DIR, so the node resumes from it.
     """
     import sky
 
     ok = check_budget(spec, candidates)
     task = sky.Task.from_yaml(str(task_yaml))
     task.name = _task_name(spec)
-    task.update_workdir(str(workdir or REPO_ROOT), None, None)
-    if spec_path is None:
-        spec_path = write_node_spec(spec, tempfile.mkdtemp(prefix="fitburst-spec-"))
+    if spec_path is None or workdir is None:
+        tmp = tempfile.mkdtemp(prefix="fitburst-task-")
+        spec_path = spec_path or write_node_spec(spec, tmp)
+        workdir = workdir or stage_workdir(Path(tmp) / "workdir")
+    task.update_workdir(str(workdir), None, None)
     mounts = {f"~/{JOB_DIR}/spec.yaml": str(Path(spec_path).resolve())}
     if prepared_dir is not None:
         mounts[f"~/{JOB_DIR}/prepared"] = str(Path(prepared_dir).resolve())
+    if checkpoints is not None:
+        mounts[f"~/{JOB_DIR}/run/checkpoints"] = str(Path(checkpoints).resolve())
     task.set_file_mounts(mounts)
     remote = remote_tracking_uri() if mlflow_run_id else None
     envs = {
@@ -181,9 +199,28 @@ def build_task(
     secrets = collect_secrets(spec, remote_tracking=bool(remote))
     if secrets:
         task.update_secrets(secrets)
-    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes)
+    if spec.burst.bucket:
+        url = bucket_url(spec, run_name or "run")
+        task.set_storage_mounts({f"~/{JOB_DIR}/run": sky.Storage(source=url, mode=sky.StorageMode.MOUNT_CACHED)})
+    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes, spec.burst.bucket)
     task.set_resources(sky.Resources.from_yaml_config({"ordered": resources}))
     return task
+
+
+def bucket_url(spec: Any, run_name: str) -> str:
+    """Where one run's RUN_DIR lives in ``burst.bucket``: ``<bucket>/<pipeline>/<run folder name>``."""
+    return f"{spec.burst.bucket.rstrip('/')}/{spec.name}/{run_name}"
+
+
+def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = None) -> Path:
+    """A workdir holding a copy of the ``fitburst`` package (``package``: the installed one) and nothing else
+    (the node runs it with PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or
+    run folder is uploaded."""
+    import fitburst
+
+    dest = Path(dest)
+    shutil.copytree(package or Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
+    return dest
 
 
 def node_spec(spec: Any) -> Any:

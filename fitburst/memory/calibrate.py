@@ -4,7 +4,8 @@ Every run records the estimate (``memory.estimated_*``, from the preflight) and 
 (``memory.measured_peak_bytes``, from the meter), with tags ``path`` (local | cloud) and ``device``. Per device
 family (cuda / mps / cpu), and per GPU name once it has ``--min-runs`` runs, the correction is the median of
 measured / estimated, where "estimated" is the figure the meter's measurement compares with on that kind
-(``memory.estimated_comparable_bytes``; else allocated on CUDA, reserved on CPU and MPS). The result goes to
+(``memory.estimated_comparable_bytes``; else allocated on CUDA, reserved on CPU and MPS), with the calibration
+factor the estimate already carried divided out; on CUDA reserved memory gets its own factor. The result goes to
 ``$FITBURST_CACHE/calibration.json``, which :func:`fitburst.memory.estimate` applies.
 """
 
@@ -45,7 +46,10 @@ def _kind(device: str) -> str | None:
 
 
 def collect(client, experiment: str | None = None) -> list[dict]:
-    """One record per finished run with an estimate and a measurement: kind, gpu, path, ratio."""
+    """One record per finished run with an estimate and a measurement: kind, gpu, path, ratio (measured / the
+    uncalibrated estimate: the factor the run's estimate already carried, ``memory.calibration_factor``, is
+    divided out, so fitting again on runs made with a fitted file gives the same factor), and on CUDA the same
+    for the reserved figure (``reserved_ratio``) when the run measured it."""
     if experiment:
         exp = client.get_experiment_by_name(experiment)
         ids = [exp.experiment_id] if exp else []
@@ -63,9 +67,16 @@ def collect(client, experiment: str | None = None) -> list[dict]:
         measured = m["memory.measured_peak_bytes"]
         if not est:
             continue
+        applied = m.get("memory.calibration_factor") or 1.0
+        raw = est / applied
         gpu = t.get("cloud.gpu") or t.get("gpu") or (t.get("device") if "(" in t.get("device", "") else "")
-        out.append(dict(run_id=run.info.run_id, kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
-                        path=t.get("path", "local"), estimated=est, measured=measured, ratio=measured / est))
+        rec = dict(run_id=run.info.run_id, kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
+                   path=t.get("path", "local"), estimated=raw, measured=measured, ratio=measured / raw,
+                   reserved_ratio=None)
+        est_r, meas_r = m.get("memory.estimated_reserved_bytes"), m.get("memory.measured_reserved_bytes")
+        if kind == "cuda" and est_r and meas_r:
+            rec["reserved_ratio"] = meas_r / (est_r / (m.get("memory.calibration_reserved_factor") or applied))
+        out.append(rec)
     return out
 
 
@@ -75,21 +86,27 @@ def _errors(ratios: list[float], factor: float) -> dict:
 
 
 def fit(records: list[dict], min_runs: int = 3) -> dict:
-    """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, n, before and after errors."""
+    """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, n, before and after errors (errors
+    against the uncalibrated estimate), and reserved_factor where reserved memory was measured."""
 
     def one(rs: list[dict]) -> dict:
         ratios = [r["ratio"] for r in rs]
         f = statistics.median(ratios)
         paths = sorted({r["path"] for r in rs})
-        return {"factor": round(f, 4), "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
-                "after": _errors(ratios, f)}
+        g = {"factor": round(f, 4), "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
+             "after": _errors(ratios, f)}
+        reserved = [r["reserved_ratio"] for r in rs if r.get("reserved_ratio")]
+        if reserved:
+            g["reserved_factor"] = round(statistics.median(reserved), 4)
+            g["reserved_n"] = len(reserved)
+        return g
 
     fam, gpus = defaultdict(list), defaultdict(list)
     for r in records:
         fam[r["kind"]].append(r)
         if r["gpu"]:
             gpus[r["gpu"]].append(r)
-    return {"version": 1, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"version": 2, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "families": {k: one(v) for k, v in sorted(fam.items())},
             "gpus": {k: one(v) for k, v in sorted(gpus.items()) if len(v) >= min_runs}}
 

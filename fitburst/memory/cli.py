@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .calibration import DEFAULT_HEADROOM
 from .devices import GiB
 
 
@@ -45,7 +46,8 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "or cuda:24GiB / mps:36GiB / cpu:64GiB",
     )
     p.add_argument(
-        "--safety-margin", type=float, default=0.1, help="headroom the plan keeps (fraction of budget)"
+        "--safety-margin", type=float, default=DEFAULT_HEADROOM,
+        help="headroom kept on top of the estimate's error band (fraction of budget)"
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument(
@@ -90,6 +92,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .estimator import estimate
+    from .planner import Budget
 
     if args.exact:
         from fitburst.spec import PipelineSpec
@@ -104,17 +107,16 @@ def run_estimate(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        est.safety_margin = args.safety_margin
-        est.fits = est.reserved_peak_bytes <= device.budget_bytes * (1 - args.safety_margin)
     else:
-        est = estimate(shape, settings, device, args.safety_margin)
+        est = estimate(shape, settings, device)
+    est = Budget(device, args.safety_margin).judge(est)
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
         d = est.to_dict()
-        d["verdict"] = plan.verdict
+        d["error_band"] = d.pop("band")  # the band the fit was judged by (fitburst.memory.calibration)
+        d["verdict"] = "local" if plan.fits else "burst"
+        d["needed_bytes"] = Budget(device, args.safety_margin).needed(est)
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
-        if plan.burst_gpu:
-            d["burst_gpu"] = plan.burst_gpu
         print(json.dumps(d, indent=2))
         return 0 if est.fits or plan.fits else 1
     _print_human(shape, settings, device, est, plan)
@@ -136,7 +138,8 @@ def _print_human(shape, settings, device, est, plan) -> None:
     t.add_row("allocated peak", g(est.allocated_peak_bytes))
     t.add_row("reserved (allocator)", g(est.reserved_peak_bytes))
     t.add_row("device total (+ context)", g(est.device_total_bytes))
-    t.add_row(f"budget ({est.safety_margin:.0%} margin kept)", g(est.budget_bytes))
+    t.add_row(f"upper edge of the error band ({est.band.high:+.0%})", g(est.band.upper(est.reserved_peak_bytes)))
+    t.add_row(f"budget (less {est.safety_margin:.0%} headroom)", g(est.budget_bytes * (1 - est.safety_margin)))
     con.print(t)
     p = est.params
     con.print(f"params: {p['total'] / 1e9:.3f} B total, {p['trainable'] / 1e6:.2f} M trainable")

@@ -198,6 +198,18 @@ def _cpu_device() -> Device:
     return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT)
 
 
+def _apple_chip() -> str:
+    """The Mac's chip as macOS names it ("Apple M2 Max"), for throughput tables; "local" when unknown."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "local"
+
+
 def probe_local(want: str = "auto") -> Device:
     """Probe this machine; torch is imported lazily and only when a GPU may be there."""
     if want in ("auto", "local", "cuda", "mps"):
@@ -218,7 +230,7 @@ def probe_local(want: str = "auto") -> Device:
         if mps and want in ("auto", "local", "mps"):
             rec = int(torch.mps.recommended_max_memory())
             total, _ = _meminfo()
-            return Device("mps (local)", "mps", total, rec, True, False, 0)
+            return Device(f"mps ({_apple_chip()})", "mps", total, rec, True, False, 0)
         if want in ("cuda", "mps"):
             raise ValueError(f"no {want} device on this machine (use a named device such as RTX4090)")
     return _cpu_device()

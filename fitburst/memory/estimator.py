@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
+from .calibration import ErrorBand
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import ModelShape
 
@@ -33,30 +34,7 @@ MEASURED_COUNTERPART = {"cuda": "allocated_peak_bytes", "mps": "reserved_peak_by
 def measured_counterpart(estimate: dict, kind: str) -> int:
     """The estimate's figure that a measured peak (``MemoryPeak.allocated_bytes``) on ``kind`` compares with."""
     return int(estimate[MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")])
-# How far each estimate is from the truth, measured (fractions of the figure that decides a fit, low/high):
-# - traced, CUDA: reserved + context against the held-out (TinyLlama) rows of ../shared/memory/t4_dev.csv
-#   (benchmarks/preflight_accuracy.py --parts t4): 16-bit LoRA -0.40 % .. 0.00 % (6 rows); 4-bit QLoRA
-#   -3.98 % .. +1.84 % (15 rows; quantize-on-load transients are not modelled);
-# - traced, CPU: live tensor bytes against 27 real steps of the project's loop, 9 architectures (--parts a):
-#   0.00 % .. +0.58 % (the largest on QLoRA);
-# - analytic, CUDA: device total against all 29 T4 rows (never fitted to them): -22.1 % .. +5.1 %;
-# - analytic, CPU: allocated against the same 26 measured steps (--parts a): -2.3 % .. +4.4 %; within 2 % of the
-#   traced step on the grid in tests/test_trace.py.
-# MPS has no measurement yet: it takes the widest band measured on another device kind.
-EXACT_BAND = {"cuda": (-0.004, 0.0), "cuda-kbit": (-0.040, 0.019), "cpu": (0.0, 0.006), "mps": (-0.221, 0.051)}
-ANALYTIC_BAND = {"cuda": (-0.221, 0.051), "cpu": (-0.023, 0.044), "mps": (-0.221, 0.051)}
-
-
-def error_band(kind: str, *, exact: bool, kbit: bool = False) -> dict:
-    """The measured error band of an estimate on a device kind: ``low``/``high`` fractions of the figure that
-    decides a fit (reserved + context on CUDA) and where the numbers come from."""
-    key = f"{kind}-kbit" if exact and kbit and f"{kind}-kbit" in EXACT_BAND else kind
-    low, high = (EXACT_BAND if exact else ANALYTIC_BAND)[key]
-    src = ("traced step vs real runs (T4 held-out rows; CPU live tensor bytes)" if exact
-           else "analytic estimate vs real T4 runs (CUDA) / vs the traced step (CPU)")
-    return {"low": low, "high": high, "source": src}
-
-
+EVAL_LOSS_CHUNK_TOKENS = 1024  # fitburst.evaluate's loss chunk (tokens whose fp32 logits exist at once)
 BNB_MIN_8BIT = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
 BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
 
@@ -167,7 +145,9 @@ class Estimate:
     safety_margin: float = 0.0
     notes: list[str] = field(default_factory=list)
     calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
-    error_band: dict = field(default_factory=dict)  # measured accuracy of this kind of estimate (error_band())
+    reserved_calibration_factor: float = 1.0  # applied to the reserved figure (CUDA: fitted on its own)
+    method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.calibration) applies
+    band: ErrorBand | None = None  # set by the planner: the band its verdict used
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -613,18 +593,20 @@ def estimate(
         phases["backward"]["gradients"] = max(phases["backward"].get("gradients", 0), int(G * 0))
     # optimizer step: all grads, states, the step's temporaries (logits still referenced by the loop)
     phases["optimizer_step"] = _comp(w, lora_w, G, OPT, 0, kept_logits, O_tmp)
-    if s.eval_batch:
+    if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
-        ev = a_lm * Te * V + 8 * Te * V + 4 * a * Te * max(h, shape.intermediate)
+        chunk = min(Te, EVAL_LOSS_CHUNK_TOKENS)
+        ev = a_lm * Te * V + 8 * chunk * V + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]
     reserved = int(alloc * RESERVED_FACTOR[device.kind]) + RESERVED_FLOOR[device.kind]
     factor, fitted_on = calibration.factor_for(device.name, device.kind) if calibrate else (1.0, "")
-    if factor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components stay as modelled
-        alloc, reserved = int(alloc * factor), int(reserved * factor)
-        notes.append(f"calibrated: peak x{factor:.3f} (fitted on {fitted_on})")
+    rfactor = calibration.reserved_factor_for(device.name, device.kind) if calibrate else 1.0
+    if factor != 1.0 or rfactor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components as modelled
+        alloc, reserved = int(alloc * factor), int(reserved * rfactor)
+        notes.append(f"calibrated: allocated x{factor:.3f}, reserved x{rfactor:.3f} (fitted on {fitted_on})")
     total = reserved + device.context_bytes
     fits = reserved <= device.budget_bytes * (1 - safety_margin)
     if shape.extra_note:
@@ -649,7 +631,7 @@ def estimate(
         safety_margin=safety_margin,
         notes=notes,
         calibration_factor=factor,
-        error_band=error_band(device.kind, exact=False, kbit=s.kbit),
+        reserved_calibration_factor=rfactor,
     )
 
 

@@ -1,16 +1,25 @@
-"""The fit planner: the ladder of changes people try by hand, cheapest slowdown first."""
+"""The fit planner for one device: the ladder of changes people try by hand, cheapest slowdown first.
+
+It searches with the fast analytic estimate; the chosen plan is then checked by an ``exact`` estimate function
+when one is given (the traced estimate), and when that says it does not fit, the next-cheapest plan is tried.
+A plan fits when the upper edge of the estimate's error band (:mod:`fitburst.memory.calibration`) stays within the
+device budget less the extra headroom. Where to run (local, cloud, nowhere) is not decided here.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
-from .devices import Device, GiB, resolve_device
+from .calibration import DEFAULT_HEADROOM, band_for
+from .devices import Device, GiB
 from .estimator import Estimate, TrainSettings, estimate
 from .shapes import ModelShape
 
-# candidate cloud GPUs for a burst verdict (smallest first)
-BURST_GPUS = ("T4", "L4", "A10G", "RTX4090", "A6000", "A100-40GB", "A100-80GB", "H100", "H200")
+# An estimate of one run on one device: (settings, device) -> Estimate. The analytic one is
+# ``lambda s, d: estimate(shape, s, d)``; the preflight passes the traced one as ``exact``.
+EstimateFn = Callable[[TrainSettings, Device], Estimate]
 
 # relative step time of each rung (1.0 = unchanged); the planner minimises the product
 _COST = {
@@ -21,206 +30,197 @@ _COST = {
     "quantize": 1.4,  # dequantize per matmul
     "reduce_batch": 1.12,  # per halving: smaller matmuls, more python overhead
 }
+_EVAL_HALVING = 1.001  # a smaller eval batch: the eval is a small part of the run's time
+_MAX_EXACT_CHECKS = 4  # plans the exact estimate may reject before the planner gives up on this device
 
 
 @dataclass
 class Plan:
+    """The fastest allowed settings for one device, or the closest miss."""
+
     fits: bool
     settings: TrainSettings
     changes: list[str]
     estimate: Estimate
-    verdict: str  # local | burst
-    candidates: dict[str, Estimate] = field(default_factory=dict)  # burst: GPU name -> estimate there
-    burst_gpu: str | None = None  # smallest candidate GPU on which the (re-planned) run fits
+    needed_bytes: int  # the estimate's reserved figure at its error band's upper edge
+    limit_bytes: int  # the device budget less the extra headroom
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
+        return {"fits": self.fits, "changes": self.changes, "settings": asdict(self.settings),
+                "estimate": self.estimate.to_dict(), "needed_bytes": self.needed_bytes,
+                "limit_bytes": self.limit_bytes}
 
-        return {
-            "fits": self.fits,
-            "verdict": self.verdict,
-            "changes": self.changes,
-            "settings": asdict(self.settings),
-            "estimate": self.estimate.to_dict(),
-            "burst_gpu": self.burst_gpu,
-            "candidates": {
-                k: {
-                    "fits": v.fits,
-                    "device_total_bytes": v.device_total_bytes,
-                    "budget_bytes": v.budget_bytes,
-                    "plan": v.plan,
-                }
-                for k, v in self.candidates.items()
-            },
-        }
+
+@dataclass(frozen=True)
+class Budget:
+    """What a plan must stay within on ``device``: budget x (1 - headroom), against the band's upper edge."""
+
+    device: Device
+    headroom: float = DEFAULT_HEADROOM
+    band_key: str | None = None  # which band to judge by; None: the estimate's own method's
+
+    @property
+    def limit(self) -> int:
+        return int(self.device.budget_bytes * (1 - self.headroom))
+
+    def judge(self, e: Estimate) -> Estimate:
+        """Mark ``e`` with its band, the headroom and whether its upper edge fits (the only fit test)."""
+        e.band = band_for(self.band_key or e.method, self.device.kind)
+        e.safety_margin = self.headroom
+        e.fits = self.needed(e) <= self.limit
+        return e
+
+    def needed(self, e: Estimate) -> int:
+        band = e.band or band_for(self.band_key or e.method, self.device.kind)
+        return band.upper(e.reserved_peak_bytes)
 
 
 def _gib(b: int) -> str:
     return f"{b / GiB:.1f} GiB"
 
 
-def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tuple[str, list]]:
-    """Each rung: (allow key, list of (variant settings function, explanation))."""
-    out: list[tuple[str, list]] = []
-    if allow.get("attention", True) and s.attention == "eager":
+def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tuple[str, Callable, str]]:
+    """Each rung: (allow key, settings -> settings, explanation)."""
+    out: list[tuple[str, Callable, str]] = []
+    if allow["attention"] and s.attention == "eager":
         target = "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
-        out.append(
-            (
-                "attention",
-                [
-                    (
-                        lambda x, t=target: replace(x, attention=t),
-                        f"attention eager -> {target}: no seq x seq probability matrix kept",
-                    )
-                ],
-            )
-        )
-    if allow.get("dropout", True) and s.method != "full" and s.dropout > 0:
-        out.append(
-            (
-                "dropout",
-                [
-                    (
-                        lambda x: replace(x, dropout=0.0),
-                        f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input",
-                    )
-                ],
-            )
-        )
-    if allow.get("optimizer_8bit", True) and s.optimizer == "adamw" and device.supports_bnb:
-        out.append(
-            (
-                "optimizer_8bit",
-                [
-                    (
-                        lambda x: replace(x, optimizer="adamw8bit"),
-                        "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8",
-                    )
-                ],
-            )
-        )
-    if allow.get("gradient_checkpointing", True) and not s.grad_checkpointing:
-        out.append(
-            (
-                "gradient_checkpointing",
-                [
-                    (
-                        lambda x: replace(x, grad_checkpointing=True),
-                        "gradient checkpointing on: keep one tensor per layer, "
-                        "recompute the rest in backward (~30 % slower)",
-                    )
-                ],
-            )
-        )
-    if allow.get("quantize", True) and device.supports_bnb and s.method == "lora" and s.quant == "none":
-        out.append(
-            (
-                "quantize",
-                [
-                    (
-                        lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
-                        "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)",
-                    )
-                ],
-            )
-        )
+        out.append(("attention", lambda x, t=target: replace(x, attention=t),
+                    f"attention eager -> {target}: no seq x seq probability matrix kept"))
+    if allow["dropout"] and s.method != "full" and s.dropout > 0:
+        out.append(("dropout", lambda x: replace(x, dropout=0.0),
+                    f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input"))
+    if allow["optimizer_8bit"] and s.optimizer == "adamw" and device.supports_bnb:
+        out.append(("optimizer_8bit", lambda x: replace(x, optimizer="adamw8bit"),
+                    "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"))
+    if allow["gradient_checkpointing"] and not s.grad_checkpointing:
+        out.append(("gradient_checkpointing", lambda x: replace(x, grad_checkpointing=True),
+                    "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
+                    "(~30 % slower)"))
+    if allow["quantize"] and device.supports_bnb and s.method == "lora" and s.quant == "none":
+        out.append(("quantize", lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
+                    "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"))
     return out
+
+
+def _halve_batch(base: TrainSettings, s: TrainSettings, k: int) -> TrainSettings:
+    nb = max(1, base.batch // 2**k)
+    return replace(s, batch=nb, grad_accum=base.grad_accum * (base.batch // nb))
+
+
+def _fit_eval(est: EstimateFn, budget: Budget, s: TrainSettings) -> tuple[TrainSettings, Estimate, int]:
+    """Lower the eval batch while the eval step is what does not fit: (settings, estimate, halvings)."""
+    e = budget.judge(est(s, budget.device))
+    k = 0
+    while not e.fits and e.peak_phase == "eval" and s.eval_batch > 1:
+        s = replace(s, eval_batch=s.eval_batch // 2)
+        e = budget.judge(est(s, budget.device))
+        k += 1
+    return s, e, k
+
+
+def _describe(base: TrainSettings, s: TrainSettings, rungs: list[str], e: Estimate) -> list[str]:
+    why = list(rungs)
+    if s.batch != base.batch:
+        why.append(f"micro batch {base.batch} -> {s.batch}, grad_accum {base.grad_accum} -> {s.grad_accum} "
+                   f"(same effective batch {base.effective_batch})")
+    if s.eval_batch != base.eval_batch:
+        why.append(f"eval batch {base.eval_batch} -> {s.eval_batch}: the eval step peaks at "
+                   f"{_gib(e.phases.get('eval', 0))} allocated")
+    return why
 
 
 def plan_fit(
     shape: ModelShape,
     settings: TrainSettings,
     device: Device,
-    safety_margin: float = 0.1,
+    safety_margin: float = DEFAULT_HEADROOM,
     allow: dict[str, bool] | None = None,
-    burst_gpus: tuple[str, ...] | list[str] = BURST_GPUS,
-    _burst: bool = True,
+    *,
+    exact: EstimateFn | None = None,
 ) -> Plan:
-    """Fastest settings that fit ``device`` with ``safety_margin`` headroom, or a burst verdict."""
+    """Fastest settings that fit ``device``: the band's upper edge within budget x (1 - ``safety_margin``).
+
+    ``allow`` switches rungs off (keys of ``PreflightSpec.allow``; ``reduce_batch`` also covers the eval batch).
+    ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search."""
     allow = {**{k: True for k in _COST}, **(allow or {})}
-    base = estimate(shape, settings, device, safety_margin)
-    if base.fits:
-        return Plan(True, settings, [], base, "local")
-    rungs = _rungs(settings, device, allow)
-    halvings = 0
-    if allow.get("reduce_batch", True):
-        b = settings.batch
-        while b > 1:
-            b //= 2
-            halvings += 1
-    best: tuple[float, TrainSettings, list[str], Estimate] | None = None
-    for n in range(len(rungs) + 1):
-        for combo in itertools.combinations(rungs, n):
-            s = settings
-            why: list[str] = []
-            cost = 1.0
-            for key, [(fn, text)] in combo:
-                s = fn(s)
-                why.append(text)
-                cost *= _COST[key]
-            for k in range(halvings + 1):
-                sk = s
-                if k:
-                    f = 2**k
-                    nb = max(1, settings.batch // f)
-                    sk = replace(s, batch=nb, grad_accum=settings.grad_accum * (settings.batch // nb))
-                if best is not None and cost * _COST["reduce_batch"] ** k >= best[0]:
-                    break
-                e = estimate(shape, sk, device, safety_margin)
-                if e.fits:
-                    w = list(why)
-                    if k:
-                        w.append(
-                            f"micro batch {settings.batch} -> {sk.batch}, "
-                            f"grad_accum {settings.grad_accum} -> "
-                            f"{sk.grad_accum} (same effective batch {settings.effective_batch})"
-                        )
-                    best = (cost * _COST["reduce_batch"] ** k, sk, w, e)
-                    break
-    if best is not None:
-        _, s, why, e = best
-        e.plan = why
-        return Plan(True, s, why, e, "local")
-    # nothing fits here: burst, with the estimate (and plan) on each candidate GPU
-    changes = [
-        f"nothing fits {device.name} ({_gib(device.budget_bytes)} budget, {safety_margin:.0%} margin): "
-        f"as configured the peak is {_gib(base.device_total_bytes)}"
-    ]
-    plan = Plan(False, settings, changes, base, "burst")
-    if not _burst:
+    budget = Budget(device, safety_margin)
+    # with an exact check behind it, the search needs the analytic estimate only as a predictor of the exact one
+    scout = Budget(device, safety_margin, "analytic-vs-traced") if exact is not None else budget
+
+    def analytic(s: TrainSettings, d: Device) -> Estimate:
+        return estimate(shape, s, d)
+
+    def judged(s: TrainSettings) -> tuple[TrainSettings, Estimate, int]:
+        if allow["reduce_batch"]:
+            return _fit_eval(analytic, scout, s)
+        return s, scout.judge(analytic(s, device)), 0
+
+    def search() -> list[tuple[float, TrainSettings, list[str], Estimate]]:
+        """Every rung combination and batch halving that fits (analytic), cheapest first."""
+        out = []
+        rungs = _rungs(settings, device, allow)
+        halvings = settings.batch.bit_length() - 1 if allow["reduce_batch"] else 0
+        for n in range(len(rungs) + 1):
+            for combo in itertools.combinations(rungs, n):
+                s, cost = settings, 1.0
+                for key, fn, _ in combo:
+                    s, cost = fn(s), cost * _COST[key]
+                for k in range(halvings + 1):  # every halving that fits (further ones are for the exact check)
+                    sk, e, ek = judged(_halve_batch(settings, s, k) if k else s)
+                    if e.fits:
+                        out.append((cost * _COST["reduce_batch"] ** k * _EVAL_HALVING**ek, sk,
+                                    [text for _, _, text in combo], e))
+        return sorted(out, key=lambda f: f[0])
+
+    def verified(found: list) -> Plan | None:
+        """The first of ``found`` that the exact estimate (when given) agrees fits."""
+        for _, s, rung_text, e in found:
+            if exact is not None:
+                if scout.needed(e) * ratio[0] > scout.limit:
+                    continue
+                if len(rejected) >= _MAX_EXACT_CHECKS:
+                    return None
+                x = budget.judge(exact(s, device))
+                if not x.fits:
+                    rejected.append(s)
+                    ratio[0] = max(ratio[0], budget.needed(x) / scout.needed(e))
+                    continue
+                e = x
+            e.plan = _describe(settings, s, rung_text, e)
+            return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
+        return None
+
+    rejected: list[TrainSettings] = []
+    ratio = [1.0]  # exact / analytic need seen on rejected plans: plans that would be rejected alike are skipped
+    base_s, base, _ = judged(settings)
+    plan = verified([(1.0, base_s, [], base)]) if base.fits else None
+    if plan is None:
+        plan = verified([f for f in search() if f[1] not in rejected])
+    if plan is not None:
         return plan
-    for g in burst_gpus:
-        dev = resolve_device(g)
-        if dev.total_bytes <= device.total_bytes and dev.kind == device.kind:
-            continue
-        p = plan_fit(shape, settings, dev, safety_margin, allow, burst_gpus, _burst=False)
-        p.estimate.plan = p.changes if p.fits else []
-        plan.candidates[g] = p.estimate
-        if p.fits and plan.burst_gpu is None:
-            plan.burst_gpu = g
-            extra = f" with {'; '.join(p.changes)}" if p.changes else ""
-            changes.append(
-                f"burst to {g} ({_gib(dev.budget_bytes)}): peak {_gib(p.estimate.device_total_bytes)}{extra}"
-            )
-    if plan.burst_gpu is None:
-        longest = max_seq_len_that_fits(shape, settings, resolve_device(burst_gpus[-1]), safety_margin)
-        local = max_seq_len_that_fits(shape, settings, device, safety_margin)
-        changes.append(
-            f"no candidate GPU ({', '.join(burst_gpus)}) fits seq_len {settings.seq_len}: "
-            f"cut max_seq_len to {local} to fit {device.name}, or {longest} on {burst_gpus[-1]}"
-        )
-    base.plan = list(changes)
-    return plan
+    # nothing fits here: the closest miss, and how long a sequence would fit as configured
+    longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
+    why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
+           f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
+           f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
+    if rejected:
+        why.append(f"the exact estimate rejected the {len(rejected)} cheapest plan(s) the analytic one accepted")
+    why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"
+               if longest else f"no sequence length fits {device.name} as configured")
+    base.plan = list(why)
+    return Plan(False, settings, why, base, budget.needed(base), budget.limit)
 
 
-def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device, margin: float) -> int:
+def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
+                          margin: float = DEFAULT_HEADROOM) -> int:
     """Longest padded length (multiple of 64) that fits as configured; 0 if none."""
+    budget = Budget(device, margin)
     lo, hi = 0, s.seq_len
     while hi - lo > 64:
         mid = (lo + hi) // 2 // 64 * 64 or 64
         if mid <= lo:
             break
-        if estimate(shape, replace(s, seq_len=mid), device, margin).fits:
+        if budget.judge(estimate(shape, replace(s, seq_len=mid), device)).fits:
             lo = mid
         else:
             hi = mid

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-import glob
+import functools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fitburst.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# model_type values whose layer names and saved tensors the analytic estimate models (see from_config)
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "gemma", "gemma2", "gemma3",
+                   "gemma3_text", "phi", "phi3", "stablelm", "t5")
+# config keys that mark a mixture-of-experts model (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+class ModelConfigError(UserError, ValueError):
+    """A model's config.json cannot be found or read, or describes an architecture the estimate cannot model."""
 
 # suffixes stripped from a hub id's basename when looking for a bundled config
 _SUFFIXES = ("-instruct", "-it", "-hf", "-chat", "-base", "-4e1t", "-v0.1", "-v0.2", "-v0.3", "-4k", "-128k")
@@ -154,8 +165,21 @@ class ModelShape:
     # --- construction -----------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: dict, name: str | None = None, source: str = "") -> ModelShape:
-        """Build a shape from a Hugging Face config.json dict."""
+        """Build a shape from a Hugging Face config.json dict; unsupported architectures are refused
+        (:class:`ModelConfigError`), never estimated as something they are not."""
         mt = str(cfg.get("model_type", "")).lower()
+        where = f"{name or mt or 'model'}" + (f" ({source})" if source else "")
+        experts = next((int(cfg[k]) for k in _MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
+        if experts:
+            raise ModelConfigError(
+                f"{where}: model_type {mt!r} is a mixture-of-experts model ({experts} experts); the analytic "
+                "estimate models dense blocks only and would count it wrong. Use the traced estimate "
+                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model")
+        if mt not in SUPPORTED_TYPES:
+            raise ModelConfigError(
+                f"{where}: model_type {mt!r} is not one the analytic estimate models ({', '.join(SUPPORTED_TYPES)}); "
+                "its layer names and saved tensors would be guessed. Use the traced estimate "
+                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model")
         top = cfg
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
         if text and "hidden_size" in text:
@@ -258,10 +282,8 @@ class ModelShape:
             )
         if mt == "stablelm":
             kw.update(norm="layer", norm_style="layernorm", qkv_bias=bool(g("use_qkv_bias", default=False)))
-        if mt == "gpt_neox":
-            kw.update(
-                norm="layer", norm_style="layernorm", mlp="plain", qkv_bias=True, o_bias=True, mlp_bias=True
-            )
+        if mt == "qwen3":
+            kw.update(qk_norm=True, qkv_bias=bool(g("attention_bias", default=False)))
         vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
         if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
             kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
@@ -306,47 +328,57 @@ def _candidates(base: str) -> list[str]:
     return out
 
 
-def _hf_cache_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
-
-
 def _read(path: Path, name: str) -> ModelShape:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read model config {path}: {e}") from None
+        raise ModelConfigError(f"cannot read model config {path}: {e}") from None
     return ModelShape.from_config(cfg, name=name, source=str(path))
 
 
-def load_shape(ref: str) -> ModelShape:
-    """A shape from a local dir / config.json path, the Hugging Face cache, or a bundled config."""
-    tried = []
+@functools.lru_cache(maxsize=64)
+def _from_hub(ref: str, revision: str | None) -> Path:
+    """config.json of a hub model (only that file, never weights), at ``revision``; huggingface_hub caches it
+    and answers from its cache when offline (HF_HUB_OFFLINE=1)."""
+    import httpx
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(ref, "config.json", revision=revision))
+    # RuntimeError: huggingface_hub 1.16 retries a refused connection on a client it has already closed
+    except (LocalEntryNotFoundError, EntryNotFoundError, HfHubHTTPError, httpx.HTTPError, OSError,
+            RuntimeError) as e:
+        if isinstance(e, LocalEntryNotFoundError):
+            why = "offline (HF_HUB_OFFLINE) and not in the local cache"
+        elif isinstance(e, (EntryNotFoundError, HfHubHTTPError)):
+            why = str(e).splitlines()[0][:200]
+        else:
+            why = "the hub is unreachable from here"
+        at = f" at revision {revision!r}" if revision else ""
+        raise ModelConfigError(
+            f"cannot fetch config.json of {ref!r}{at} from the Hugging Face Hub: {why}. Offline, point "
+            f"model.name (or --model) at a local folder or config.json of that model, or fetch it once online: "
+            f"`hf download {ref} config.json{' --revision ' + revision if revision else ''}`") from None
+
+
+def load_shape(ref: str, revision: str | None = None) -> ModelShape:
+    """A shape from a local dir / config.json path, a bundled config (hub ids of the bundled models, when no
+    other ``revision`` is asked for), or the hub's config.json at ``revision`` (cached by huggingface_hub)."""
     p = Path(ref).expanduser()
     if p.is_dir():
         if (p / "config.json").exists():
             return _read(p / "config.json", p.name)
-        tried.append(f"{p}/config.json (missing)")
-    elif p.is_file():
+        raise ModelConfigError(f"{p} has no config.json: point at a model folder or its config.json")
+    if p.is_file():
         return _read(p, p.parent.name if p.name == "config.json" else p.stem)
-    else:
-        tried.append(f"local path {p} (not found)")
-    if "/" in ref and not p.exists() and ref.count("/") == 1:
-        for d in _hf_cache_dirs():
-            pattern = str(d / ("models--" + ref.replace("/", "--")) / "snapshots" / "*" / "config.json")
-            hits = sorted(glob.glob(pattern), key=os.path.getmtime)
-            if hits:
-                return _read(Path(hits[-1]), ref)
-            tried.append(f"HF cache {d}")
     base = ref.rstrip("/").split("/")[-1]
-    for cand in _candidates(base):
-        f = CONFIG_DIR / f"{cand}.json"
-        if f.exists():
-            return _read(f, base)
-    tried.append(f"bundled configs ({', '.join(bundled_names())})")
-    raise ValueError(f"unknown model {ref!r}: tried " + "; ".join(tried))
+    if revision in (None, "main"):
+        for cand in _candidates(base):
+            f = CONFIG_DIR / f"{cand}.json"
+            if f.exists():
+                return _read(f, base)
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        return _read(_from_hub(ref, revision), ref)
+    raise ModelConfigError(f"unknown model {ref!r}: not a local folder or config.json, not a bundled config "
+                           f"({', '.join(bundled_names())}), and not a hub id (org/name)")

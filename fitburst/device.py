@@ -1,0 +1,114 @@
+"""Device and precision: which torch device to use, which dtype to load weights in, and torch AMP for the step.
+
+The precision scheme is the one accelerate / the HF Trainer use: trainable parameters and optimizer state in fp32,
+a frozen base in the low dtype, compute under ``torch.autocast`` (bf16 or fp16), and ``torch.amp.GradScaler`` for
+fp16. Full fine-tuning keeps fp32 master weights; ``training.pure_bf16`` is the explicit opt-in for bf16 weights
+stepped directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fitburst.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PURE_BF16_MIN_LR = 1e-4  # below this an AdamW update is mostly under bf16's resolution (2**-8 relative)
+
+
+class DeviceError(UserError, RuntimeError):
+    """The device cannot run what the spec asks for; the message says what to change."""
+
+
+def select_device(pref: str = "auto") -> str:
+    """The torch device to train on: ``auto`` picks CUDA, then MPS, then CPU."""
+    import torch
+
+    p = pref.lower()
+    if p == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = "cpu" if p.startswith("cpu") else "mps" if p.startswith(("mps", "m1", "m2", "m3", "m4")) else "cuda"
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}[kind]
+    if not available:
+        raise DeviceError(f"preflight.device is {pref!r} ({kind}) but torch sees no {kind} device here: "
+                          "set preflight.device: auto, or run where that device is")
+    return kind
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.memory.auto_precision`
+    (the estimate's rule)."""
+    import torch
+
+    from fitburst.memory import auto_precision
+
+    bf16 = device != "cuda" or torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16:
+        raise DeviceError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
+    return precision if precision != "auto" else auto_precision(device, bf16)
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def weight_dtype(precision: str, method_type: str, pure_bf16: bool = False):
+    """The dtype to load the base weights in: the low dtype for a frozen base (LoRA, QLoRA), fp32 master weights
+    when every weight trains (full), bf16 for full fine-tuning only with the ``pure_bf16`` opt-in."""
+    import torch
+
+    if method_type == "full" and not pure_bf16:
+        return torch.float32
+    return torch_dtype(precision)
+
+
+def check_quant_supported(quant: str, device: str) -> None:
+    if quant != "none" and device == "mps":
+        raise DeviceError("bitsandbytes 4/8-bit quantization does not run on Apple MPS: set method.type: lora "
+                          "and quant: none (the preflight plans for MPS without it), or burst to a CUDA GPU")
+
+
+def warn_pure_bf16(pure_bf16: bool, lr: float) -> None:
+    if pure_bf16 and lr < PURE_BF16_MIN_LR:
+        log.warning("training.pure_bf16 steps bf16 weights directly: at learning_rate %g most AdamW updates are "
+                    "below bf16 resolution and are lost; use mixed precision (pure_bf16: false) or a larger lr", lr)
+
+
+@dataclass
+class Amp:
+    """torch AMP for one run: the autocast dtype (None: no autocast) and the fp16 GradScaler; counts the steps the
+    scaler skipped on inf/nan gradients."""
+
+    device: str
+    dtype: Any = None
+    scaler: Any = None
+    skipped_steps: int = 0
+    last_step_skipped: bool = False
+
+    def autocast(self):
+        import torch
+
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.split(":")[0], dtype=self.dtype)
+
+
+def make_amp(precision: str, device: str, *, pure_bf16: bool = False) -> Amp:
+    """The AMP setup for a resolved ``precision`` on ``device``: autocast for bf16/fp16 and a GradScaler for fp16;
+    nothing for fp32 or pure bf16 (the weights are already bf16)."""
+    import torch
+
+    if precision == "fp32" or pure_bf16:
+        return Amp(device)
+    scaler = torch.amp.GradScaler(device.split(":")[0]) if precision == "fp16" else None
+    return Amp(device, dtype=torch_dtype(precision), scaler=scaler)

@@ -109,10 +109,11 @@ def spec_of(cfg: dict, path: str):
 
 def run(cfg: dict) -> dict:
     """Build with fitburst.train.build_model / make_optimizer and run fitburst's training step (the loop's
-    body: loss = model(**batch).loss / grad_accum, backward, clip, step, zero_grad(set_to_none=True))."""
+    body under the loop's AMP: loss = model(**batch).loss, backward, clip, step, zero_grad(set_to_none=True))."""
     import torch
 
     from fitburst.data import collate
+    from fitburst.device import make_amp
     from fitburst.probe import TensorTracker as Tracker
     from fitburst.train import build_model, make_optimizer, optimizer_step
 
@@ -138,10 +139,11 @@ def run(cfg: dict) -> dict:
     tr_.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
     base = tr_.cur
     losses = []
+    amp = make_amp(cfg["dtype"], "cpu")
     with tr_:
         for _ in range(cfg.get("steps", 2)):
             losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
-                                         max_grad_norm=tr.max_grad_norm))
+                                         max_grad_norm=tr.max_grad_norm, amp=amp))
     return {"peak": tr_.peak, "base": base, "losses": losses}
 
 

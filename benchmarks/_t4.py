@@ -52,8 +52,9 @@ def predict(r: dict, *, placement: str = allocator.PLACEMENT, cache: dict | None
                 seconds=time.perf_counter() - t0)
 
 
-def harness_step(model, optimizer, params, micro_batches, *, device, max_grad_norm):
-    """The T4 harness's step: zero_grad, forward with labels, backward, AdamW step (the output lives to the end)."""
+def harness_step(model, optimizer, params, micro_batches, *, device, max_grad_norm, amp=None):
+    """The T4 harness's step: zero_grad, forward with labels, backward, AdamW step (the output lives to the end).
+    The harness ran a 16-bit model with no autocast or GradScaler: ``amp`` (the loop's) is ignored."""
     optimizer.zero_grad(set_to_none=True)
     out = model(**micro_batches[0])
     out.loss.backward()

@@ -20,7 +20,7 @@ from pathlib import Path
 from fitburst.errors import UserError
 
 from .devices import Device, MiB
-from .estimator import Estimate, TrainSettings, error_band
+from .estimator import Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
@@ -207,11 +207,11 @@ def spec_with(spec, s: TrainSettings):
     return spec.model_copy(update={"method": method, "training": training})
 
 
-def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool):
+def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitburst.train import torch_dtype
+    from fitburst.device import torch_dtype, weight_dtype
 
     d = dict(cfg)
     mtype = d.pop("model_type", None)
@@ -224,7 +224,8 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool):
                                "or set model.trust_remote_code for a custom architecture") from None
     impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(s.dtype), attn_implementation=impl,
+        model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+                                                 attn_implementation=impl,
                                                  trust_remote_code=trust_remote_code)
     if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -309,7 +310,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     whose measurements came from another loop passes that loop's step)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training, torch_dtype
+    from fitburst.device import make_amp, torch_dtype
+    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     s = settings
     if s.quant == "int8":
@@ -320,7 +322,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     step = step or optimizer_step
     sp = spec_with(spec, s)
     cfg = config_dict(sp.model.name)
-    model = _meta_model(cfg, s, sp.model.trust_remote_code)
+    model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16)
     text = model.config.get_text_config()
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0))
@@ -338,15 +340,17 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             for g in opt.param_groups:
                 g["foreach"] = True
         hooks = _phase_hooks(model, opt, rec, prefix)
+        # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's
+        amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
-        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm)
+        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
         del micro
         prefix[0] = ""
         rec.phase = "forward"
         start = len(rec.events)
         micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
-        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm)
+        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)
@@ -416,5 +420,4 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         budget_bytes=device.budget_bytes, fits=fits,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes,
-        error_band=error_band(device.kind, exact=True, kbit=s.kbit))
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")

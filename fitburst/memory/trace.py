@@ -308,7 +308,11 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
     ``step``: the step function (default: the training loop's :func:`fitburst.train.optimizer_step`; a benchmark
     whose measurements came from another loop passes that loop's step)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as e:  # a preflight-only install: the analytic estimate still runs
+        raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
+                               "dependencies, or use the analytic estimate") from None
 
     from fitburst.device import make_amp, torch_dtype
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
@@ -388,14 +392,23 @@ def _tag_cpu_resident(rec, opt) -> None:
 # --- the estimate ------------------------------------------------------------------------------------------
 
 
-def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int) -> Estimate:
+def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+                    cache: dict | None = None) -> Estimate:
     """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
-    tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor."""
+    tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
+    (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
+    trace depends on the device only through the optimizer's foreach path)."""
     from . import allocator, cuda_kernels
 
     s = settings
-    trace = trace_step(spec, s, seq_len=seq_len, foreach=device.kind == "cuda")
+    foreach = device.kind == "cuda"
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach)
+    trace = cache.get(key) if cache is not None else None
+    if trace is None:
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach)
+        if cache is not None:
+            cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
     events = trace.events
     if device.kind == "cuda":

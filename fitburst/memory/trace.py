@@ -344,7 +344,13 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             for g in opt.param_groups:
                 g["foreach"] = True
         hooks = _phase_hooks(model, opt, rec, prefix)
-        # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's
+        # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
+        # autocast lowers the same ops as CUDA's on these models (linear, matmul, bmm, baddbmm, addmm, SDPA) and
+        # caches the casts of fp32 leaf weights alike. CUDA autocast also runs some ops in fp32 that CPU's leaves
+        # in 16 bits (layer_norm, softmax without dtype, pow, rsqrt, exp, sum): llama/qwen-style models upcast
+        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss), but a LayerNorm model's fp32 input
+        # copies on CUDA are not traced (no cuda_kernels rule yet). The GradScaler runs on fake tensors: its
+        # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"

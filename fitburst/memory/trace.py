@@ -76,6 +76,30 @@ def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int
     return peak, peak_phase, phases
 
 
+def peak_components(events: list[Event], start: int) -> dict[str, int]:
+    """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
+    ``lora_weights`` (loaded), ``optimizer_state`` (left by the warm-up step), ``step_tensors`` (activations,
+    gradients and temporaries of the measured step). They sum to the peak of :func:`live_peaks`."""
+    cur = peak = 0
+    at = -1
+    for i, e in enumerate(events):
+        cur += e.size if e.kind == "alloc" else -e.size
+        if i >= start and cur > peak:
+            peak, at = cur, i
+    live: dict[int, tuple[int, str]] = {}
+    for e in events[: at + 1]:
+        if e.kind == "alloc":
+            kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
+                "optimizer_state" if e.phase.startswith("warmup.") else "step_tensors")
+            live[e.sid] = (e.size, kind)
+        else:
+            live.pop(e.sid, None)
+    out: dict[str, int] = {}
+    for size, kind in live.values():
+        out[kind] = out.get(kind, 0) + size
+    return out
+
+
 # --- the recorder ---------------------------------------------------------------------------------------
 
 
@@ -420,11 +444,13 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     if device.kind == "cuda":
         events, start = cuda_kernels.apply(trace, device, s, seq_len)
         peak, peak_phase, phases = live_peaks(events, start)
+        components = peak_components(events, start)
         replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
         alloc, reserved = replay.peak_allocated, replay.peak_reserved
         total = reserved + device.context_bytes
     else:
         peak, peak_phase, phases = trace.live_peaks()
+        components = peak_components(events, trace.measured_start)
         alloc = peak
         if device.kind == "mps":
             reserved = int(peak * MPS_RESERVED_FACTOR)
@@ -435,7 +461,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     fits = reserved <= device.budget_bytes
     return Estimate(
         allocated_peak_bytes=int(alloc), reserved_peak_bytes=int(reserved), device_total_bytes=int(total),
-        components={"live_tensors_at_peak": int(peak)}, peak_phase=peak_phase, device=device.name,
+        components=components, peak_phase=peak_phase, device=device.name,
         budget_bytes=device.budget_bytes, fits=fits,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},

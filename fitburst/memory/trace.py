@@ -15,7 +15,6 @@ import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from fitburst.errors import UserError
 
@@ -215,9 +214,9 @@ def gpu_like_masking(padded: bool):
 
 def config_dict(ref: str) -> dict:
     """config.json of a model reference, found where :func:`fitburst.memory.load_shape` looks."""
-    from .shapes import load_shape
+    from .shapes import config_path
 
-    return json.loads(Path(load_shape(ref).source).read_text())
+    return json.loads(config_path(ref)[0].read_text())
 
 
 def spec_with(spec, s: TrainSettings):

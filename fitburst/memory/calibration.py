@@ -40,11 +40,15 @@ class ErrorBand:
 # - cuda-kbit (4-bit QLoRA): the same, held-out TinyLlama rows: -3.98 % .. +1.84 %, 15 rows (quantize-on-load
 #   transients are not modelled); the k-bit cuda rule was chosen on the SmolLM2 rows (in-sample, not used here).
 # - cpu: traced vs live tensor bytes of 27 real steps of the project's loop, 9 architectures (part a; the trace
-#   has no fitted terms on CPU): 0.00 % .. +0.58 % (the largest on QLoRA).
+#   has no fitted terms on CPU): 0.00 % .. +0.58 % (the largest on QLoRA); re-run after the merge (the loop's AMP
+#   traced, --quick, 14 steps, 7 architectures): 0.00 % .. +0.59 %.
 # - mps: nothing measured: the widest band measured on another device kind (analytic cuda).
 # "analytic": the analytic estimate (fitburst.memory.estimator) as a predictor of the device (never fitted to
-# these rows): cuda: device total vs all 29 T4 rows -22.1 % .. +5.1 %; cpu: allocated vs the 26 measured CPU steps
-# of part a -2.3 % .. +4.4 %; mps: nothing measured, cuda's band.
+# these rows): cuda: device total vs all 29 T4 rows -22.1 % .. +5.1 %; cpu: allocated vs the measured CPU steps of
+# part a, re-run after the merge with main's mixed precision (--quick, 14 steps, 7 architectures): -5.5 % .. +7.3 %
+# on the 10 LoRA/QLoRA/fp32 steps of modelled architectures. Excluded, and a known gap of the analytic estimate:
+# full fine-tuning in bf16 (gemma) -41.6 %, since the loop keeps fp32 master weights there; the traced estimate
+# (which verifies the preflight's plan) gets that step within 0.00 %. mps: nothing measured, cuda's band.
 # "analytic-vs-traced": the analytic estimate as a predictor of the trace (what the planner's search needs when
 # the trace verifies its choice): the grid of small llama/qwen2 configs in tests/test_trace.py, traced through the
 # loop's AMP step (autocast copies included): trace / analytic - 1 in -2.64 % .. +0.01 % (the analytic figure is
@@ -60,14 +64,15 @@ _CUDA = _measured(-0.221, 0.051, "preflight_accuracy t4: analytic vs T4 reserved
 _VS_TRACE = ErrorBand(-0.03, 0.02, "analytic vs traced step, grid of small llama/qwen2 configs (tests/test_trace.py)")
 BANDS: dict[tuple[str, str], ErrorBand] = {
     ("analytic", "cuda"): _CUDA,
-    ("analytic", "cpu"): _measured(-0.023, 0.044, "preflight_accuracy a: analytic vs 26 measured CPU steps"),
+    ("analytic", "cpu"): _measured(-0.055, 0.073, "preflight_accuracy a --quick: analytic vs 10 measured CPU LoRA/"
+                                                  "QLoRA/fp32 steps (full bf16 excluded: -41.6 %)"),
     ("analytic", "mps"): ErrorBand(_CUDA.low, _CUDA.high, "no MPS measurements: analytic CUDA's band"),
     ("traced", "cuda"): _measured(-0.004, 0.0, "preflight_accuracy t4: traced vs T4 reserved + context, 16-bit "
                                                "LoRA, 6 held-out TinyLlama rows"),
     ("traced", "cuda-kbit"): _measured(-0.0398, 0.0184, "preflight_accuracy t4: traced vs T4 reserved + context, "
                                                         "4-bit QLoRA, 15 held-out TinyLlama rows"),
-    ("traced", "cpu"): _measured(0.0, 0.0058, "preflight_accuracy a: traced vs live tensor bytes, 27 CPU steps of "
-                                              "the loop, 9 architectures"),
+    ("traced", "cpu"): _measured(0.0, 0.0059, "preflight_accuracy a: traced vs live tensor bytes, 27 CPU steps of "
+                                              "the loop, 9 architectures (0.59 % worst after the AMP merge)"),
     ("traced", "mps"): ErrorBand(_CUDA.low, _CUDA.high, "no MPS measurements: the widest band measured elsewhere"),
     ("analytic-vs-traced", "cuda"): _VS_TRACE,
     ("analytic-vs-traced", "cpu"): _VS_TRACE,

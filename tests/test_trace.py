@@ -272,8 +272,8 @@ def test_peak_components_sum_to_the_peak_by_origin(model_dir):
     e = traced_estimate(spec_for(model_dir), settings(dtype="bf16"), resolve_device("cpu:8GiB"), seq_len=S)
     c = e.components
     assert sum(c.values()) == e.allocated_peak_bytes
-    assert {"weights", "lora_weights", "optimizer_state", "step_tensors"} <= set(c)
+    assert {"weights", "lora_weights", "optimizer_states", "step_tensors"} <= set(c)
     r, h = 8, CFG["hidden_size"]
     kv = CFG["num_key_value_heads"] * CFG["head_dim"]
     lora = CFG["num_hidden_layers"] * r * (h + h + h + kv) * 4  # q_proj, v_proj A and B in fp32
-    assert c["lora_weights"] == lora and c["optimizer_state"] >= 2 * lora  # AdamW's exp_avg and exp_avg_sq
+    assert c["lora_weights"] == lora and c["optimizer_states"] >= 2 * lora  # AdamW's exp_avg and exp_avg_sq

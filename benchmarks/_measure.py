@@ -54,6 +54,18 @@ ARCHS = {
         max_position_embeddings=4096,
     ),
 }
+# architectures beyond the bundled configs (small random configs, real proportions of their families)
+_SMALL = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, vocab_size=6000, max_position_embeddings=4096)
+ARCHS.update({
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=192, intermediate_size=768, num_hidden_layers=2,
+                     num_attention_heads=6, vocab_size=6000, max_position_embeddings=4096, tie_word_embeddings=False),
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, **_SMALL),
+    "starcoder2": dict(model_type="starcoder2", tie_word_embeddings=True, **_SMALL),
+    "granite": dict(model_type="granite", tie_word_embeddings=True, **_SMALL),
+    "gemma": dict(model_type="gemma", head_dim=32, tie_word_embeddings=True, **_SMALL),
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0, **{**_SMALL, "num_key_value_heads": 6}),
+})
 
 
 def build(arch: str, root: str) -> str:
@@ -97,10 +109,11 @@ def spec_of(cfg: dict, path: str):
 
 def run(cfg: dict) -> dict:
     """Build with fitburst.train.build_model / make_optimizer and run fitburst's training step (the loop's
-    body: loss = model(**batch).loss / grad_accum, backward, clip, step, zero_grad(set_to_none=True))."""
+    body under the loop's AMP: loss = model(**batch).loss, backward, clip, step, zero_grad(set_to_none=True))."""
     import torch
 
     from fitburst.data import collate
+    from fitburst.device import make_amp
     from fitburst.probe import TensorTracker as Tracker
     from fitburst.train import build_model, make_optimizer, optimizer_step
 
@@ -126,10 +139,11 @@ def run(cfg: dict) -> dict:
     tr_.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
     base = tr_.cur
     losses = []
+    amp = make_amp(cfg["dtype"], "cpu")
     with tr_:
         for _ in range(cfg.get("steps", 2)):
             losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
-                                         max_grad_norm=tr.max_grad_norm))
+                                         max_grad_norm=tr.max_grad_norm, amp=amp))
     return {"peak": tr_.peak, "base": base, "losses": losses}
 
 

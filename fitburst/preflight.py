@@ -18,8 +18,18 @@ from typing import Literal
 from fitburst.cloud.rank import Candidate, rank_candidates
 from fitburst.errors import UserError
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
-from fitburst.memory import Device, ModelShape, TrainSettings, load_shape, plan_fit, resolve_device, settings_from_spec
-from fitburst.memory.planner import EstimateFn, Plan
+from fitburst.memory import (
+    Device,
+    Estimate,
+    ModelShape,
+    TrainSettings,
+    estimate,
+    load_shape,
+    plan_fit,
+    resolve_device,
+    settings_from_spec,
+)
+from fitburst.memory.planner import Budget, EstimateFn, Plan
 from fitburst.spec import PipelineSpec
 
 GIB = 1024**3
@@ -49,6 +59,8 @@ class PreflightReport:
     tokens: int | None = None  # tokens the run will process (time and cost estimates)
     local_time: Hours | None = None  # on the local device, with the source of the throughput
     candidates: list[Candidate] = field(default_factory=list)  # cloud GPUs, best first (burst only)
+    analytic: Estimate | None = None  # the analytic estimate of the planned settings, when the traced one decided
+    unchecked: str | None = None  # why the traced estimate did not verify the plan (the analytic band decided)
 
     @property
     def estimate(self):
@@ -80,7 +92,21 @@ class PreflightReport:
             "limit_bytes": self.plan.limit_bytes, "seq_len": self.seq_len, "spec_yaml": self.planned.to_yaml(),
             "tokens": self.tokens, "local_hours": self.local_hours,
             "local_hours_source": self.local_time.source if self.local_time else None,
-            "candidates": [c.to_dict() for c in self.candidates]}
+            "candidates": [c.to_dict() for c in self.candidates],
+            "estimate_method": self.estimate.method, "trace": self.trace_line(),
+            "analytic_estimate": self.analytic.to_dict() if self.analytic else None,
+            "analytic_needed_bytes": self.analytic.band.upper(self.analytic.reserved_peak_bytes)
+            if self.analytic and self.analytic.band else None}
+
+    def trace_line(self) -> str:
+        """Both figures when the traced estimate decided; otherwise why the analytic one decided alone."""
+        e, a = self.estimate, self.analytic
+        if e.method == "traced" and a is not None and a.band and e.band:
+            return (f"traced estimate {e.reserved_peak_bytes / GIB:.3f} GiB reserved (band {e.band.high:+.1%}) "
+                    f"decided; analytic {a.reserved_peak_bytes / GIB:.3f} GiB (band {a.band.high:+.0%})")
+        if self.unchecked:
+            return f"not traced ({self.unchecked}): the analytic estimate decided with its wider band"
+        return "not traced: no plan passed the analytic search, so the analytic estimate decided"
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
@@ -106,6 +132,7 @@ class PreflightReport:
             f"reserved {e.reserved_peak_bytes / GIB:.3f}; {self.plan.needed_bytes / GIB:.3f} at the upper edge"
             f"{band}) against {self.plan.limit_bytes / GIB:.3f} GiB (budget less "
             f"{e.safety_margin:.0%} headroom); peak phase: {e.peak_phase}; sequence length {self.seq_len}.{time}\n\n"
+            f"Estimate: {self.trace_line()}.\n\n"
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
 
 
@@ -142,13 +169,42 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
 
 
 def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
-    """The estimate that verifies the chosen plan (the planner searches with the analytic one).
+    """The estimate that verifies the chosen plan (the planner searches with the analytic one): the traced step
+    (:func:`fitburst.memory.trace.traced_estimate`, method "traced", its band in ``fitburst.memory.calibration``),
+    one trace per distinct settings; None when ``preflight.exact`` is off. It raises TraceUnsupported where the
+    trace cannot run (see :func:`plan_checked`)."""
+    if not spec.preflight.exact:
+        return None
+    from fitburst.memory.trace import traced_estimate
 
-    Merge point for the traced estimate (branch i8-trace): return
-    ``lambda s, d: replace(traced_estimate(spec, s, d, seq_len=seq_len), method="traced")`` from
-    ``fitburst.memory.trace`` (``method`` picks its error band in ``fitburst.memory.calibration``).
-    Until then None: the analytic estimate decides alone."""
-    return None
+    cache: dict = {}
+    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
+    return lambda s, d: traced_estimate(local, s, d, seq_len=seq_len, cache=cache)
+
+
+@dataclass
+class Checked:
+    """A plan and how it was checked: ``exact`` (the traced estimate) when it ran, else why it did not."""
+
+    plan: Plan
+    exact: EstimateFn | None
+    unchecked: str | None = None  # why the trace did not verify the plan (the analytic band decided)
+
+
+def plan_checked(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+                 seq_len: int) -> Checked:
+    """:func:`plan_fit` with the traced estimate behind it; where the trace cannot run (TraceUnsupported: torch
+    missing, int8, an architecture transformers cannot build) the analytic plan with its wider band, and why."""
+    from fitburst.memory.trace import TraceUnsupported
+
+    args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
+    exact = exact_estimate(spec, seq_len)
+    if exact is None:
+        return Checked(plan_fit(*args), None, "preflight.exact is false")
+    try:
+        return Checked(plan_fit(*args, exact=exact), exact)
+    except TraceUnsupported as e:
+        return Checked(plan_fit(*args), None, f"the traced estimate cannot run: {e}")
 
 
 def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
@@ -187,21 +243,30 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
     return Verdict("fail", f"{why}, and no allowed cloud GPU is usable: {refused}"), candidates
 
 
-def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, plan: Plan, seq_len: int,
-             tokens: int | None, *, measured_tokens_per_s: float | None = None,
-             exact: EstimateFn | None = None) -> PreflightReport:
+def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, checked: Checked, seq_len: int,
+             tokens: int | None, *, measured_tokens_per_s: float | None = None) -> PreflightReport:
     """Time the local plan, place the run (:func:`decide`) and write the report."""
+    from fitburst.memory.trace import TraceUnsupported
+
+    plan, exact = checked.plan, checked.exact
     local_time = (estimate_hours(shape, plan.settings, throughput(device, measured_tokens_per_s), tokens)
                   if plan.fits else None)
 
     def rank() -> list[Candidate]:
         cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
-        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+        try:
+            return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+        except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
+            return rank_candidates(spec, shape, cloud, tokens=tokens)
 
     verdict, candidates = decide(spec, plan, local_time, rank)
     planned = apply_settings(spec, plan.settings) if plan.fits else spec
+    analytic = None
+    if plan.estimate.method == "traced":
+        analytic = Budget(device, spec.preflight.safety_margin).judge(estimate(shape, plan.settings, device))
     return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
-                           planned=planned, tokens=tokens, local_time=local_time, candidates=candidates)
+                           planned=planned, tokens=tokens, local_time=local_time, candidates=candidates,
+                           analytic=analytic, unchecked=checked.unchecked)
 
 
 def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, float | None]:
@@ -224,10 +289,8 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
     shape = spec_shape(spec)
-    exact = exact_estimate(spec, seq_len)
-    plan = plan_fit(shape, settings_from_spec(spec, device, seq_len), device, spec.preflight.safety_margin,
-                    spec.preflight.allow.model_dump(), exact=exact)
-    return conclude(spec, shape, device, plan, seq_len, train_tokens(spec, n_train, mean_len), exact=exact)
+    checked = plan_checked(spec, shape, settings_from_spec(spec, device, seq_len), device, seq_len)
+    return conclude(spec, shape, device, checked, seq_len, train_tokens(spec, n_train, mean_len))
 
 
 def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes: int, why: str, *,
@@ -236,19 +299,20 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     estimate), from the already planned settings, and placed again."""
     device = replace(report.device, budget_bytes=budget_bytes)
     shape = spec_shape(spec)
-    exact = exact_estimate(spec, report.seq_len)
-    plan = plan_fit(shape, settings_from_spec(report.planned, device, report.seq_len), device,
-                    spec.preflight.safety_margin, spec.preflight.allow.model_dump(), exact=exact)
-    plan.changes[:0] = [*report.changes, why]
-    return conclude(report.planned, shape, device, plan, report.seq_len, report.tokens,
-                    measured_tokens_per_s=measured_tokens_per_s, exact=exact)
+    checked = plan_checked(spec, shape, settings_from_spec(report.planned, device, report.seq_len), device,
+                           report.seq_len)
+    checked.plan.changes[:0] = [*report.changes, why]
+    return conclude(report.planned, shape, device, checked, report.seq_len, report.tokens,
+                    measured_tokens_per_s=measured_tokens_per_s)
 
 
 def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> PreflightReport:
     """The report with the local device timed by a measured throughput (the probe's), and placed again."""
     shape = spec_shape(spec)
-    return conclude(report.planned, shape, report.device, report.plan, report.seq_len, report.tokens,
-                    measured_tokens_per_s=tokens_per_s, exact=exact_estimate(spec, report.seq_len))
+    checked = Checked(report.plan, exact_estimate(spec, report.seq_len) if report.unchecked is None else None,
+                      report.unchecked)
+    return conclude(report.planned, shape, report.device, checked, report.seq_len, report.tokens,
+                    measured_tokens_per_s=tokens_per_s)
 
 
 def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], dict]:
@@ -256,9 +320,7 @@ def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str]
     training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate
     (as JSON, for the run folder); raises PreflightFailed when nothing allowed fits."""
     device = resolve_device(spec.preflight.device)
-    plan = plan_fit(spec_shape(spec), settings_from_spec(spec, device, seq_len), device,
-                    spec.preflight.safety_margin, spec.preflight.allow.model_dump(),
-                    exact=exact_estimate(spec, seq_len))
+    plan = plan_checked(spec, spec_shape(spec), settings_from_spec(spec, device, seq_len), device, seq_len).plan
     if not plan.fits:
         raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "

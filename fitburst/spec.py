@@ -172,6 +172,8 @@ class PreflightSpec(Strict):
     safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.calibration)
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
+    exact: bool = Field(default=True, description="verify the chosen plan with the traced estimate (the real step "
+                                                  "under FakeTensorMode, seconds; needs torch): its band is narrow")
 
     @field_validator("device")
     @classmethod

@@ -40,6 +40,7 @@ def records_20k(tmp_path_factory) -> Path:
 
 
 def _preflight(name: str, device: str, **over):
+    over = {"preflight.exact": False, **over}  # the analytic planner; tracing 1.5-7B models takes minutes here
     spec = load_pipeline(PIPELINES, name, over)
     seq, n, mean = data_facts(spec)
     return spec, preflight(spec, seq, device, n_train=n, mean_len=mean)
@@ -59,7 +60,8 @@ def test_small_qlora_on_20k_records_stays_on_a_local_gpu(device, records_20k):
 
 def test_preflight_cli_times_a_named_card_from_the_record_count(records_20k):
     out = subprocess.run([sys.executable, "-m", "fitburst.cli", "preflight", "qwen1.5b-qlora", "--device", "A6000",
-                          "--set", f"data.path={records_20k}", "--json"], capture_output=True, text=True,
+                          "--set", f"data.path={records_20k}", "--set", "preflight.exact=false", "--json"],
+                         capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     d = json.loads(out.stdout[out.stdout.index("{"):])
     assert out.returncode == 0 and d["verdict"] == "local", d["reason"]
@@ -69,6 +71,7 @@ def test_preflight_cli_times_a_named_card_from_the_record_count(records_20k):
     assert d["tokens"] == 18_000 * 512 and 0 < d["local_hours"] < 12
     assert d["local_hours_source"].startswith("table: A6000")
     assert d["estimate"]["band"]["high"] == band_for("analytic", "cuda").high
+    assert d["estimate_method"] == "analytic" and "preflight.exact is false" in d["trace"]
 
 
 def test_torch_names_of_local_cards_find_their_table_entry():
@@ -199,3 +202,33 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     assert calls[0] == agreed.settings  # the cheapest plan was checked first, rejected, then the next rung
     assert checked.fits and checked.settings != agreed.settings and len(calls) >= 2
     assert checked.needed_bytes <= checked.limit_bytes
+
+
+# --- the traced estimate wired in: it checks the chosen plan, the report shows both figures -----------------
+
+def test_the_preflight_traces_the_chosen_plan_and_reports_both_figures(demo_spec, demo_prepared):
+    r = preflight(demo_spec, demo_prepared.stats["max"], "cpu:8GiB", n_train=demo_prepared.n_train)
+    assert r.verdict.placement == "local"
+    assert r.estimate.method == "traced" and r.estimate.band == band_for("traced", "cpu")
+    assert r.analytic.method == "analytic" and r.analytic.band == band_for("analytic", "cpu")
+    assert r.analytic.settings == r.estimate.settings  # the same plan, two estimates
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["estimate_method"] == "traced" and d["estimate"]["notes"][0].startswith("traced: ")
+    assert d["analytic_estimate"]["reserved_peak_bytes"] != d["estimate"]["reserved_peak_bytes"]
+    assert d["analytic_needed_bytes"] > d["analytic_estimate"]["reserved_peak_bytes"]
+    assert d["needed_bytes"] == band_for("traced", "cpu").upper(d["estimate"]["reserved_peak_bytes"])
+    md = r.to_markdown()
+    assert "traced estimate" in md and "analytic" in md
+
+
+def test_where_the_trace_cannot_run_the_analytic_band_decides_and_the_report_says_so(demo_spec, demo_prepared):
+    seq = demo_prepared.stats["max"]
+    int8 = demo_spec.model_copy(update={"method": demo_spec.method.model_copy(update={"type": "qlora",
+                                                                                       "quant": "int8"})})
+    r = preflight(int8, seq, "cpu:8GiB")
+    assert r.estimate.method == "analytic" and r.estimate.band == band_for("analytic", "cpu")
+    assert r.analytic is None and "int8" in r.unchecked
+    assert "not traced" in r.to_dict()["trace"] and "int8" in r.to_markdown()
+    off = demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"exact": False})})
+    r = preflight(off, seq, "cpu:8GiB")
+    assert r.estimate.method == "analytic" and r.unchecked == "preflight.exact is false"

@@ -50,6 +50,12 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         help="headroom kept on top of the estimate's error band (fraction of budget)"
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="trace the real training step at full size with no memory (torch; seconds) instead of the "
+        "instant analytic estimate",
+    )
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -88,10 +94,26 @@ def run_estimate(args: argparse.Namespace) -> int:
     from .estimator import estimate
     from .planner import Budget
 
-    est = Budget(device, args.safety_margin).judge(estimate(shape, settings, device))
+    if args.exact:
+        from fitburst.spec import PipelineSpec
+
+        from .trace import traced_estimate
+
+        spec = PipelineSpec.model_validate(
+            dict(name="estimate", model=dict(name=args.model), data=dict(path="unused.jsonl"))
+        )
+        try:
+            est = traced_estimate(spec, settings, device, seq_len=args.seq_len)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        est = estimate(shape, settings, device)
+    est = Budget(device, args.safety_margin).judge(est)
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
         d = est.to_dict()
+        d["error_band"] = d.pop("band")  # the band the fit was judged by (fitburst.memory.calibration)
         d["verdict"] = "local" if plan.fits else "burst"
         d["needed_bytes"] = Budget(device, args.safety_margin).needed(est)
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None

@@ -67,14 +67,18 @@ class Budget:
 
     def judge(self, e: Estimate) -> Estimate:
         """Mark ``e`` with its band, the headroom and whether its upper edge fits (the only fit test)."""
-        e.band = band_for(self.band_key or e.method, self.device.kind)
+        e.band = band_for(self.band_key or e.method, self.device.kind, _kbit(e))
         e.safety_margin = self.headroom
         e.fits = self.needed(e) <= self.limit
         return e
 
     def needed(self, e: Estimate) -> int:
-        band = e.band or band_for(self.band_key or e.method, self.device.kind)
+        band = e.band or band_for(self.band_key or e.method, self.device.kind, _kbit(e))
         return band.upper(e.reserved_peak_bytes)
+
+
+def _kbit(e: Estimate) -> bool:
+    return e.settings.get("quant", "none") != "none"
 
 
 def _gib(b: int) -> str:

@@ -444,20 +444,27 @@ def _from_hub(ref: str, revision: str | None) -> Path:
 def load_shape(ref: str, revision: str | None = None) -> ModelShape:
     """A shape from a local dir / config.json path, a bundled config (hub ids of the bundled models, when no
     other ``revision`` is asked for), or the hub's config.json at ``revision`` (cached by huggingface_hub)."""
+    path, name = config_path(ref, revision)
+    return _read(path, name)
+
+
+def config_path(ref: str, revision: str | None = None) -> tuple[Path, str]:
+    """(config.json, model name) of a reference, found as :func:`load_shape` describes; no architecture check
+    (the traced estimate reads it for any architecture transformers builds)."""
     p = Path(ref).expanduser()
     if p.is_dir():
         if (p / "config.json").exists():
-            return _read(p / "config.json", p.name)
+            return p / "config.json", p.name
         raise ModelConfigError(f"{p} has no config.json: point at a model folder or its config.json")
     if p.is_file():
-        return _read(p, p.parent.name if p.name == "config.json" else p.stem)
+        return p, p.parent.name if p.name == "config.json" else p.stem
     base = ref.rstrip("/").split("/")[-1]
     if revision in (None, "main"):
         for cand in _candidates(base):
             f = CONFIG_DIR / f"{cand}.json"
             if f.exists():
-                return _read(f, base)
+                return f, base
     if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
-        return _read(_from_hub(ref, revision), ref)
+        return _from_hub(ref, revision), ref
     raise ModelConfigError(f"unknown model {ref!r}: not a local folder or config.json, not a bundled config "
                            f"({', '.join(bundled_names())}), and not a hub id (org/name)")

@@ -1,0 +1,62 @@
+"""T4 rows of ../shared/memory/t4_dev.csv: traced + CUDA rules + allocator replay against the measured allocated
+and reserved figures. Rows whose ``fit`` column is set were used to choose the allocator's placement rule."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+from fitburst.memory import TrainSettings, allocator, cuda_kernels, resolve_device
+from fitburst.memory.trace import live_peaks, trace_step
+from fitburst.spec import PipelineSpec
+
+CSV = Path("/work/shared/memory/t4_dev.csv")
+MiB = 1 << 20
+
+
+def rows() -> list[dict]:
+    return list(csv.DictReader(open(CSV)))
+
+
+def spec_of(r: dict) -> PipelineSpec:
+    return PipelineSpec.model_validate(dict(
+        name="t4", model=dict(name=r["model_id"]), data=dict(path="unused.jsonl"),
+        training=dict(max_grad_norm=None)))  # the harness's step: no clipping
+
+
+def settings_of(r: dict) -> TrainSettings:
+    quant = r["quant"]
+    return TrainSettings(
+        method="qlora" if quant != "none" else "lora", quant=quant, double_quant=False,
+        rank=int(r["lora_rank"]), alpha=float(r["lora_alpha"]), dropout=float(r["lora_dropout"]),
+        targets=r["lora_targets"].split(";"), batch=int(r["batch_size"]), seq_len=int(r["seq_len"]),
+        grad_checkpointing=r["grad_checkpoint"] == "true", optimizer="adamw", dtype=r["precision"],
+        attention="eager" if r["attention"] == "eager" else "sdpa", padded=False, keep_logits=False)
+
+
+def predict(r: dict, *, placement: str = allocator.PLACEMENT, cache: dict | None = None) -> dict:
+    s = settings_of(r)
+    dev = resolve_device("T4")
+    key = (r["model_id"], s.describe())
+    t0 = time.perf_counter()
+    tr = cache.get(key) if cache is not None else None
+    if tr is None:
+        tr = trace_step(spec_of(r), s, seq_len=s.seq_len, foreach=True, step=harness_step)
+        if cache is not None:
+            cache[key] = tr
+    events, start = cuda_kernels.apply(tr, dev, s, s.seq_len)
+    rep = allocator.replay(events, start=start, placement=placement)
+    live, _, _ = live_peaks(events, start)
+    return dict(alloc=rep.peak_allocated / MiB, reserved=rep.peak_reserved / MiB, live=live / MiB,
+                seconds=time.perf_counter() - t0)
+
+
+def harness_step(model, optimizer, params, micro_batches, *, device, max_grad_norm, amp=None):
+    """The T4 harness's step: zero_grad, forward with labels, backward, AdamW step (the output lives to the end).
+    The harness ran a 16-bit model with no autocast or GradScaler: ``amp`` (the loop's) is ignored."""
+    optimizer.zero_grad(set_to_none=True)
+    out = model(**micro_batches[0])
+    out.loss.backward()
+    optimizer.step()
+    return 0.0

@@ -1,0 +1,219 @@
+"""Where CUDA kernels allocate differently from the CPU kernels the trace runs: one explicit rule each, applied
+to a CPU trace's ordered events to give the events a CUDA run would show.
+
+- :func:`drop_cpu_resident`: AdamW's ``step`` counters stay on the CPU in a GPU run (checkpointing's RNG states are
+  host tensors too, and never reach the trace).
+- :func:`softmax_half_to_float`: CUDA's ``softmax(fp16 x, dtype=fp32)`` writes fp32 straight from fp16 input;
+  the CPU makes an fp32 copy of ``x`` first (b*h*s*s*4 bytes in eager attention).
+- :func:`softmax_backward_temp`: CUDA's softmax backward holds a ``grad * output`` temporary beside its result.
+- :func:`sdpa_kernel`: the CPU runs SDPA's flash kernel for CPU; a GPU runs the memory-efficient kernel (sm < 80,
+  or with a mask) whose logsumexp is padded to 32 rows and whose backward holds a ``delta`` (b,h,s fp32) and an
+  fp32 dq accumulator; FlashAttention-2 (sm >= 80, no mask) matches the CPU kernel's outputs.
+- :func:`cublas_workspaces`: one cuBLAS workspace per thread that runs a GEMM (the forward thread, autograd's
+  device thread), allocated through the caching allocator at its first GEMM and never freed; cuBLASLt adds
+  1 MiB per thread at its first biased GEMM.
+- :func:`peft_adapter_upcast`: peft moves a new adapter to the base layer's device and dtype first, then up-casts
+  it to fp32 (a 16-bit transient per adapter weight).
+- :func:`kbit_prepare_upcast`: k-bit loading brings embeddings, norms and head in 16 bits; k-bit preparation then
+  casts them to fp32 (the trace builds them in fp32 directly).
+- :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
+  then runs that path itself.
+"""
+
+from __future__ import annotations
+
+from .devices import Device
+from .estimator import TrainSettings
+
+CUBLAS_WORKSPACE = {"sm75": 4096 * 1024 * 2 + 16 * 1024 * 8, "sm90": 32768 * 1024 + 16 * 1024 * 8}
+CUBLASLT_WORKSPACE = 1024 * 1024
+SM90 = ("H100", "H200", "GH200")
+
+
+def _is_sm90(device: Device) -> bool:
+    return any(device.name.upper().startswith(n) for n in SM90)
+
+
+def optimizer_foreach(device: Device) -> bool:
+    return device.kind == "cuda"
+
+
+def _sids(events, tag: str) -> set[int]:
+    return {e.sid for e in events if e.kind == "alloc" and e.tag == tag}
+
+
+def _without(events, sids: set[int]):
+    return [e for e in events if e.sid not in sids]
+
+
+def drop_cpu_resident(events):
+    return _without(events, _sids(events, "step_counter"))
+
+
+def softmax_backward_temp(events):
+    """CUDA's softmax backward allocates a ``grad * output`` temporary (the grad's size) beside its result, freed
+    when the kernel ends; the CPU kernel allocates only the result. (The half-to-float case:
+    :func:`softmax_half_to_float`.)"""
+    from dataclasses import replace
+
+    out, nxt = [], max((e.sid for e in events), default=0) + 1
+    for e in events:
+        out.append(e)
+        if e.kind == "alloc" and e.tag == "softmax_bwd":
+            tmp = replace(e, sid=nxt, op="softmax_backward_tmp", tag="softmax_tmp")
+            out += [tmp, replace(tmp, kind="free", op="")]
+            nxt += 1
+    return out
+
+
+def softmax_half_to_float(events, dtype: str):
+    """fp16 only (bf16 takes the copy path on CUDA too). Forward: drop the CPU's fp32 copy of the input.
+    Backward: CUDA's kernel allocates an fp32 ``grad * output`` temporary and the fp16 grad while the incoming fp32
+    grad is still held; the CPU returns an fp32 grad, drops the incoming one, then casts to fp16."""
+    if dtype != "fp16":
+        return events
+    events = _without(events, _sids(events, "softmax_upcast"))
+    out: list = []
+    late_free: set[int] = set()
+    i = 0
+    while i < len(events):
+        e = events[i]
+        if e.kind == "alloc" and e.tag == "softmax_bwd_h2f":
+            j = next((k for k in range(i + 1, len(events)) if events[k].kind == "alloc"), None)
+            if j is not None and events[j].size * 2 == e.size:
+                from dataclasses import replace
+
+                between = events[i + 1:j]
+                out += [e, events[j], replace(e, kind="free", op="")] + between
+                late_free.add(e.sid)
+                i = j + 1
+                continue
+        if e.kind == "free" and e.sid in late_free:
+            late_free.discard(e.sid)
+        else:
+            out.append(e)
+        i += 1
+    return out
+
+
+def sdpa_kernel(events, kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int):
+    """``kernel``: efficient | flash. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s); in
+    backward, ``delta`` (b, h, s fp32) and an fp32 dq accumulator (b, s, h, d) live for the op's duration."""
+    if kernel == "flash":
+        return events
+    from dataclasses import replace
+
+    lse_cpu = batch * heads * seq_len * 4
+    lse_cuda = batch * heads * (-(-seq_len // 32) * 32) * 4
+    temps = (batch * heads * seq_len * 4, batch * seq_len * heads * head_dim * 4)
+    out, nxt = [], max((e.sid for e in events), default=0) + 1
+    resized: set[int] = set()
+    i = 0
+    while i < len(events):
+        e = events[i]
+        if e.kind == "alloc" and e.tag == "sdpa_fwd" and e.size == lse_cpu:
+            out.append(replace(e, size=lse_cuda))
+            resized.add(e.sid)
+        elif e.kind == "free" and e.sid in resized:
+            out.append(replace(e, size=lse_cuda))
+        elif e.kind == "alloc" and e.tag == "sdpa_bwd":
+            j = i
+            while j < len(events) and events[j].kind == "alloc" and events[j].tag == "sdpa_bwd":
+                j += 1
+            out.extend(events[i:j])
+            ids = []
+            for t in temps:
+                out.append(replace(e, sid=nxt, size=t, op="efficient_attention_backward", tag="sdpa_tmp"))
+                ids.append(nxt)
+                nxt += 1
+            for sid, t in zip(ids[::-1], temps[::-1], strict=True):
+                out.append(replace(e, kind="free", sid=sid, size=t, op="", tag="sdpa_tmp"))
+            i = j
+            continue
+        else:
+            out.append(e)
+        i += 1
+    return out
+
+
+def cublas_workspaces(events, device: Device):
+    """Insert the per-thread cuBLAS (and cuBLASLt) workspaces after the first GEMM of the forward thread and of the
+    backward thread (checkpointing's recomputation runs on the backward thread)."""
+    from dataclasses import replace
+
+    ws = CUBLAS_WORKSPACE["sm90" if _is_sm90(device) else "sm75"]
+    out, nxt = [], max((e.sid for e in events), default=0) + 1
+    seen: set[tuple[str, str]] = set()
+    for e in events:
+        out.append(e)
+        if e.kind != "alloc" or not e.tag.startswith("matmul"):
+            continue
+        thread = "backward" if e.phase.endswith("backward") else "forward"
+        need = [("cublas", ws)] + ([("cublaslt", CUBLASLT_WORKSPACE)] if e.tag == "matmul.bias" else [])
+        for lib, size in need:
+            if (thread, lib) not in seen:
+                seen.add((thread, lib))
+                out.append(replace(e, sid=nxt, size=size, op=f"{lib}_workspace", tag="workspace"))
+                nxt += 1
+    return out
+
+
+def peft_adapter_upcast(events, dtype: str):
+    """peft places every new adapter weight on the base layer's device in its 16-bit dtype while injecting, and
+    up-casts them to fp32 once all are injected: all 16-bit copies first, then per weight fp32 alloc, 16-bit free."""
+    if dtype == "fp32":
+        return events
+    from dataclasses import replace
+
+    adapters = [e for e in events if e.kind == "alloc" and e.tag == "adapter" and e.phase == "load"]
+    if not adapters:
+        return events
+    first = events.index(adapters[0])
+    nxt = max(e.sid for e in events) + 1
+    halves = [replace(e, sid=nxt + i, size=e.size // 2, tag="adapter_16bit") for i, e in enumerate(adapters)]
+    upcast = [x for h, e in zip(halves, adapters, strict=True) for x in (e, replace(h, kind="free", op=""))]
+    rest = [e for e in events[first:] if not (e.kind == "alloc" and e.tag == "adapter" and e.phase == "load")]
+    return events[:first] + halves + upcast + rest
+
+
+def kbit_prepare_upcast(events):
+    """k-bit loading: the non-quantized weights (embeddings, norms, head) arrive in 16 bits with the quantized ones;
+    prepare_model_for_kbit_training then casts each to fp32 (fp32 alloc, 16-bit free) before peft adds adapters."""
+    from dataclasses import replace
+
+    cast = [e for e in events if e.kind == "alloc" and e.tag == "kbit_upcast" and e.phase == "load"]
+    if not cast:
+        return events
+    nxt = max(e.sid for e in events) + 1
+    halves = {e.sid: replace(e, sid=nxt + i, size=e.size // 2, tag="kbit_16bit") for i, e in enumerate(cast)}
+    load_end = max(i for i, e in enumerate(events) if e.phase == "load" and e.tag != "adapter") + 1
+    head = [halves.get(e.sid, e) if e.kind == "alloc" else e for e in events[:load_end]]
+    upcast = [x for e in cast for x in (e, replace(halves[e.sid], kind="free", op=""))]
+    return head + upcast + events[load_end:]
+
+
+def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> str:
+    """What SDPA picks on a GPU: FlashAttention-2 on sm >= 80 (bf16 capable) without a mask, else memory-efficient."""
+    return "flash" if device.supports_bf16 and not padded else "efficient"
+
+
+def apply(trace, device: Device, settings: TrainSettings, seq_len: int):
+    """All rules for a CUDA ``device``; returns (events, index of the measured step's first event)."""
+    s = settings
+    events = drop_cpu_resident(list(trace.events))
+    events = softmax_half_to_float(events, s.dtype)
+    events = softmax_backward_temp(events)
+    if s.attention in ("sdpa", "flash"):
+        padded = s.batch > 1 if s.padded is None else s.padded
+        events = sdpa_kernel(events, sdpa_kernel_for(device, s, padded), batch=s.batch, heads=trace.heads,
+                             seq_len=seq_len, head_dim=trace.head_dim)
+    events = cublas_workspaces(events, device)
+    events = kbit_prepare_upcast(events)
+    events = peft_adapter_upcast(events, s.dtype)
+    return events, measured_start(events)
+
+
+def measured_start(events) -> int:
+    """Index of the measured step's first event (phases of the warm-up are prefixed, loading is ``load``)."""
+    return next((i for i, e in enumerate(events) if e.phase != "load" and not e.phase.startswith("warmup.")),
+                len(events))

@@ -1,0 +1,467 @@
+"""The traced estimate: the project's own model preparation, optimizer and training step run at full size under
+``FakeTensorMode`` (no memory used), every storage allocation and free recorded in order.
+
+The model is built from config.json on the meta device, wrapped by :func:`fitburst.train.prepare_for_training`
+(the loop's own function), materialized as fake CPU tensors (base weights first, then adapters, tied weights
+once), and stepped twice with :func:`fitburst.train.optimizer_step`: a warm-up step (optimizer state appears),
+then the measured step. The ordered events feed :mod:`fitburst.memory.cuda_kernels` (where CUDA kernels
+allocate differently from the CPU kernels traced here) and :mod:`fitburst.memory.allocator` (the CUDA caching
+allocator), giving allocated, reserved and device-total figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from fitburst.errors import UserError
+
+from .devices import Device, MiB
+from .estimator import Estimate, TrainSettings
+
+PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
+CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
+MPS_RESERVED_FACTOR = 1.15  # MPS heaps are coarser than tensors (estimator.RESERVED_FACTOR["mps"])
+
+
+class TraceUnsupported(UserError, ValueError):
+    """This configuration cannot be traced; the message says which part and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One storage allocation (``alloc``) or free, in program order."""
+
+    kind: str  # alloc | free
+    sid: int  # storage id (unique over the trace)
+    size: int  # bytes
+    phase: str  # load | warmup.<phase> | <phase> (measured step)
+    op: str = ""  # aten op that allocated it (alloc events)
+    tag: str = ""  # what a CUDA rule needs to know (adapter, step_counter, softmax_upcast, sdpa_fwd ...)
+
+
+@dataclass
+class StepTrace:
+    events: list[Event]
+    measured_start: int  # index of the measured step's first event
+    params: dict[str, int]
+    seconds: float
+    dtype_bytes: int
+    heads: int = 0
+    head_dim: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def live_peaks(self) -> tuple[int, str, dict[str, int]]:
+        """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
+        return live_peaks(self.events, self.measured_start)
+
+
+def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int]]:
+    cur = peak = 0
+    peak_phase = ""
+    phases: dict[str, int] = {}
+    for i, e in enumerate(events):
+        cur += e.size if e.kind == "alloc" else -e.size
+        if i < start:
+            continue
+        if i == start:
+            phases["load"] = cur - (e.size if e.kind == "alloc" else -e.size)
+        if cur > phases.get(e.phase, -1):
+            phases[e.phase] = cur
+        if cur > peak:
+            peak, peak_phase = cur, e.phase
+    return peak, peak_phase, phases
+
+
+def peak_components(events: list[Event], start: int) -> dict[str, int]:
+    """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
+    ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``step_tensors`` (activations,
+    gradients and temporaries of the measured step). They sum to the peak of :func:`live_peaks`."""
+    cur = peak = 0
+    at = -1
+    for i, e in enumerate(events):
+        cur += e.size if e.kind == "alloc" else -e.size
+        if i >= start and cur > peak:
+            peak, at = cur, i
+    live: dict[int, tuple[int, str]] = {}
+    for e in events[: at + 1]:
+        if e.kind == "alloc":
+            kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
+                "optimizer_states" if e.phase.startswith("warmup.") else "step_tensors")
+            live[e.sid] = (e.size, kind)
+        else:
+            live.pop(e.sid, None)
+    out: dict[str, int] = {}
+    for size, kind in live.values():
+        out[kind] = out.get(kind, 0) + size
+    return out
+
+
+# --- the recorder ---------------------------------------------------------------------------------------
+
+
+def _recorder_cls():
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    aten = torch.ops.aten
+    counter_ops = {aten.add_, aten._foreach_add_}  # overload packets
+    matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+    class Recorder(TorchDispatchMode):
+        """Records every new output storage (alloc) and its deallocation (free) in order."""
+
+        def __init__(self):
+            super().__init__()
+            self.events: list[Event] = []
+            self.live: dict[int, int] = {}  # storage _cdata -> sid
+            self.phase = "load"
+            self.tag = ""
+            self._next = 0
+            self.h2f: set[int] = set()  # sids of softmax outputs computed from an fp16 input's fp32 copy
+            self.counters: set[int] = set()  # 0-dim tensors incremented in place (optimizer step counters)
+            self._upcast: int | None = None  # sid of an fp32 copy of an fp16 tensor made by the last op
+
+        def _free(self, key: int, sid: int, size: int) -> None:
+            if self.live.get(key) == sid:
+                del self.live[key]
+            self.events.append(Event("free", sid, size, self.phase))
+
+        def track(self, t, op: str = "", tag: str = "") -> int | None:
+            if not isinstance(t, torch.Tensor):
+                return None
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.live:
+                return None
+            size = st.nbytes()
+            sid = self._next
+            self._next += 1
+            self.live[key] = sid
+            self.events.append(Event("alloc", sid, size, self.phase, op, tag or self.tag))
+            weakref.finalize(st, self._free, key, sid, size)
+            return len(self.events) - 1
+
+        def sid_of(self, t) -> int | None:
+            return self.live.get(t.untyped_storage()._cdata)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is aten._local_scalar_dense.default:  # .item() has no data here: step counters read 1
+                t = args[0]  # (they were incremented), anything else 0 (loss, GradScaler's found-inf flag)
+                return False if t.dtype == torch.bool else int(t.untyped_storage()._cdata in self.counters)
+            if func.overloadpacket in counter_ops:
+                for t in tree_leaves(args[0]):
+                    if isinstance(t, torch.Tensor) and t.dim() == 0:
+                        self.counters.add(t.untyped_storage()._cdata)
+            out = func(*args, **kwargs)
+            name = func.__name__
+            tag, h2f = "", False
+            if func in matmuls:
+                tag = "matmul" + (".bias" if func in (aten.addmm.default, aten.baddbmm.default) else "")
+            elif func is aten._softmax.default and self._upcast is not None and self.sid_of(args[0]) == self._upcast:
+                self._retag(args[0], "softmax_upcast")
+                h2f = True
+            elif func is aten._softmax_backward_data.default:
+                tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
+            elif "scaled_dot_product" in name:
+                tag = "sdpa_bwd" if "backward" in name else "sdpa_fwd"
+            for t in tree_leaves(out):
+                self.track(t, name, tag)
+            if h2f:  # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
+                self.h2f.add(self.sid_of(out))
+            # CPU's softmax(fp16 x, dtype=fp32) is x.to(fp32) then _softmax: remember such a copy
+            if func is aten._to_copy.default and args[0].dtype == torch.float16 and out.dtype == torch.float32:
+                self._upcast = self.sid_of(out)
+            return out
+
+        def _retag(self, t, tag: str) -> None:
+            sid = self.sid_of(t)
+            for i in range(len(self.events) - 1, -1, -1):
+                e = self.events[i]
+                if e.sid == sid and e.kind == "alloc":
+                    self.events[i] = Event(e.kind, e.sid, e.size, e.phase, e.op, tag)
+                    return
+
+    return Recorder
+
+
+# --- making transformers behave as on a GPU --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gpu_like_masking(padded: bool):
+    """transformers treats FakeTensors as tracing and keeps full masks; a real run looks at the mask's values.
+    Answer those value checks from what the batch is: unpacked, and padded or not."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(masking_utils, "is_tracing", lambda *a, **k: False))
+        stack.enter_context(mock.patch.object(masking_utils, "fast_all", lambda t: not padded))
+        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda p: None))
+        yield
+
+
+# --- building ----------------------------------------------------------------------------------------------
+
+
+def config_dict(ref: str) -> dict:
+    """config.json of a model reference, found where :func:`fitburst.memory.load_shape` looks."""
+    from .shapes import config_path
+
+    return json.loads(config_path(ref)[0].read_text())
+
+
+def spec_with(spec, s: TrainSettings):
+    """``spec`` with the settings written into it (what the loop would run)."""
+    method = spec.method.model_copy(update={
+        "type": "qlora" if s.quant != "none" else s.method, "quant": s.quant, "double_quant": s.double_quant,
+        "rank": s.rank, "alpha": s.alpha, "dropout": s.dropout, "target_modules": s.targets})
+    training = spec.training.model_copy(update={
+        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
+        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention})
+    return spec.model_copy(update={"method": method, "training": training})
+
+
+def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fitburst.device import torch_dtype, weight_dtype
+
+    d = dict(cfg)
+    mtype = d.pop("model_type", None)
+    if not mtype:
+        raise TraceUnsupported("config.json has no model_type: cannot build the model to trace it")
+    try:
+        config = AutoConfig.for_model(mtype, **d)
+    except (KeyError, ValueError) as e:
+        raise TraceUnsupported(f"transformers cannot build model_type {mtype!r} ({e}): update transformers, "
+                               "or set model.trust_remote_code for a custom architecture") from None
+    impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+                                                 attn_implementation=impl,
+                                                 trust_remote_code=trust_remote_code)
+    if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+        from fitburst.models import quantization_config
+
+        head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
+        model = replace_with_bnb_linear(model, modules_to_not_convert=head,
+                                        quantization_config=quantization_config(s.quant, s.double_quant,
+                                                                                torch_dtype(s.dtype)))
+        model.is_loaded_in_4bit = True
+    return model
+
+
+def _quantized(w, compute_dtype):
+    """A 4-bit weight as bitsandbytes loads it: the 16-bit weight, quantized (packed uint8 + QuantState)."""
+    import bitsandbytes as bnb
+    import torch
+
+    full = torch.empty(w.shape, dtype=compute_dtype, device="cpu")
+    packed, state = bnb.functional.quantize_4bit(full, blocksize=w.blocksize, compress_statistics=w.compress_statistics,
+                                                 quant_type=w.quant_type, quant_storage=w.quant_storage)
+    del full
+    p = torch.nn.Parameter(packed, requires_grad=False)
+    p.quant_state = state
+    return p
+
+
+def _materialize(model, rec, compute_dtype=None) -> None:
+    """Fake CPU storage for every meta parameter and buffer: base weights first (as loaded), then adapters (as
+    peft adds them); a parameter shared by two modules (tied embeddings) materializes once."""
+    import torch
+
+    adapter = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
+    quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
+    memo: dict[int, torch.Tensor] = {}
+    for second in (False, True):
+        for m in model.modules():
+            for store in (m._parameters, m._buffers):
+                for k, t in store.items():
+                    if t is None or (id(t) in adapter) != second:
+                        continue
+                    if id(t) not in memo and t.device.type == "meta":
+                        rec.tag = "adapter" if second else ""
+                        if type(t).__name__ == "Params4bit":
+                            memo[id(t)] = _quantized(t, compute_dtype)
+                        else:
+                            # k-bit preparation made this 16-bit weight fp32 (it loads in 16 bits, then is cast)
+                            cast = (quantized and isinstance(t, torch.nn.Parameter) and not second
+                                    and t.dtype == torch.float32 and compute_dtype != torch.float32)
+                            rec.tag = "kbit_upcast" if cast else rec.tag
+                            new = torch.empty_like(t, device="cpu")
+                            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                                t, torch.nn.Parameter) else new
+                    if id(t) in memo:
+                        store[k] = memo[id(t)]
+    rec.tag = ""
+
+
+def _phase_hooks(model, optimizer, rec, prefix: list[str]):
+    """Mark phases: forward (model call), loss (after the output head), backward (after the model returns),
+    optimizer_step (from optimizer.step)."""
+    head = model.get_output_embeddings()
+
+    def setp(p):
+        rec.phase = prefix[0] + p
+
+    hs = [
+        model.register_forward_pre_hook(lambda *a: setp("forward")),
+        head.register_forward_hook(lambda *a: setp("loss")),
+        model.register_forward_hook(lambda *a: setp("backward")),
+        optimizer.register_step_pre_hook(lambda *a: setp("optimizer_step")),
+    ]
+    return hs
+
+
+def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None) -> StepTrace:
+    """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
+
+    ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
+    ``step``: the step function (default: the training loop's :func:`fitburst.train.optimizer_step`; a benchmark
+    whose measurements came from another loop passes that loop's step)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as e:  # a preflight-only install: the analytic estimate still runs
+        raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
+                               "dependencies, or use the analytic estimate") from None
+
+    from fitburst.device import make_amp, torch_dtype
+    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+
+    s = settings
+    if s.quant == "int8":
+        raise TraceUnsupported(
+            "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
+            "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
+    t0 = time.perf_counter()
+    step = step or optimizer_step
+    sp = spec_with(spec, s)
+    cfg = config_dict(sp.model.name)
+    model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16)
+    text = model.config.get_text_config()
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0))
+    model = prepare_for_training(model, sp)
+    padded = s.batch > 1 if s.padded is None else s.padded
+    rec = _recorder_cls()()
+    prefix = ["warmup."]
+    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded):
+        _materialize(model, rec, torch_dtype(s.dtype))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        tr = sp.training
+        opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+        if foreach and "foreach" in opt.defaults:
+            for g in opt.param_groups:
+                g["foreach"] = True
+        hooks = _phase_hooks(model, opt, rec, prefix)
+        # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
+        # autocast lowers the same ops as CUDA's on these models (linear, matmul, bmm, baddbmm, addmm, SDPA) and
+        # caches the casts of fp32 leaf weights alike. CUDA autocast also runs some ops in fp32 that CPU's leaves
+        # in 16 bits (layer_norm, softmax without dtype, pow, rsqrt, exp, sum): llama/qwen-style models upcast
+        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss), but a LayerNorm model's fp32 input
+        # copies on CUDA are not traced (no cuda_kernels rule yet). The GradScaler runs on fake tensors: its
+        # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
+        amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
+        micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
+        rec.phase = "warmup.forward"
+        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        del micro
+        prefix[0] = ""
+        rec.phase = "forward"
+        start = len(rec.events)
+        micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
+        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        for h in hooks:
+            h.remove()
+        _tag_cpu_resident(rec, opt)
+        trainable = sum(p.numel() for p in params)
+        total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
+                     seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
+                     heads=heads, head_dim=head_dim)
+
+
+def _batch(b: int, s: int, padded: bool) -> dict:
+    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest)."""
+    import torch
+
+    ids = torch.zeros((b, s), dtype=torch.long)
+    return {"input_ids": ids, "labels": torch.zeros((b, s), dtype=torch.long),
+            "attention_mask": torch.ones((b, s), dtype=torch.long)}
+
+
+def _tag_cpu_resident(rec, opt) -> None:
+    """Tag the optimizer's step counters: a GPU run keeps them on the CPU (not in the device allocator)."""
+    import torch
+
+    sids = set()
+    for st in opt.state.values():
+        t = st.get("step")
+        if isinstance(t, torch.Tensor):
+            sid = rec.sid_of(t)
+            if sid is not None:
+                sids.add(sid)
+    rec.events[:] = [Event(e.kind, e.sid, e.size, e.phase, e.op, "step_counter") if e.sid in sids else e
+                     for e in rec.events]
+
+
+# --- the estimate ------------------------------------------------------------------------------------------
+
+
+def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+                    cache: dict | None = None) -> Estimate:
+    """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
+    the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
+    tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
+    (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
+    trace depends on the device only through the optimizer's foreach path)."""
+    from . import allocator, cuda_kernels
+
+    s = settings
+    foreach = device.kind == "cuda"
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach)
+    trace = cache.get(key) if cache is not None else None
+    if trace is None:
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach)
+        if cache is not None:
+            cache[key] = trace
+    notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
+    events = trace.events
+    if device.kind == "cuda":
+        events, start = cuda_kernels.apply(trace, device, s, seq_len)
+        peak, peak_phase, phases = live_peaks(events, start)
+        components = peak_components(events, start)
+        replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
+        alloc, reserved = replay.peak_allocated, replay.peak_reserved
+        total = reserved + device.context_bytes
+    else:
+        peak, peak_phase, phases = trace.live_peaks()
+        components = peak_components(events, trace.measured_start)
+        alloc = peak
+        if device.kind == "mps":
+            reserved = int(peak * MPS_RESERVED_FACTOR)
+            total = reserved
+        else:
+            reserved = peak + CPU_RUNTIME_FLOOR
+            total = reserved + device.context_bytes
+    fits = reserved <= device.budget_bytes
+    return Estimate(
+        allocated_peak_bytes=int(alloc), reserved_peak_bytes=int(reserved), device_total_bytes=int(total),
+        components=components, peak_phase=peak_phase, device=device.name,
+        budget_bytes=device.budget_bytes, fits=fits,
+        params={"total": trace.params["total"], "trainable": trace.params["trainable"],
+                "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")

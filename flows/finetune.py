@@ -12,8 +12,10 @@ from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed
 from pydantic import BaseModel, WithJsonSchema
 
+from fitburst.errors import UserError
 from fitburst.memory.estimator import measured_counterpart
 from fitburst.preflight import PreflightFailed, PreflightReport
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
@@ -80,7 +82,11 @@ def flow_run_name() -> str:
 def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file: str = DEFAULT_FILE,
              dry_run: bool = False) -> dict:
     """Run one pipeline from pipelines.yaml; ``overrides`` takes dotted keys, e.g. {"training.max_steps": 20}."""
-    spec = load_pipeline(pipelines_file, pipeline, overrides)  # a bad spec fails here, before any compute
+    try:  # a bad spec fails here, before any compute
+        spec = load_pipeline(pipelines_file, pipeline, overrides)
+    except UserError as e:  # one located message in the run's log and state, no traceback (deployment params)
+        get_run_logger().error("%s", e)
+        return Failed(message=str(e), data=e)
     tracker = Tracker.start(spec, tags={"prefect.flow_run_id": str(runtime.flow_run.id or ""),
                                         "dry_run": str(dry_run).lower()})
     status = "FAILED"

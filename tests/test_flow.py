@@ -257,3 +257,26 @@ def test_registered_model_generates_like_the_adapter_loaded_directly(demo_run, d
     # and through the transformers flavor: the same PEFT model
     components = mlflow.transformers.load_model("models:/fitburst-demo/1", return_type="components")
     assert type(components["model"]).__name__ == "PeftModelForCausalLM"
+
+
+def test_bad_deployment_parameter_fails_with_one_message_and_no_traceback(prefect_server, pipelines_file):
+    """A deployment parameter that passes the server's schema but not the spec's rules (here max_steps 0) ends the
+    flow run Failed with the located message in its state and log, and no traceback in the run's logs."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from flows.finetune import finetune
+
+    state = finetune(pipeline="demo", overrides={"training.max_steps": 0}, pipelines_file=str(pipelines_file),
+                     return_state=True)
+    assert state.is_failed() and "max_steps" in state.message
+
+    async def logs():
+        async with get_client() as c:
+            flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            return [m.message for m in await c.read_logs(flt, limit=200)]
+
+    lines = asyncio.run(logs())
+    assert [m for m in lines if "max_steps" in m] and not [m for m in lines if "Traceback" in m], lines

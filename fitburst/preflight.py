@@ -194,14 +194,24 @@ def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, plan: Plan, 
     local_time = (estimate_hours(shape, plan.settings, throughput(device, measured_tokens_per_s), tokens)
                   if plan.fits else None)
 
-    def rank() -> list[Candidate]:
-        cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
-        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
-
-    verdict, candidates = decide(spec, plan, local_time, rank)
+    verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
     planned = apply_settings(spec, plan.settings) if plan.fits else spec
     return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
                            planned=planned, tokens=tokens, local_time=local_time, candidates=candidates)
+
+
+def rank_cloud(spec: PipelineSpec, shape: ModelShape, seq_len: int, tokens: int | None,
+               exact: EstimateFn | None) -> list[Candidate]:
+    """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`)."""
+    cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+    return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+
+
+def cloud_candidates(spec: PipelineSpec, report: PreflightReport) -> list[Candidate]:
+    """``report``'s cloud candidates, ranked now when the preflight placed the run locally without them (a local
+    run that ran out of memory with every step-down taken bursts to them)."""
+    return report.candidates or rank_cloud(spec, spec_shape(spec), report.seq_len, report.tokens,
+                                           exact_estimate(spec, report.seq_len))
 
 
 def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, float | None]:

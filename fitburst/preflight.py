@@ -246,20 +246,11 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
 def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, checked: Checked, seq_len: int,
              tokens: int | None, *, measured_tokens_per_s: float | None = None) -> PreflightReport:
     """Time the local plan, place the run (:func:`decide`) and write the report."""
-    from fitburst.memory.trace import TraceUnsupported
-
     plan, exact = checked.plan, checked.exact
     local_time = (estimate_hours(shape, plan.settings, throughput(device, measured_tokens_per_s), tokens)
                   if plan.fits else None)
 
-    def rank() -> list[Candidate]:
-        cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
-        try:
-            return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
-        except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
-            return rank_candidates(spec, shape, cloud, tokens=tokens)
-
-    verdict, candidates = decide(spec, plan, local_time, rank)
+    verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
     planned = apply_settings(spec, plan.settings) if plan.fits else spec
     analytic = None
     if plan.estimate.method == "traced":
@@ -267,6 +258,25 @@ def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, checked: Che
     return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
                            planned=planned, tokens=tokens, local_time=local_time, candidates=candidates,
                            analytic=analytic, unchecked=checked.unchecked)
+
+
+def rank_cloud(spec: PipelineSpec, shape: ModelShape, seq_len: int, tokens: int | None,
+               exact: EstimateFn | None) -> list[Candidate]:
+    """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`)."""
+    from fitburst.memory.trace import TraceUnsupported
+
+    cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+    try:
+        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+    except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
+        return rank_candidates(spec, shape, cloud, tokens=tokens)
+
+
+def cloud_candidates(spec: PipelineSpec, report: PreflightReport) -> list[Candidate]:
+    """``report``'s cloud candidates, ranked now when the preflight placed the run locally without them (a local
+    run that ran out of memory with every step-down taken bursts to them)."""
+    return report.candidates or rank_cloud(spec, spec_shape(spec), report.seq_len, report.tokens,
+                                           exact_estimate(spec, report.seq_len))
 
 
 def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, float | None]:

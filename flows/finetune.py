@@ -17,7 +17,8 @@ from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
 from fitburst.memory.estimator import measured_counterpart
-from fitburst.preflight import PreflightFailed, PreflightReport
+from fitburst.oom import OOMLadderExhausted
+from fitburst.preflight import PreflightFailed, PreflightReport, cloud_candidates
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
 from fitburst.tracking import Tracker, redact
 from tasks import artifact_key
@@ -110,16 +111,24 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         if dry_run and report.verdict.placement == "local":
             status = "FINISHED"
             return summary
-        if report.verdict.placement == "local":
-            result = train_local(planned, prepared, tracker, report.estimate.to_dict())
-            ev = evaluate_task(planned, prepared, result, tracker) if planned.eval.enabled else None
+        placement = report.verdict.placement
+        if placement == "local":
+            try:
+                result = train_local(planned, prepared, tracker, report.estimate.to_dict())
+            except OOMLadderExhausted as oom:
+                if not oom.burst_allowed:
+                    raise  # its message names the measured peak and the setting that would have fit
+                gpu.close()
+                placement = summary["verdict"] = "burst"
+                result, ev = _burst_after_oom(spec, planned, prepared, report, tracker, oom)
+            else:
+                ev = evaluate_task(planned, prepared, result, tracker) if planned.eval.enabled else None
         else:
             result, ev = _burst(spec, prepared, report, tracker, dry_run)
             if dry_run:
                 summary.update(candidates=[c.to_dict() for c in report.candidates[:4]], burst_plan=result.report)
                 status = "FINISHED"
                 return summary
-        placement = report.verdict.placement
         summary.update(publish_model(planned, result, ev, tracker, placement,
                                      "local" if placement == "local" else "cloud"))
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
@@ -152,8 +161,23 @@ def local_gpu_slot() -> Iterator[None]:
         yield
 
 
-def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: bool):
-    """The cloud path: the same `fitburst train --eval` on a rented GPU; results come home into this run."""
+def _burst_after_oom(spec, planned, prepared, report: PreflightReport, tracker: Tracker, oom: OOMLadderExhausted):
+    """Local training ran out of memory with every step-down taken and the burst policy allows the cloud: the run
+    folder's checkpoint travels to a cloud GPU, which resumes it."""
+    peak = f"{oom.peak_bytes / GIB:.2f} GiB" if oom.peak_bytes else "not measured"
+    get_run_logger().warning("out of memory on %s at step %d with every step-down taken (measured peak %s): "
+                             "bursting; the cloud node resumes checkpoint step-%d of %s", oom.device, oom.step,
+                             peak, oom.step, oom.run_dir)
+    tracker.set_tags({"path": "cloud", "oom.burst_from_step": str(oom.step),
+                      "oom.measured_peak_bytes": str(oom.peak_bytes)})
+    report.candidates = cloud_candidates(spec, report)
+    return _burst(spec, prepared, report, tracker, False, folder_spec=planned)
+
+
+def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: bool,
+           folder_spec: PipelineSpec | None = None):
+    """The cloud path: the same `fitburst train --eval` on a rented GPU; results come home into this run.
+    ``folder_spec`` (default ``spec``) keys the run folder: the local plan's, to resume its checkpoints there."""
     from fitburst.evaluate import EvalResult
     from fitburst.rundir import open_run_dir, release
     from tasks.burst import train_cloud
@@ -161,7 +185,7 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
     if prepared is None and not dry_run:
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")
-    run_dir, _ = open_run_dir(spec, data_hash=prepared.content_hash if prepared else None)
+    run_dir, _ = open_run_dir(folder_spec or spec, data_hash=prepared.content_hash if prepared else None)
     local = {"device": report.device.name, "fits": report.plan.fits, "hours": report.local_hours,
              "estimate": report.estimate.to_dict()}
     try:

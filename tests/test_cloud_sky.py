@@ -638,3 +638,83 @@ def test_the_node_gets_no_raw_cloud_keys_and_the_uploaded_workdir_holds_no_secre
     # the checkout's .skyignore keeps the same things out of a manual `sky launch`
     ignored = set((REPO / ".skyignore").read_text().split())
     assert {".env", "runs/", "mlruns/", ".venv*/", "__pycache__/", "mlflow.db"} <= ignored
+
+
+# --- out of memory locally with every step-down taken: burst from the checkpoint -----------------------------
+
+def _oom_from_step(monkeypatch, step: int) -> None:
+    """An empty step-down ladder, and a CUDA-typed OOM from inside every optimizer step after ``step`` (a
+    checkpoint exists by then); the real training loop runs up to it."""
+    import torch
+
+    import fitburst.oom
+    import fitburst.train
+
+    real, calls = fitburst.train.optimizer_step, []
+
+    def step_or_oom(*a, **k):
+        calls.append(1)
+        if len(calls) > step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(fitburst.train, "optimizer_step", step_or_oom)
+    monkeypatch.setattr(fitburst.oom, "next_rung", lambda spec, device: None)
+
+
+def _node(tmp_path, fake):
+    """The cloud node, run here: its RUN_DIR gets the mounted checkpoints, it runs the task's own command line
+    (`fitburst train --spec ... --plan`, a fresh process without the forced OOM); its outputs are pulled home."""
+    def pull(cluster, run_dir, log):
+        mounts = fake.task.file_mounts
+        node = tmp_path / "node" / "fitburst-job" / "run"
+        shutil.copytree(mounts["~/fitburst-job/run/checkpoints"], node / "checkpoints")
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, "-m", "fitburst.cli", "train", "--spec", mounts["~/fitburst-job/spec.yaml"],
+               "--prepared", mounts["~/fitburst-job/prepared"], "--run-dir", str(node), "--plan"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        shutil.copytree(node, run_dir, dirs_exist_ok=True)
+    return pull
+
+
+@pytest.mark.timeout(300)
+def test_an_exhausted_oom_ladder_bursts_from_the_checkpoint_and_the_node_resumes_it(prefect_server, tmp_path,
+                                                                                    monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from fitburst.oom import OOMLadderExhausted
+    from fitburst.train import TrainResult
+    from flows.finetune import finetune
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path / "runs"))
+    _oom_from_step(monkeypatch, 2)
+    overrides = {"training.max_steps": 4, "training.checkpoint_every": 2, "training.log_every": 1,
+                 "eval.enabled": False, "tracking.register_as": None}
+
+    # burst.policy never: the flow fails with the measured peak, nothing is launched
+    fake = FakeSky(monkeypatch)
+    with pytest.raises(OOMLadderExhausted, match=r"at step 2 .*measured peak [\d.]+ GiB.*would have fit"):
+        finetune(pipeline="demo", pipelines_file=str(REPO / "pipelines.yaml"), overrides=overrides)
+    assert "launch" not in fake.names()
+
+    # burst.policy auto: the checkpoint travels to the node, which resumes it
+    fake = FakeSky(monkeypatch)
+    monkeypatch.setattr(cloud.launch, "_pull_outputs", _node(tmp_path, fake))
+    out = finetune(pipeline="demo", pipelines_file=str(REPO / "pipelines.yaml"),
+                   overrides={**overrides, "burst.policy": "auto"})
+    assert "launch" in fake.names() and fake.names()[-2:] == ["down", "get"]
+    run_dir = Path(out["run_dir"])
+    assert fake.task.file_mounts["~/fitburst-job/run/checkpoints"] == str((run_dir / "checkpoints").resolve())
+    assert (run_dir / "checkpoints" / "step-2").is_dir()
+    result = TrainResult.load(run_dir)
+    assert result.resumed_from == 2 and result.steps == 4 and out["steps"] == 4  # the node went on from step 2
+    assert out["verdict"] == "burst"
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("fitburst").experiment_id], "tags.pipeline = 'demo'",
+                              order_by=["attributes.start_time DESC"])
+    assert [r.info.status for r in runs] == ["FINISHED", "FAILED"]
+    tags = runs[0].data.tags
+    assert tags["path"] == "cloud" and tags["oom.burst_from_step"] == "2" and tags["cloud.gpu"]
+    assert int(tags["oom.measured_peak_bytes"]) > 0

@@ -377,7 +377,12 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
-        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        try:
+            step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
+            raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
+                                   f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
+                                   "wider error band decide") from None
         del micro
         prefix[0] = ""
         rec.phase = "forward"

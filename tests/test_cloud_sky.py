@@ -690,8 +690,9 @@ def test_an_exhausted_oom_ladder_bursts_from_the_checkpoint_and_the_node_resumes
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path / "runs"))
     _oom_from_step(monkeypatch, 2)
+    # preflight.exact off: the preflight's trace runs the same (patched) step function on fake tensors
     overrides = {"training.max_steps": 4, "training.checkpoint_every": 2, "training.log_every": 1,
-                 "eval.enabled": False, "tracking.register_as": None}
+                 "eval.enabled": False, "tracking.register_as": None, "preflight.exact": False}
 
     # burst.policy never: the flow fails with the measured peak, nothing is launched
     fake = FakeSky(monkeypatch)

@@ -190,12 +190,15 @@ def test_progress_artifact_reaches_100_and_preflight_table_exists(demo_run):
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    async def fetch():
+    flow_run_id = client().get_run(demo_run["mlflow_run_id"]).data.tags["prefect.flow_run_id"]
+
+    async def fetch():  # this flow run's artifacts (other tests' demo runs share the server)
         async with get_client() as c:
             keys = ArtifactFilterKey(any_=["training-demo", "training-demo-log", "preflight-table-demo"])
-            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=keys))
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(
+                key=keys, flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
     arts = {a.key: a for a in asyncio.run(fetch())}
     progress = arts["training-demo"]

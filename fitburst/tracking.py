@@ -359,13 +359,17 @@ class Tracker:
             last = max((i for i, msg in enumerate(conv) if msg["role"] == "assistant"), default=len(conv))
             prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
             example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
-        mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI
         local_base = Path(base_ref).is_dir() and spec.method.type != "full"
-        return mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
-            base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
-            model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
-            pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI ...
+        try:
+            return mlflow.transformers.log_model(
+                {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
+                base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
+                model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
+                pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
+        finally:  # ... which is put back, so a caller's own MLflow client is not redirected to this store
+            mlflow.set_tracking_uri(previous)
 
     def log_loss_curve(self, run_dir: str | Path, ev=None) -> None:
         """``train/loss.png``: the train loss curve, with the base and tuned validation losses when evaluated."""

@@ -30,9 +30,9 @@ def short_runs(pipelines_file, demo_prepared, tmp_path_factory):
 
 
 def _log_and_register(spec, result, ev):
-    from fitburst.tracking import Tracker
-
     import mlflow
+
+    from fitburst.tracking import Tracker
 
     tracker = Tracker.start(spec)
     before = mlflow.get_tracking_uri()

@@ -29,7 +29,6 @@ from fitburst.train import TrainError, TrainResult, latest_checkpoint, train
 log = logging.getLogger(__name__)
 
 STEPDOWN_FILE = "stepdown.json"
-HISTORY_FILE = "oom_history.jsonl"
 _CPU = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
         "std::bad_alloc")
 _REQUESTED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|[KMG]i?B)")
@@ -160,12 +159,30 @@ def _switch_optimizer_state(ckpt: Path) -> None:
 
 
 def _record_history(entry: dict) -> None:
-    from fitburst.memory.calibration import calibration_path
+    from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 
-    path = calibration_path().with_name(HISTORY_FILE)
+    path = calibration_path().with_name(OOM_HISTORY_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def uncalibrated_estimate(spec: PipelineSpec, device: str, seq_len: int | None) -> tuple[str, int | None]:
+    """The device's name and the analytic estimate (no calibration factor) of the figure a measured peak on it
+    compares with, for the settings that ran out of memory: what ``fitburst calibrate`` sets against the peak."""
+    from fitburst.memory import estimate, load_shape, resolve_device, settings_from_spec
+    from fitburst.memory.estimator import measured_counterpart
+    from fitburst.preflight import model_ref
+
+    dev = resolve_device(device)
+    try:
+        shape = load_shape(model_ref(spec))
+    except (ValueError, OSError):  # an architecture only the trace knows: the record keeps the measurement alone
+        return dev.name, None
+    if not seq_len:
+        return dev.name, None
+    est = estimate(shape, settings_from_spec(spec, dev, seq_len), dev, calibrate=False)
+    return dev.name, measured_counterpart(est.to_dict(), dev.kind)
 
 
 def would_fit(spec: PipelineSpec, prepared, device: str) -> str:
@@ -214,6 +231,8 @@ def train_stepping_down(spec: PipelineSpec, prepared, run_dir: str | Path, *, de
                                    "quant": current.method.quant, "max_seq_len": prepared.stats.get("max")}}
             free_memory(exc)
             del exc
+            record["device_name"], record["estimated_bytes"] = uncalibrated_estimate(current, device,
+                                                                                     prepared.stats.get("max"))
             rung = next_rung(current, device)
             record["change"] = rung[1] if rung else None
             _record_history(record)

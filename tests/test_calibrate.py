@@ -146,3 +146,22 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
               for r in later]
     assert max(abs(x - 1) for x in logged) < 1e-3
     assert fit(collect(client, "calib"))["gpus"]["A100-80GB"]["factor"] == pytest.approx(1.15, abs=1e-3)
+
+
+def test_an_out_of_memory_record_raises_the_factor_to_its_floor(store, tmp_path):
+    """A step-down record (fitburst.oom) says the run needed at least its measured peak: the fitted factor of its
+    family and GPU is never below measured / estimated, while other families keep the runs' median."""
+    from fitburst.memory.calibrate import main
+
+    history = tmp_path / "cache" / "oom_history.jsonl"
+    history.parent.mkdir(parents=True)
+    oom = {"pipeline": "p", "device": "cuda", "device_name": "cuda (NVIDIA A100-80GB)", "oom_kind": "cuda",
+           "measured_peak_bytes": 1.25e9, "estimated_bytes": 1e9}
+    old = {**oom, "estimated_bytes": None}  # written before estimates were recorded: no floor
+    history.write_text(json.dumps(oom) + "\n" + json.dumps(old) + "\n" + '{"pipeline": "cut sh')
+    assert main(_args(store)) == 0
+    data = json.loads((tmp_path / "cache" / "calibration.json").read_text())
+    cuda, a100 = data["families"]["cuda"], data["gpus"]["A100-80GB"]
+    assert cuda["factor"] == pytest.approx(1.25) and cuda["oom_n"] == 1  # the runs alone give 1.10
+    assert a100["factor"] == pytest.approx(1.25) and a100["oom_floor"] == pytest.approx(1.25)
+    assert data["families"]["cpu"]["factor"] == pytest.approx(0.91) and "oom_n" not in data["families"]["cpu"]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fitburst.train as train_mod
-from fitburst.memory.calibration import calibration_path
+from fitburst.memory.calibrate import collect_ooms
+from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.oom import (
-    HISTORY_FILE,
     STEPDOWN_FILE,
     OOMLadderExhausted,
     apply,
@@ -74,7 +74,7 @@ def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines
                       {**env, "FITBURST_RUNS_DIR": str(tmp_path / "small")})
     # room for the micro-batch-1 run and a little more; a micro-batch of 8 long samples needs ~150 MiB more
     limit = small["vm_peak_bytes"] + 40 * MiB
-    history = calibration_path().with_name(HISTORY_FILE)
+    history = calibration_path().with_name(OOM_HISTORY_FILE)
     before = history.read_text().count("\n") if history.exists() else 0
 
     big = run_child({**cfg, "overrides": {**base, "training.micro_batch_size": 8, "training.grad_accum": 1}},
@@ -89,7 +89,9 @@ def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines
     assert steps_logged(big["run_dir"]) == steps_logged(small["run_dir"]) == [1, 2, 3]  # none repeated, none skipped
     after = history.read_text().splitlines()
     assert len(after) - before == len(stepped["history"])
-    assert json.loads(after[-1])["measured_peak_bytes"] > 0
+    last = json.loads(after[-1])
+    assert last["measured_peak_bytes"] > 0 and last["estimated_bytes"] > 0  # what `fitburst calibrate` reads
+    assert collect_ooms(history)[-1]["floor"] == pytest.approx(last["measured_peak_bytes"] / last["estimated_bytes"])
 
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 14.57 GiB"

@@ -5,7 +5,9 @@ Every run records the estimate (``memory.estimated_*``, from the preflight) and 
 family (cuda / mps / cpu), and per GPU name once it has ``--min-runs`` runs, the correction is the median of
 measured / estimated, where "estimated" is the figure the meter's measurement compares with on that kind
 (``memory.estimated_comparable_bytes``; else allocated on CUDA, reserved on CPU and MPS), with the calibration
-factor the estimate already carried divided out; on CUDA reserved memory gets its own factor. The result goes to
+factor the estimate already carried divided out; on CUDA reserved memory gets its own factor. Out-of-memory
+step-downs (``oom_history.jsonl``) set a floor: a group's factor is never below measured peak / estimate of a
+configuration that ran out of memory, so a calibrated preflight does not pass it again. The result goes to
 ``$FITBURST_CACHE/calibration.json``, which :func:`fitburst.memory.estimate` applies.
 """
 
@@ -16,8 +18,9 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
-from .calibration import calibration_path, gpu_key
+from .calibration import OOM_HISTORY_FILE, calibration_path, gpu_key
 from .estimator import MEASURED_COUNTERPART
 
 KINDS = ("cuda", "mps", "cpu")
@@ -80,21 +83,54 @@ def collect(client, experiment: str | None = None) -> list[dict]:
     return out
 
 
+def collect_ooms(path: Path | None = None) -> list[dict]:
+    """One record per out-of-memory step-down in ``oom_history.jsonl`` (written by fitburst.oom beside the
+    calibration file) that carries an uncalibrated estimate: kind, gpu and ``floor``, the measured peak over the
+    estimate. The run needed at least its measured peak, so a fitted factor is never below a floor."""
+    path = path or calibration_path().with_name(OOM_HISTORY_FILE)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash mid-write
+            continue
+        est, measured = r.get("estimated_bytes"), r.get("measured_peak_bytes")
+        kind = _kind(r.get("device", ""))
+        if not est or not measured or kind is None:
+            continue
+        name = r.get("device_name", "")
+        out.append(dict(kind=kind, gpu=gpu_key(name) if kind == "cuda" and name else "", floor=measured / est,
+                        pipeline=r.get("pipeline", "")))
+    return out
+
+
 def _errors(ratios: list[float], factor: float) -> dict:
     errs = [abs(factor / r - 1) for r in ratios]  # |estimate x factor / measured - 1|
     return {"median": statistics.median(errs), "worst": max(errs)}
 
 
-def fit(records: list[dict], min_runs: int = 3) -> dict:
+def fit(records: list[dict], min_runs: int = 3, ooms: list[dict] | None = None) -> dict:
     """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, n, before and after errors (errors
-    against the uncalibrated estimate), and reserved_factor where reserved memory was measured."""
+    against the uncalibrated estimate), and reserved_factor where reserved memory was measured. Out-of-memory
+    records (:func:`collect_ooms`) of a group raise its factor to their highest floor (``oom_floor``)."""
+    floors: dict[str, list[float]] = defaultdict(list)
+    for o in ooms or []:
+        floors[o["kind"]].append(o["floor"])
+        if o["gpu"]:
+            floors["gpu:" + o["gpu"]].append(o["floor"])
 
-    def one(rs: list[dict]) -> dict:
+    def one(rs: list[dict], key: str) -> dict:
         ratios = [r["ratio"] for r in rs]
         f = statistics.median(ratios)
         paths = sorted({r["path"] for r in rs})
+        if floors[key]:
+            f = max(f, max(floors[key]))
         g = {"factor": round(f, 4), "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
              "after": _errors(ratios, f)}
+        if floors[key]:
+            g["oom_n"], g["oom_floor"] = len(floors[key]), round(max(floors[key]), 4)
         reserved = [r["reserved_ratio"] for r in rs if r.get("reserved_ratio")]
         if reserved:
             g["reserved_factor"] = round(statistics.median(reserved), 4)
@@ -107,8 +143,8 @@ def fit(records: list[dict], min_runs: int = 3) -> dict:
         if r["gpu"]:
             gpus[r["gpu"]].append(r)
     return {"version": 2, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "families": {k: one(v) for k, v in sorted(fam.items())},
-            "gpus": {k: one(v) for k, v in sorted(gpus.items()) if len(v) >= min_runs}}
+            "families": {k: one(v, k) for k, v in sorted(fam.items())},
+            "gpus": {k: one(v, "gpu:" + k) for k, v in sorted(gpus.items()) if len(v) >= min_runs}}
 
 
 def main(args) -> int:
@@ -118,12 +154,14 @@ def main(args) -> int:
 
     uri = getattr(args, "tracking_uri", None) or tracking_uri()
     records = collect(MlflowClient(tracking_uri=uri), getattr(args, "experiment", None))
-    result = fit(records, getattr(args, "min_runs", 3))
+    ooms = collect_ooms()
+    result = fit(records, getattr(args, "min_runs", 3), ooms)
     path = calibration_path()
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))
     else:
-        print(f"{len(records)} runs with estimated and measured peaks in {uri}")
+        print(f"{len(records)} runs with estimated and measured peaks in {uri}; "
+              f"{len(ooms)} out-of-memory records in {calibration_path().with_name(OOM_HISTORY_FILE)}")
         print(f"{'group':24s} {'runs':>5s} {'factor':>7s}  {'before median/worst':>20s}  {'after median/worst':>19s}")
         for scope, groups in (("", result["families"]), ("gpu ", result["gpus"])):
             for k, g in groups.items():

@@ -94,6 +94,9 @@ FILE_NAME = "calibration.json"
 _cache: dict[str, tuple[float, dict]] = {}
 
 
+OOM_HISTORY_FILE = "oom_history.jsonl"  # fitburst.oom appends each out-of-memory step-down beside the fit
+
+
 def calibration_path() -> Path:
     root = os.environ.get("FITBURST_CACHE") or str(Path.home() / ".cache" / "fitburst")
     return Path(root) / FILE_NAME

@@ -329,6 +329,30 @@ def test_spot_uses_a_managed_job_and_cancels_it_on_interrupt(demo, tmp_path, mon
     assert rec["cluster"].startswith("fitburst-qwen7b-lora-")
 
 
+def test_local_checkpoints_go_into_the_bucket_before_the_node_starts(demo, tmp_path, monkeypatch):
+    """With burst.bucket the node's RUN_DIR is the bucket: checkpoints made here (a local run that ran out of
+    memory) are synced into it before the launch, so the node resumes them instead of starting over."""
+    spec, prepared = _spot(demo[0]), demo[1]
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-6").mkdir(parents=True)
+    (run / "checkpoints" / "step-6" / "state.json").write_text("{}")
+    calls = tmp_path / "aws-calls"
+    aws = tmp_path / "bin" / "aws"
+    aws.parent.mkdir()
+    aws.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    aws.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{aws.parent}{os.pathsep}{os.environ['PATH']}")
+    order = []
+    monkeypatch.setattr(sky.jobs, "launch", lambda task, **kw: order.append(calls.read_text()) or "j")
+    monkeypatch.setattr(sky, "stream_and_get", lambda rid=None, **kw: ([7], None))
+    monkeypatch.setattr(sky.jobs, "tail_logs", lambda **kw: 0)
+    res = burst_train(spec, prepared, run, _candidates(), log=lambda s: None)
+    assert res.ok
+    url = "s3://fitburst-test/qwen7b-lora/run"
+    assert order == [f"s3 sync {run / 'checkpoints'} {url}/checkpoints\n"]  # seeded before the launch
+    assert calls.read_text().splitlines()[-1] == f"s3 sync {url} {run}"  # and the outputs pulled home after
+
+
 # --- review fixes: the node's spec, interrupts, redaction, the flow's burst branch -----------------------------
 
 def test_node_spec_trains_for_its_own_device_and_holds_no_tracking_uri(demo, tmp_path, monkeypatch):

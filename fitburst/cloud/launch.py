@@ -258,6 +258,8 @@ def _burst_train(spec, prepared_dir, run_dir: Path, candidates, ok, spec_path, w
     record = read_record(run_dir)
     if record is not None and record.get("state") not in LIVE:
         record = None  # collected or torn down: this is a new launch (resuming the checkpoints above)
+    if spec.burst.bucket and record is None and any(ckpts.glob("step-*")):
+        _seed_bucket(ckpts, bucket_url(spec, run_dir.name), log)  # the bucket is RUN_DIR: resume from them there
     if spec.burst.spot:
         return _managed_job(spec, task, ok, run_dir, log, remote, base, record, on_ids)
     attach = _live_cluster(record, log) if record is not None else None
@@ -516,11 +518,25 @@ def _cancel_managed(name: str, job_id: int | None, request_id: Any, log) -> bool
         return False
 
 
-def _sync_bucket(url: str, run_dir: Path, log) -> None:
-    """Copy one run's folder from the bucket home (the launcher's own credentials; the node never gets them)."""
+def _bucket_sync_tool(url: str) -> list[str]:
     tool = ["aws", "s3", "sync"] if url.startswith("s3://") else ["gsutil", "-m", "rsync", "-r"]
     if shutil.which(tool[0]) is None:
-        raise BurstError(f"outputs are in {url}; install {tool[0]} to pull them back")
+        raise BurstError(f"{url} needs {tool[0]} on this machine (install it, with credentials for the bucket)")
+    return tool
+
+
+def _seed_bucket(checkpoints: Path, url: str, log) -> None:
+    """Copy local checkpoints (a local run that ran out of memory, or a cloud run pulled home) into the run's
+    folder in the bucket before launching, so the node resumes them instead of starting over. A sync only adds:
+    newer checkpoints the bucket already holds stay, and the node resumes the newest."""
+    dest = f"{url}/checkpoints"
+    log(f"copying the checkpoints in {checkpoints} to {dest} for the node to resume")
+    subprocess.run([*_bucket_sync_tool(url), str(checkpoints), dest], check=True, timeout=1800)
+
+
+def _sync_bucket(url: str, run_dir: Path, log) -> None:
+    """Copy one run's folder from the bucket home (the launcher's own credentials; the node never gets them)."""
+    tool = _bucket_sync_tool(url)
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"pulling outputs from {url}")
     subprocess.run([*tool, url, str(run_dir)], check=True, timeout=1800)

@@ -277,3 +277,32 @@ def test_peak_components_sum_to_the_peak_by_origin(model_dir):
     kv = CFG["num_key_value_heads"] * CFG["head_dim"]
     lora = CFG["num_hidden_layers"] * r * (h + h + h + kv) * 4  # q_proj, v_proj A and B in fp32
     assert c["lora_weights"] == lora and c["optimizer_states"] >= 2 * lora  # AdamW's exp_avg and exp_avg_sq
+
+
+def test_rule_cuda_autocast_runs_norms_and_softmax_in_fp32(tmp_path):
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    w = torch.ones(16, dtype=torch.bfloat16)
+    with ck.cuda_autocast_fp32_ops():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert F.layer_norm(x, (16,), w).dtype == torch.float32  # CUDA autocast's fp32 policy
+            assert F.softmax(x, dim=-1).dtype == torch.float32
+            assert F.softmax(x, dim=-1, dtype=torch.bfloat16).dtype == torch.bfloat16  # an explicit dtype stands
+        assert F.layer_norm(x, (16,), w).dtype == torch.bfloat16  # outside autocast: as it was
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.layer_norm(x, (16,), w).dtype == torch.bfloat16  # CPU autocast itself leaves it in 16 bits
+    # on a traced LoRA step: a LayerNorm model (gpt_neox) holds fp32 norm inputs for backward; RMSNorm models
+    # (llama: already fp32 inside the norm) trace the same
+    neox = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=3000, max_position_embeddings=1024)
+    peaks = {}
+    for name, cfg, targets in (("gpt_neox", neox, ["query_key_value"]), ("llama", CFG, ["q_proj", "v_proj"])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        s = settings(dtype="bf16", targets=targets)
+        peaks[name] = [trace_step(spec_for(d), s, seq_len=S, cuda_autocast=c).live_peaks()[0] for c in (False, True)]
+    assert peaks["gpt_neox"][1] > peaks["gpt_neox"][0]
+    assert peaks["llama"][1] == peaks["llama"][0]

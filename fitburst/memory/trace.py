@@ -161,7 +161,14 @@ def _recorder_cls():
                 for t in tree_leaves(args[0]):
                     if isinstance(t, torch.Tensor) and t.dim() == 0:
                         self.counters.add(t.untyped_storage()._cdata)
-            out = func(*args, **kwargs)
+            if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                # MoE experts (transformers' grouped_mm): the meta kernel accepts only bf16 (as the CUDA kernel
+                # once did); the CPU and CUDA kernels run fp32/fp16 too, with an output of the same shape and dtype
+                low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                       for a in args]
+                out = func(*low, **kwargs).to(args[0].dtype)
+            else:
+                out = func(*args, **kwargs)
             name = func.__name__
             tag, h2f = "", False
             if func in matmuls:

@@ -264,11 +264,38 @@ def test_cli_exact_prints_the_same_keys_plus_an_error_band(model_dir, capsys):
 
 def test_rule_kbit_prepare_upcast():
     ev = [A(1, 800, "kbit_upcast", "load"), A(2, 100, "", "load"), A(3, 80, "adapter", "load"), A(4, 10)]
-    out = ck.kbit_prepare_upcast(ev)
+    out = ck.kbit_prepare_upcast(ev, empty_cache=False)
     assert [(e.kind, e.size) for e in out] == [("alloc", 400), ("alloc", 100),  # loaded in 16 bits
                                                ("alloc", 800), ("free", 400),  # cast before the adapters
                                                ("alloc", 80), ("alloc", 10)]
     assert ck.kbit_prepare_upcast(ev[1:]) == ev[1:]
+    # peft >= 0.20 empties the CUDA cache once the casts are done, before adapters are added
+    out = ck.kbit_prepare_upcast(ev, empty_cache=True)
+    assert [e.kind for e in out][2:5] == ["alloc", "free", "empty_cache"] and out[5].tag == "adapter"
+
+
+def test_kbit_weights_load_in_checkpoint_order_each_quantized_before_the_next(model_dir):
+    """from_pretrained quantizing on load reads the checkpoint in key order (per layer mlp.down/gate/up, then
+    self_attn.k/o/q/v), one 16-bit weight at a time: moved to the device, quantized (absmax, then the packed
+    weight), freed; with a read-ahead, that many more 16-bit weights are on the device at once."""
+    h, i = CFG["hidden_size"], CFG["intermediate_size"]
+    kv = CFG["num_key_value_heads"] * CFG["head_dim"]
+    s = settings(method="qlora", dtype="fp16", double_quant=False)
+    for ahead in (0, 3):
+        ev = [e for e in trace_step(spec_for(model_dir), s, seq_len=S, kbit_read_ahead=ahead).events
+              if e.phase == "load"]
+        packed = [e.size for e in ev if e.op == "quantize_4bit.default"]
+        layer0 = packed[:14:2], packed[1:14:2]  # (absmax, packed) per weight
+        numels = [i * h, h * i, h * i, h * kv, h * h, h * h, h * kv]  # down, gate, up, k, o, q, v
+        assert list(layer0[0]) == [n // 64 * 4 for n in numels] and list(layer0[1]) == [n // 2 for n in numels]
+        sixteen = {e.sid for e in ev if e.kind == "alloc" and e.size in {2 * n for n in numels}
+                   and e.op.startswith("empty")}
+        live = most = 0
+        for e in ev:
+            if e.sid in sixteen:
+                live += 1 if e.kind == "alloc" else -1
+                most = max(most, live)
+        assert most == ahead + 1 and live == 0
 
 
 def test_peak_components_sum_to_the_peak_by_origin(model_dir):

@@ -238,7 +238,7 @@ def spec_with(spec, s: TrainSettings):
         "rank": s.rank, "alpha": s.alpha, "dropout": s.dropout, "target_modules": s.targets})
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention})
+        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention, "pure_bf16": s.pure_bf16})
     return spec.model_copy(update={"method": method, "training": training})
 
 

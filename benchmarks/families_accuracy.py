@@ -1,5 +1,5 @@
-"""Analytic estimate vs measured peak for the model families beyond dense causal LMs (mixture-of-experts so far),
-on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
+"""Analytic and traced estimates vs measured peak for the model families beyond dense causal LMs (mixture-of-experts
+so far), on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
 make_optimizer, optimizer_step, with a tracker of live tensor storages).
 
     PYTHONPATH=$PWD python benchmarks/families_accuracy.py
@@ -15,13 +15,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _measure import spec_of  # noqa: E402
+
 from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory.trace import trace_step  # noqa: E402
 
 ARCHS = {
     "mixtral": dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -84,18 +88,26 @@ def main() -> int:
             if not line:
                 raise SystemExit(f"measurement failed for {c}:\n{r.stderr[-3000:]}")
             m = json.loads(line[0][7:])
-            e = estimate(load_shape(str(Path(root) / c["arch"])), settings_of(c), dev, calibrate=False)
+            path = str(Path(root) / c["arch"])
+            e = estimate(load_shape(path), settings_of(c), dev, calibrate=False)
+            t0 = time.perf_counter()
+            traced = trace_step(spec_of(c, path), settings_of(c), seq_len=c["seq_len"]).live_peaks()[0]
             t = c.get("targets", QV)
             what = "" if c["method"] == "full" else " " + (t if isinstance(t, str) else "+".join(t))
             name = f"{c['arch']}: {settings_of(c).describe()}{what}"
-            rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False)))
-    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7}")
-    for name, meas, est, held in rows:
-        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%}"
-              + ("  (held out)" if held else ""))
+            rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False), traced,
+                         time.perf_counter() - t0))
+    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7} {'traced MiB':>10} {'error':>7}"
+          f" {'trace s':>7}")
+    for name, meas, est, held, traced, secs in rows:
+        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%} "
+              f"{traced / 2**20:>10.2f} {traced / meas - 1:>+7.2%} {secs:>7.1f}" + ("  (held out)" if held else ""))
+    terr = [abs(r[4] / r[1] - 1) for r in rows]
+    print(f"traced (fitburst.memory.trace, nothing fitted): median |error| {statistics.median(terr):.2%}, "
+          f"worst {max(terr):.2%} over {len(terr)} rows")
     ok = True
     for part, sel in (("all", rows), ("held out", [r for r in rows if r[3]])):
-        errs = [abs(est / meas - 1) for _, meas, est, _ in sel]
+        errs = [abs(r[2] / r[1] - 1) for r in sel]
         med, worst = statistics.median(errs), max(errs)
         ok = ok and med <= 0.04 and worst <= 0.10
         print(f"{part}: median |error| {med:.1%}, worst {worst:.1%} over {len(errs)} rows (targets 4 % / 10 %)")

@@ -110,3 +110,28 @@ def test_expandable_mode_follows_the_alloc_conf(monkeypatch):
     assert expandable_from_env()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert not expandable_from_env()
+
+
+def test_empty_cache_returns_only_wholly_free_segments():
+    a = CachingAllocator()
+    keep = a.malloc(4 * MiB)  # a 20 MiB segment, partly in use
+    gone = a.malloc(12 * MiB)  # a 12 MiB segment of its own
+    small = a.malloc(100 * KiB)  # a 2 MiB small-pool segment
+    for h in (gone, small):
+        a.free(h)
+    a.empty_cache()
+    assert a.reserved == 20 * MiB and a.allocated == 4 * MiB  # the in-use segment stays whole
+    a.malloc(17 * MiB)  # more than the 16 MiB left beside the block in use: a fresh segment (18 MiB)
+    assert a.reserved == 38 * MiB
+    a.free(keep)
+    ev = [Ev("alloc", 1, 12 * MiB), Ev("free", 1, 12 * MiB), Ev("empty_cache", -1, 0), Ev("alloc", 2, 4 * MiB)]
+    r = replay(ev, start=2)
+    assert r.peak_reserved == 20 * MiB and r.reserved == 20 * MiB  # the 12 MiB segment went back before the step
+    ex = CachingAllocator(expandable=True)
+    h1, h2 = ex.malloc(30 * MiB), ex.malloc(15 * MiB)  # one large segment mapped in 20 MiB pages: 60 MiB
+    ex.free(h2)
+    ex.empty_cache()  # the free pages past the last block in use are unmapped
+    assert ex.reserved == 40 * MiB
+    ex.free(h1)
+    ex.empty_cache()
+    assert ex.reserved == 0

@@ -249,7 +249,9 @@ def test_seed_gemma_270m_at_131072_tokens_on_16gb():
     plan = plan_fit(shape, s, dev)
     assert not plan.fits
     assert any("longest sequence that fits" in c for c in plan.changes)
-    fine = estimate(shape, replace(s, seq_len=2048), dev, 0.1)
+    # fp32 master weights (the loop's mixed precision): 2048 tokens peak at 11.7 GiB traced, over budget with the
+    # margin; 1024 tokens fit
+    fine = estimate(shape, replace(s, seq_len=1024), dev, 0.1)
     assert fine.fits
 
 
@@ -265,7 +267,9 @@ def test_seed_qwen2_vl_7b_fp32_lora_on_mps_42gib():
 
 def test_quantize_only_where_bnb_and_when_allowed():
     shape = load_shape("Llama-3.1-8B")
-    s = TrainSettings(method="lora", rank=16, batch=1, seq_len=1024, grad_checkpointing=True)
+    # 512 tokens: at 1024 the fp16 copy autocast makes of k-bit's fp32 head (1 GiB, kept for backward) puts the
+    # band's upper edge over a T4
+    s = TrainSettings(method="lora", rank=16, batch=1, seq_len=512, grad_checkpointing=True)
     plan = plan_fit(shape, s, resolve_device("T4"))
     assert plan.fits and plan.settings.quant == "nf4"
     nq = plan_fit(shape, s, resolve_device("T4"), allow={"quantize": False})

@@ -179,7 +179,7 @@ def test_the_verdict_plans_for_the_bands_upper_edge():
 
 def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_rung_further():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=2048)
+    s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
     dev = resolve_device("A6000")
 
     def traced_like(factor: float, calls: list):

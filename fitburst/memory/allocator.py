@@ -181,6 +181,33 @@ class CachingAllocator:
         del self.blocks[handle]
         self._insert(b)
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): every cached segment with no block in use goes back to the driver (expandable
+        mode: the free pages at the end of each pool's segment are unmapped)."""
+        for small in (True, False):
+            for _, _, bid in list(self.pools[small]):
+                b = self.blocks[bid]
+                if b.prev is None and b.next is None and (not self.expandable or self._tail[small] is b):
+                    self._remove(b)
+                    del self.blocks[bid]
+                    self.reserved -= b.size
+                    if self._tail[small] is b:
+                        self._tail[small] = None
+                elif self.expandable and self._tail[small] is b:  # unmap whole pages past the last used block
+                    page = SMALL_BUFFER if small else LARGE_BUFFER
+                    cut = b.size // page * page
+                    if cut:
+                        self._remove(b)
+                        b.size -= cut
+                        self.reserved -= cut
+                        if b.size:
+                            self._insert(b)
+                        else:
+                            del self.blocks[bid]
+                            self._tail[small] = b.prev
+                            if b.prev is not None:
+                                b.prev.next = None
+
     def reset_peaks(self) -> None:
         """torch.cuda.reset_peak_memory_stats(): peaks restart from the current figures."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
@@ -196,6 +223,9 @@ def replay(events: Iterable, *, start: int = 0, expandable: bool = False, placem
     for i, e in enumerate(events):
         if i == start:
             a.reset_peaks()
+        if e.kind == "empty_cache":
+            a.empty_cache()
+            continue
         if e.size == 0:
             continue
         if e.kind == "alloc":

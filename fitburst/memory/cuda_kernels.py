@@ -18,6 +18,9 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   casts them to fp32 (the trace builds them in fp32 directly).
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
+- :func:`cuda_autocast_fp32_ops`: CUDA autocast runs layer_norm, group_norm and softmax / log_softmax (no dtype
+  given) in fp32 where CPU autocast leaves them in 16 bits; the trace runs them that way itself (fp32 input copies
+  saved for backward, fp32 outputs that each 16-bit consumer casts again).
 """
 
 from __future__ import annotations
@@ -36,6 +39,49 @@ def _is_sm90(device: Device) -> bool:
 
 def optimizer_foreach(device: Device) -> bool:
     return device.kind == "cuda"
+
+
+def cuda_autocast_fp32_ops():
+    """A context in which ``torch.nn.functional``'s layer_norm, group_norm, softmax and log_softmax behave under CPU
+    autocast as under CUDA autocast (its "fp32" policy, aten/src/ATen/autocast_mode.cpp): 16-bit floating
+    arguments are cast to fp32 and the op runs in fp32 (output fp32); softmax / log_softmax without a dtype run with
+    dtype=fp32. Outside autocast, or on fp32 arguments, nothing changes."""
+    import contextlib
+    import functools
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    low = (torch.float16, torch.bfloat16)
+
+    def up(t):
+        return t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t
+
+    def fp32_policy(orig):
+        @functools.wraps(orig)
+        def run(*args, **kwargs):
+            if not torch.is_autocast_enabled("cpu") or not any(
+                    isinstance(a, torch.Tensor) and a.dtype in low for a in (*args, *kwargs.values())):
+                return orig(*args, **kwargs)
+            with torch.autocast("cpu", enabled=False):
+                return orig(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+        return run
+
+    def fp32_dtype_policy(orig):
+        @functools.wraps(orig)
+        def run(input, dim=None, _stacklevel=3, dtype=None):
+            if dtype is None and torch.is_autocast_enabled("cpu") and input.dtype in low:
+                dtype = torch.float32
+            return orig(input, dim, _stacklevel, dtype)
+        return run
+
+    stack = contextlib.ExitStack()
+    for name in ("layer_norm", "group_norm"):
+        stack.enter_context(mock.patch.object(F, name, fp32_policy(getattr(F, name))))
+    for name in ("softmax", "log_softmax"):
+        stack.enter_context(mock.patch.object(F, name, fp32_dtype_policy(getattr(F, name))))
+    return stack
 
 
 def _sids(events, tag: str) -> set[int]:
@@ -176,20 +222,35 @@ def peft_adapter_upcast(events, dtype: str):
     return events[:first] + halves + upcast + rest
 
 
-def kbit_prepare_upcast(events):
+def kbit_prepare_upcast(events, empty_cache: bool | None = None):
     """k-bit loading: the non-quantized weights (embeddings, norms, head) arrive in 16 bits with the quantized ones;
-    prepare_model_for_kbit_training then casts each to fp32 (fp32 alloc, 16-bit free) before peft adds adapters."""
+    prepare_model_for_kbit_training then casts each to fp32 (fp32 alloc, 16-bit free) before peft adds adapters,
+    and (peft >= 0.20, ``auto_clear_cache``) empties the CUDA cache: segments left free by the quantize-on-load
+    transients and the 16-bit copies go back to the driver. ``empty_cache``: None = as the installed peft does."""
     from dataclasses import replace
 
     cast = [e for e in events if e.kind == "alloc" and e.tag == "kbit_upcast" and e.phase == "load"]
     if not cast:
         return events
+    if empty_cache is None:
+        empty_cache = peft_empties_cache()
     nxt = max(e.sid for e in events) + 1
     halves = {e.sid: replace(e, sid=nxt + i, size=e.size // 2, tag="kbit_16bit") for i, e in enumerate(cast)}
     load_end = max(i for i, e in enumerate(events) if e.phase == "load" and e.tag != "adapter") + 1
     head = [halves.get(e.sid, e) if e.kind == "alloc" else e for e in events[:load_end]]
     upcast = [x for e in cast for x in (e, replace(halves[e.sid], kind="free", op=""))]
+    if empty_cache:
+        upcast.append(replace(cast[-1], kind="empty_cache", sid=-1, size=0, op="empty_cache", tag=""))
     return head + upcast + events[load_end:]
+
+
+def peft_empties_cache() -> bool:
+    """Whether the installed peft's prepare_model_for_kbit_training calls torch.cuda.empty_cache() (0.20 on)."""
+    import inspect
+
+    from peft import prepare_model_for_kbit_training
+
+    return "auto_clear_cache" in inspect.signature(prepare_model_for_kbit_training).parameters
 
 
 def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> str:
@@ -197,8 +258,9 @@ def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> st
     return "flash" if device.supports_bf16 and not padded else "efficient"
 
 
-def apply(trace, device: Device, settings: TrainSettings, seq_len: int):
-    """All rules for a CUDA ``device``; returns (events, index of the measured step's first event)."""
+def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None):
+    """All rules for a CUDA ``device``; returns (events, index of the measured step's first event).
+    ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does)."""
     s = settings
     events = drop_cpu_resident(list(trace.events))
     events = softmax_half_to_float(events, s.dtype)
@@ -208,7 +270,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int):
         events = sdpa_kernel(events, sdpa_kernel_for(device, s, padded), batch=s.batch, heads=trace.heads,
                              seq_len=seq_len, head_dim=trace.head_dim)
     events = cublas_workspaces(events, device)
-    events = kbit_prepare_upcast(events)
+    events = kbit_prepare_upcast(events, empty_cache)
     events = peft_adapter_upcast(events, s.dtype)
     return events, measured_start(events)
 

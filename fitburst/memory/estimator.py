@@ -59,6 +59,7 @@ class TrainSettings:
     eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
     padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
     packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
+    pure_bf16: bool = False  # full fine-tuning steps bf16 weights directly (no autocast, no fp32 master weights)
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quant == "none":
@@ -81,6 +82,16 @@ class TrainSettings:
     @property
     def kbit(self) -> bool:
         return self.quant != "none"
+
+    @property
+    def amp(self) -> bool:
+        """The loop runs under autocast (fitburst.device.make_amp): 16-bit precision, not pure bf16."""
+        return self.dtype != "fp32" and not self.pure_bf16
+
+    @property
+    def master_weights(self) -> bool:
+        """Full fine-tuning under autocast keeps fp32 master weights (fitburst.device.weight_dtype)."""
+        return self.method == "full" and self.amp
 
     @property
     def effective_batch(self) -> int:
@@ -126,6 +137,7 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         keep_logits=False,
         eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
+        pure_bf16=t.pure_bf16,
     )
 
 
@@ -225,7 +237,7 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
 
 def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     """Base model weights as loaded (and, for k-bit, after prepare_model_for_kbit_training)."""
-    d = DTYPE_BYTES[s.dtype]
+    d = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
     total = shape.param_count()
     if not s.kbit:
         return {"weights": total * d}
@@ -294,11 +306,14 @@ class _Ctx:
     attention: str  # flash | math | eager
     padded: bool
     merged_experts: int = 0  # bytes of one block's expert weights merged with their LoRA (kept for backward)
+    lora16: int = 0  # LoRA under autocast: bytes of the 16-bit dtype its adapters compute in (0: no autocast)
+    master: bool = False  # full fine-tuning with fp32 master weights under autocast: fp32 residual stream, 16-bit
+    # copies of each weight (autocast's cache) and of each norm output a linear reads (one per linear)
 
 
 def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
     """Saved tensors of one norm; returns requires_grad of its output."""
-    T, a = c.T, c.a
+    T, a = c.T, (4 if c.master else c.a)  # the residual stream's dtype
     style = shape.norm_style
     if style == "layernorm":
         if rg_in or c.full:
@@ -321,7 +336,20 @@ def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: Model
 def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _Ctx) -> bool:
     T = c.T
     if c.full:
-        saved[in_key] = c.a * T * fan_in
+        if c.master and in_key in ("n1", "n2"):  # autocast casts the fp32 norm output again for each linear
+            saved[f"{name}.in16"] = c.a * T * fan_in
+        else:
+            saved[in_key] = c.a * T * fan_in
+        return True
+    if name in c.targets and c.lora16:  # autocast: peft runs the adapter in 16 bits, no fp32 copy of its input
+        if c.drop:  # the dropout output (fp32 under k-bit's fp32 stream), then its 16-bit cast for lora_A
+            saved[f"{name}.noise"] = c.mask_b * T * fan_in
+            saved[f"{name}.drop"] = c.a * T * fan_in
+            if c.a != c.lora16:
+                saved[f"{name}.drop16"] = c.lora16 * T * fan_in
+        else:  # the input itself, or (k-bit's fp32 stream) a 16-bit copy made for this module's lora_A
+            saved[in_key if c.a == c.lora16 else f"{name}.cast16"] = c.lora16 * T * fan_in
+        saved[f"{name}.loraA"] = c.lora16 * T * c.rank
         return True
     if name in c.targets:
         src = in_key if c.a == 4 else f"{name}.cast"
@@ -340,6 +368,8 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
     qd, kvd = shape.q_dim, shape.kv_dim
     sv: dict[str, int] = {}
+    if c.master:  # autocast's 16-bit copies of this block's weights, kept for backward
+        sv["w16"] = a * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(decoder))
     rg_n1 = _norm(sv, "ln1", "x", rg_in, c, shape, h)
     if shape.fused_qkv:
         rg_qkv = _linear(sv, "qkv_proj", "n1", h, rg_n1, c)
@@ -469,12 +499,14 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
     down = shape.mlp_linears()[-1].name
     if c.full:
         down_saved = a * T * i
-    elif down in c.targets:
-        down_saved = (4 + c.mask_b) * T * i if c.drop else 4 * T * i
+    elif down in c.targets:  # the adapter's saved input (16-bit under autocast, else an fp32 copy)
+        lo = c.lora16 or 4
+        down_saved = (lo + c.mask_b) * T * i if c.drop else lo * T * i
     else:
         down_saved = 0
     mlp = max(
-        3 * a * T * i - down_saved, ((4 + a) * T * i if not c.full and down in c.targets else a * T * i)
+        3 * a * T * i - down_saved,
+        (((c.lora16 or 4) + a) * T * i if not c.full and down in c.targets else a * T * i),
     )
     mlp += a * T * h
     if c.attention == "flash":
@@ -496,7 +528,7 @@ def estimate(
     s = settings
     d = DTYPE_BYTES[s.dtype]
     a = 4 if s.kbit else d
-    a_lm = 4 if s.kbit else d
+    a_lm = 4 if s.kbit and not s.amp else d  # k-bit's fp32 head; under autocast its output is 16-bit
     T = s.batch * s.seq_len
     b, S, padded = s.batch, s.seq_len, s.batch > 1 if s.padded is None else s.padded
     if s.packed_fill:  # one row of the real tokens; sdpa/eager get a block-diagonal mask, flash-attn varlen none
@@ -523,6 +555,8 @@ def estimate(
         attention=attention,
         padded=padded,
         merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
+        master=s.master_weights,
+        lora16=d if s.amp and not full else 0,
     )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = []
@@ -531,7 +565,7 @@ def estimate(
     w = weight_bytes(shape, s)
     if full:
         tensors = _full_tensors(shape)
-        pbytes = d
+        pbytes = 4 if s.master_weights else d  # fp32 master weights: fp32 gradients and optimizer state
         lora_w = 0
     else:
         tensors = lora_tensors(shape, s)
@@ -573,7 +607,7 @@ def estimate(
     logits = a_lm * T * V
     L = len(per_layer)
     if ckpt:
-        A_layers_kept = [a * T * h] * L  # non-reentrant checkpoint keeps each layer's input
+        A_layers_kept = [(4 if s.master_weights else a) * T * h] * L  # checkpointing keeps each layer's input
         recompute = [
             max(0, x - (a * T * h if "x" in sv else 0))
             for x, sv in zip(per_layer, per_layer_full, strict=True)
@@ -581,7 +615,9 @@ def estimate(
     else:
         A_layers_kept = per_layer
         recompute = [0] * L
-    A_all = sum(A_layers_kept) + A_final + shared
+    # autocast's 16-bit copies of the fp32 adapters (cached through the forward, kept for backward)
+    lora_cast = d * P_tr if c.lora16 else 0
+    A_all = sum(A_layers_kept) + A_final + shared + lora_cast
     G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
     kept_logits = logits if s.keep_logits else 0
     phases: dict[str, dict[str, int]] = {}
@@ -597,11 +633,13 @@ def estimate(
     # neither the cast nor log_softmax saves its input).
     loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
     loss_bwd = kept_logits + 12 * T * V
-    phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), 0)
+    # autocast's 16-bit copy of an fp32 head (master weights, k-bit's fp32 head), kept for its backward
+    head16 = d * V * h if s.master_weights or (s.kbit and s.amp) else 0
+    phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
     # backward through the blocks, top to bottom
-    head_grad = d * V * h if full and not shape.tied else (d * V * h if full else 0)
+    head_grad = pbytes * V * h if full else 0
     g_so_far = G_acc + head_grad if full else G_acc
-    remaining = sum(A_layers_kept) + shared
+    remaining = sum(A_layers_kept) + shared + lora_cast
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
     bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0)
@@ -611,9 +649,9 @@ def estimate(
             best_b = (remaining + recompute[idx], g_so_far, bt + kept_logits + d * T * h)
         remaining -= A_layers_kept[idx]
         if full:
-            g_so_far += int(layer_params * d)
+            g_so_far += int(layer_params * pbytes)
     if full:  # embedding gradient (dense) arrives last
-        emb_g = d * V * h
+        emb_g = pbytes * V * h
         tot = shared + g_so_far + emb_g + kept_logits
         if tot > sum(best_b):
             best_b = (

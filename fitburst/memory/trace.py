@@ -34,7 +34,7 @@ class TraceUnsupported(UserError, ValueError):
 class Event:
     """One storage allocation (``alloc``) or free, in program order."""
 
-    kind: str  # alloc | free
+    kind: str  # alloc | free | empty_cache (torch.cuda.empty_cache(), added by a CUDA rule)
     sid: int  # storage id (unique over the trace)
     size: int  # bytes
     phase: str  # load | warmup.<phase> | <phase> (measured step)
@@ -111,6 +111,8 @@ def _recorder_cls():
 
     aten = torch.ops.aten
     counter_ops = {aten.add_, aten._foreach_add_}  # overload packets
+    quantize_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "quantize_4bit", None)
+    quantize_4bit = quantize_4bit.default if quantize_4bit is not None else None
     matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
     class Recorder(TorchDispatchMode):
@@ -159,7 +161,14 @@ def _recorder_cls():
                 for t in tree_leaves(args[0]):
                     if isinstance(t, torch.Tensor) and t.dim() == 0:
                         self.counters.add(t.untyped_storage()._cdata)
-            out = func(*args, **kwargs)
+            if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                # MoE experts (transformers' grouped_mm): the meta kernel accepts only bf16 (as the CUDA kernel
+                # once did); the CPU and CUDA kernels run fp32/fp16 too, with an output of the same shape and dtype
+                low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                       for a in args]
+                out = func(*low, **kwargs).to(args[0].dtype)
+            else:
+                out = func(*args, **kwargs)
             name = func.__name__
             tag, h2f = "", False
             if func in matmuls:
@@ -171,7 +180,10 @@ def _recorder_cls():
                 tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
             elif "scaled_dot_product" in name:
                 tag = "sdpa_bwd" if "backward" in name else "sdpa_fwd"
-            for t in tree_leaves(out):
+            leaves = tree_leaves(out)
+            if func is quantize_4bit:  # its CUDA kernel allocates absmax before the packed weight it returns first
+                leaves = leaves[::-1]
+            for t in leaves:
                 self.track(t, name, tag)
             if h2f:  # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
                 self.h2f.add(self.sid_of(out))
@@ -226,7 +238,7 @@ def spec_with(spec, s: TrainSettings):
         "rank": s.rank, "alpha": s.alpha, "dropout": s.dropout, "target_modules": s.targets})
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention})
+        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention, "pure_bf16": s.pure_bf16})
     return spec.model_copy(update={"method": method, "training": training})
 
 
@@ -263,12 +275,14 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
     return model
 
 
-def _quantized(w, compute_dtype):
-    """A 4-bit weight as bitsandbytes loads it: the 16-bit weight, quantized (packed uint8 + QuantState)."""
+def _quantized(w, compute_dtype, full=None):
+    """A 4-bit weight as bitsandbytes loads it: the 16-bit weight (``full`` when already read), quantized (packed
+    uint8 + QuantState), the 16-bit weight freed."""
     import bitsandbytes as bnb
     import torch
 
-    full = torch.empty(w.shape, dtype=compute_dtype, device="cpu")
+    if full is None:
+        full = torch.empty(w.shape, dtype=compute_dtype, device="cpu")
     packed, state = bnb.functional.quantize_4bit(full, blocksize=w.blocksize, compress_statistics=w.compress_statistics,
                                                  quant_type=w.quant_type, quant_storage=w.quant_storage)
     del full
@@ -277,35 +291,62 @@ def _quantized(w, compute_dtype):
     return p
 
 
-def _materialize(model, rec, compute_dtype=None) -> None:
+def _materialize(model, rec, compute_dtype=None, kbit_read_ahead: int = 0) -> None:
     """Fake CPU storage for every meta parameter and buffer: base weights first (as loaded), then adapters (as
-    peft adds them); a parameter shared by two modules (tied embeddings) materializes once."""
+    peft adds them); a parameter shared by two modules (tied embeddings) materializes once. A quantize-on-load
+    reads each 16-bit weight onto the device, quantizes it and frees it; ``kbit_read_ahead``: how many tensors
+    the loader reads ahead of the one being quantized (0: none, as the installed transformers loads; transformers
+    5.0's thread pool read ahead, see :func:`trace_step`)."""
     import torch
 
     adapter = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
     quantized = any(type(p).__name__ == "Params4bit" for p in model.parameters())
     memo: dict[int, torch.Tensor] = {}
+    read: dict[int, torch.Tensor | None] = {}  # 16-bit weights on the device, not yet quantized
+
+    def fetch(t, second: bool) -> None:
+        rec.tag = "adapter" if second else ""
+        if type(t).__name__ == "Params4bit":
+            read[id(t)] = torch.empty(t.shape, dtype=compute_dtype, device="cpu")
+            return
+        # k-bit preparation made this 16-bit weight fp32 (it loads in 16 bits, then is cast)
+        cast = (quantized and isinstance(t, torch.nn.Parameter) and not second
+                and t.dtype == torch.float32 and compute_dtype != torch.float32)
+        rec.tag = "kbit_upcast" if cast else rec.tag
+        new = torch.empty_like(t, device="cpu")
+        memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+        read[id(t)] = None
+
     for second in (False, True):
-        for m in model.modules():
-            for store in (m._parameters, m._buffers):
-                for k, t in store.items():
-                    if t is None or (id(t) in adapter) != second:
-                        continue
-                    if id(t) not in memo and t.device.type == "meta":
-                        rec.tag = "adapter" if second else ""
-                        if type(t).__name__ == "Params4bit":
-                            memo[id(t)] = _quantized(t, compute_dtype)
-                        else:
-                            # k-bit preparation made this 16-bit weight fp32 (it loads in 16 bits, then is cast)
-                            cast = (quantized and isinstance(t, torch.nn.Parameter) and not second
-                                    and t.dtype == torch.float32 and compute_dtype != torch.float32)
-                            rec.tag = "kbit_upcast" if cast else rec.tag
-                            new = torch.empty_like(t, device="cpu")
-                            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
-                                t, torch.nn.Parameter) else new
-                    if id(t) in memo:
-                        store[k] = memo[id(t)]
+        order = _load_order(model, quantized and not second)
+        seq = list({id(t): t for store, k in order if (t := store[k]) is not None and (id(t) in adapter) == second
+                    and t.device.type == "meta"}.values())
+        ahead = kbit_read_ahead if quantized and not second else 0
+        for i, t in enumerate(seq):
+            for u in seq[i:i + ahead + 1]:
+                if id(u) not in read:
+                    fetch(u, second)
+            if type(t).__name__ == "Params4bit":
+                rec.tag = ""
+                memo[id(t)] = _quantized(t, compute_dtype, read.pop(id(t)))
+        for store, k in order:
+            if store[k] is not None and id(store[k]) in memo:
+                store[k] = memo[id(store[k])]
     rec.tag = ""
+
+
+def _load_order(model, kbit: bool):
+    """(parameter-or-buffer dict of a module, key) in the order loading allocates them: module order, except that
+    from_pretrained quantizing on load (k-bit) loads synchronously in checkpoint-key order (transformers'
+    ``dot_natural_key``: per layer input_layernorm, mlp.down/gate/up, post_attention_layernorm, self_attn.k/o/q/v),
+    each 16-bit weight moved to the device, quantized and freed before the next is read."""
+    slots = [(name, m, store, k) for name, m in model.named_modules()
+             for store in (m._parameters, m._buffers) for k in store]
+    if kbit:
+        from transformers.core_model_loading import dot_natural_key
+
+        slots.sort(key=lambda x: dot_natural_key(f"{x[0]}.{x[3]}" if x[0] else x[3]))
+    return [(store, k) for _, _, store, k in slots]
 
 
 def _phase_hooks(model, optimizer, rec, prefix: list[str]):
@@ -325,12 +366,17 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str]):
     return hs
 
 
-def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None) -> StepTrace:
+def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
+               kbit_read_ahead: int = 0, cuda_autocast: bool = False) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
     ``step``: the step function (default: the training loop's :func:`fitburst.train.optimizer_step`; a benchmark
-    whose measurements came from another loop passes that loop's step)."""
+    whose measurements came from another loop passes that loop's step). ``kbit_read_ahead``: tensors a
+    quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
+    transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
+    ``cuda_autocast``: run the ops CUDA autocast keeps in fp32 that way
+    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
@@ -339,6 +385,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
 
     from fitburst.device import make_amp, torch_dtype
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+
+    from . import cuda_kernels
 
     s = settings
     if s.quant == "int8":
@@ -357,8 +405,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     padded = s.batch > 1 if s.padded is None else s.padded
     rec = _recorder_cls()()
     prefix = ["warmup."]
-    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded):
-        _materialize(model, rec, torch_dtype(s.dtype))
+    fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops:
+        _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
@@ -371,8 +420,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         # autocast lowers the same ops as CUDA's on these models (linear, matmul, bmm, baddbmm, addmm, SDPA) and
         # caches the casts of fp32 leaf weights alike. CUDA autocast also runs some ops in fp32 that CPU's leaves
         # in 16 bits (layer_norm, softmax without dtype, pow, rsqrt, exp, sum): llama/qwen-style models upcast
-        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss), but a LayerNorm model's fp32 input
-        # copies on CUDA are not traced (no cuda_kernels rule yet). The GradScaler runs on fake tensors: its
+        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss); for a CUDA device layer_norm, group_norm
+        # and softmax / log_softmax run as CUDA autocast runs them (cuda_autocast; pow, rsqrt, exp, sum are not
+        # emulated). The GradScaler runs on fake tensors: its
         # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
@@ -432,7 +482,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
     tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
     (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
-    trace depends on the device only through the optimizer's foreach path)."""
+    trace depends on the device only through the optimizer's foreach path and CUDA autocast's fp32 ops)."""
     from . import allocator, cuda_kernels
 
     s = settings
@@ -440,7 +490,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
-        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach)
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach)
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]

@@ -578,6 +578,8 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
             raise e.__cause__ from None
         if lengths:
             raise
+    except DataError:  # a record the template or the pairing cannot use (a ValueError, but not datasets' "no data")
+        raise
     except ValueError:  # datasets' "no data" when the generator yielded nothing
         if lengths:
             raise

@@ -232,7 +232,7 @@ def spec_with(spec, s: TrainSettings):
 
 def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from fitburst.device import torch_dtype, weight_dtype
 
@@ -246,8 +246,9 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         raise TraceUnsupported(f"transformers cannot build model_type {mtype!r} ({e}): update transformers, "
                                "or set model.trust_remote_code for a custom architecture") from None
     impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM  # as models.load_model
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+        model = auto.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
                                                  attn_implementation=impl,
                                                  trust_remote_code=trust_remote_code)
     if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
@@ -400,7 +401,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
 
 
 def _batch(b: int, s: int, padded: bool) -> dict:
-    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest)."""
+    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest); for an
+    encoder-decoder model the encoder input and the decoder's labels, both ``s`` long."""
     import torch
 
     ids = torch.zeros((b, s), dtype=torch.long)

@@ -59,6 +59,7 @@ class TrainSettings:
     eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
     padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
     packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
+    pure_bf16: bool = False  # full fine-tuning steps the 16-bit weights directly (no fp32 master weights)
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quant == "none":
@@ -126,6 +127,7 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         keep_logits=False,
         eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
+        pure_bf16=t.pure_bf16,
     )
 
 
@@ -424,6 +426,80 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     return sv, rg_h1 or rg_m
 
 
+def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool]:
+    """Saved-for-backward tensors of one T5 block: self-attention (and, in the decoder, cross-attention on the
+    encoder's output), then the feed-forward, each behind a T5LayerNorm (fp32 variance) and closed by a residual
+    dropout; the model's dropout (``shape.dropout``) saves a mask wherever a gradient flows through it (CUDA: a
+    bool mask; elsewhere a noise tensor of the activation dtype). The relative position bias enters each attention
+    as a float mask (its small bucket table is among the weights)."""
+    sv: dict[str, int] = {}
+    rg = rg_in
+    subs = [("sa", _t5_attention)] + ([("ca", _t5_attention)] if decoder else []) + [("ff", _t5_feed_forward)]
+    for k, (name, fn) in enumerate(subs):
+        sub: dict[str, int] = {}
+        rg_n = _norm(sub, "ln", "x", rg, c, shape, shape.hidden)
+        if rg_n:
+            sub["ln.rsqrt"] = 4 * c.T
+        rg_out = fn(sub, shape, c, rg_n, cross=name == "ca")
+        if rg_out and shape.dropout:
+            sub["res.drop"] = _t5_drop_bytes(c) * c.T * shape.hidden
+        rg = rg or rg_out
+        # the block input is "x"; each later sublayer's input is a new residual sum
+        sv.update({(key if key == "x" and k == 0 else f"{name}.{key}"): v for key, v in sub.items()})
+    return sv, rg
+
+
+def _t5_drop_bytes(c: _Ctx) -> int:
+    return 1 if c.mask_b == 1 else c.a  # CUDA: bool mask; CPU / MPS: noise in the input's dtype
+
+
+def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+    """T5 attention (scores + position bias as a float mask); cross-attention takes k and v from the encoder's
+    output (which needs grad: the encoder trains). With dropout outside CUDA, SDPA takes its math path: the
+    probabilities, the dropout noise and the dropped probabilities are kept (b x heads x S x S each)."""
+    T, a, h, qd = c.T, c.a, shape.hidden, shape.q_dim
+    kv_in, rg_kv_in = ("enc", True) if cross else ("n1", rg_n)
+    rg_q = _linear(sv, "q", "n1", h, rg_n, c)
+    rg_k = _linear(sv, "k", kv_in, h, rg_kv_in, c)
+    rg_v = _linear(sv, "v", kv_in, h, rg_kv_in, c)
+    rg_att = rg_q or rg_k or rg_v
+    if rg_att:
+        sv.update({"att.q": a * T * qd, "att.k": a * T * qd, "att.v": a * T * qd})
+        sq = c.b * shape.heads * c.S * c.S
+        if c.attention == "flash" and (c.mask_b == 1 or not shape.dropout):  # efficient / flash kernel
+            sv["att.out"] = a * T * qd
+            sv["att.lse"] = 4 * c.b * shape.heads * c.S
+        else:
+            sv["att.probs"] = a * sq
+            if shape.dropout:
+                sv["att.drop"] = _t5_drop_bytes(c) * sq
+                sv["att.dropped"] = a * sq
+    return _linear(sv, "o", "ctx", qd, rg_att, c)
+
+
+def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+    """T5's DenseReluDense: gated (gelu_new(wi_0 x) * wi_1 x, as FLAN-T5) or plain (relu(wi x)), dropout, wo."""
+    T, a, i = c.T, c.a, shape.intermediate
+    mlp = shape.mlp_linears()
+    if shape.mlp == "gated":
+        rg_g = _linear(sv, mlp[0].name, "n2", shape.hidden, rg_n, c)
+        rg_u = _linear(sv, mlp[1].name, "n2", shape.hidden, rg_n, c)
+        if rg_g:  # gelu_new's python formula keeps its input, tanh, 0.5x and 1 + tanh
+            sv.update({"gate": a * T * i, "gelu.tanh": a * T * i, "gelu.half": a * T * i, "gelu.1pt": a * T * i})
+        if rg_u:
+            sv["act"] = a * T * i
+        if rg_g:
+            sv["up"] = a * T * i
+        rg_p = rg_g or rg_u
+    else:
+        rg_p = _linear(sv, mlp[0].name, "n2", shape.hidden, rg_n, c)
+        if rg_p:
+            sv["relu"] = a * T * i
+    if rg_p and shape.dropout:
+        sv["p.drop"] = _t5_drop_bytes(c) * T * i
+    return _linear(sv, mlp[-1].name, "pd" if shape.dropout else "p", i, rg_p, c)
+
+
 def _moe(sv: dict, shape: ModelShape, c: _Ctx, in_key: str, rg_in: bool) -> bool:
     """Saved tensors of a routed MoE block: each token's state runs through ``experts_per_tok`` experts
     (k*T rows in all, one expert at a time), plus the router's fp32 probabilities and any shared expert."""
@@ -527,12 +603,19 @@ def estimate(
     V, h = shape.vocab, shape.hidden
     notes: list[str] = []
 
-    # weights, trainable params, grads, optimizer
-    w = weight_bytes(shape, s)
+    # weights, trainable params, grads, optimizer. Full fine-tuning in mixed precision trains fp32 master weights
+    # (fitburst.device.weight_dtype), and autocast runs each matmul on a 16-bit copy of its weight: the copies stay
+    # in autocast's cache to the end of the forward, and those saved for backward until their layer's backward.
+    master = full and s.dtype != "fp32" and not s.pure_bf16
+    w = {"weights": 4 * shape.param_count()} if master else weight_bytes(shape, s)
+    casts = casts_layer = 0
     if full:
         tensors = _full_tensors(shape)
-        pbytes = d
+        pbytes = 4 if master else d
         lora_w = 0
+        if master:
+            casts_layer = 2 * shape.linear_params() // max(shape.total_layers, 1)
+            casts = 2 * shape.linear_params() + 2 * shape.vocab * shape.hidden
     else:
         tensors = lora_tensors(shape, s)
         pbytes = 4  # peft keeps adapters in fp32
@@ -551,9 +634,10 @@ def estimate(
     per_layer: list[int] = []
     per_layer_full: list[dict] = []
     rg = rg0
+    layer = _t5_layer if shape.model_type == "t5" else _layer
     for count, dec in shape.blocks():
         for _ in range(count):
-            sv, rg_out = _layer(shape, c, rg, dec)
+            sv, rg_out = layer(shape, c, rg, dec)
             per_layer.append(sum(sv.values()))
             per_layer_full.append(sv)
             rg = rg_out
@@ -570,6 +654,10 @@ def estimate(
         mask_bytes = a * c.b * c.S * c.S  # eager always gets an additive float mask
     rope = 2 * a * T * shape.head_dim
     shared = rope + mask_bytes + 16 * T  # cos/sin, mask, ids/labels
+    if shape.model_type == "t5" and (ckpt or c.mask_b == 1):
+        # T5's position-bias masks (encoder self, decoder self and cross: b x heads x S x S in the weights' dtype)
+        # are inputs every checkpointed block keeps; on CUDA each attention kernel saves its bias too
+        shared += 3 * c.b * shape.heads * c.S * c.S * (4 if master or s.dtype == "fp32" else d)
     logits = a_lm * T * V
     L = len(per_layer)
     if ckpt:
@@ -590,30 +678,33 @@ def estimate(
         qtemp = 2 * shape.largest_linear() + 2 * T * (h + shape.intermediate)
     # forward end: everything saved, the last block's transient
     fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
-    phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t)
+    phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t + casts)
     # loss forward: logits, their fp32 copy (a no-op when already fp32), the log_softmax output. Backward: the
     # saved log_softmax output plus two fp32 grads (of it, and of its input); the logits themselves are still
     # alive only when the loop keeps the model output (an output dropped after ``.loss`` frees them, since
     # neither the cast nor log_softmax saves its input).
     loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
     loss_bwd = kept_logits + 12 * T * V
-    phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), 0)
+    phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), casts)
     # backward through the blocks, top to bottom
-    head_grad = d * V * h if full and not shape.tied else (d * V * h if full else 0)
+    head_grad = pbytes * V * h if full else 0
+    if casts:  # backward holds the copies saved for it: all of them, or with checkpointing the head's and one layer's
+        bt_casts = 2 * V * h + casts_layer if ckpt else casts
     g_so_far = G_acc + head_grad if full else G_acc
     remaining = sum(A_layers_kept) + shared
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
-    bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0)
+    bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0) + (
+        bt_casts if casts else 0)
     for idx in range(L - 1, -1, -1):
         tot = remaining + recompute[idx] + bt + g_so_far + kept_logits + d * T * h
         if tot > sum(best_b):
             best_b = (remaining + recompute[idx], g_so_far, bt + kept_logits + d * T * h)
         remaining -= A_layers_kept[idx]
         if full:
-            g_so_far += int(layer_params * d)
+            g_so_far += int(layer_params * pbytes)
     if full:  # embedding gradient (dense) arrives last
-        emb_g = d * V * h
+        emb_g = pbytes * V * h
         tot = shared + g_so_far + emb_g + kept_logits
         if tot > sum(best_b):
             best_b = (

@@ -5,7 +5,8 @@ make_optimizer, optimizer_step, with a tracker of live tensor storages).
     PYTHONPATH=$PWD python benchmarks/families_accuracy.py [ARCH_PREFIX, e.g. t5]
 
 Prints one row per case and the median / worst absolute error (targets: median <= 4 %, worst <= 10 %). The
-estimate is the uncalibrated analytic model; nothing here was fitted to these rows.
+estimate is the uncalibrated analytic model; no constant was fitted to these rows (the T5 terms were written
+against the in-sample rows' saved tensors), and the held-out rows were run only after.
 """
 
 from __future__ import annotations
@@ -71,11 +72,18 @@ CASES = [
     dict(arch="t5", method="full", batch=2, seq_len=128, dtype="fp32"),
     dict(arch="t5", method="lora", targets="all-linear", batch=2, seq_len=256, dtype="fp32", grad_checkpointing=True),
     dict(arch="t5", method="full", batch=2, seq_len=256, dtype="bf16", grad_checkpointing=True),
-    # held out: not looked at while the T5 terms were set
-    dict(arch="t5", method="lora", targets="all-linear", batch=4, seq_len=192, dtype="bf16", held_out=True),
+    # these two, first run held out at -15.4 % and -12.7 %, showed the 16-bit terms missing (CPU SDPA's fp32
+    # upcast, LoRA inputs kept as they are under autocast, wo kept in fp32, master weights' norms in fp32): fixed,
+    # so they are in-sample now
+    dict(arch="t5", method="lora", targets="all-linear", batch=4, seq_len=192, dtype="bf16"),
+    dict(arch="t5_v1", method="full", batch=2, seq_len=192, dtype="bf16"),
+    # held out: not looked at while the T5 terms were set (the last three added after the fix above)
     dict(arch="t5", method="full", batch=4, seq_len=128, dtype="fp32", grad_checkpointing=True, held_out=True),
     dict(arch="t5_v1", method="lora", targets=T5_QV, batch=2, seq_len=256, dtype="fp32", held_out=True),
-    dict(arch="t5_v1", method="full", batch=2, seq_len=192, dtype="bf16", held_out=True),
+    dict(arch="t5", method="lora", targets=T5_QV, batch=2, seq_len=256, dtype="bf16", grad_checkpointing=True,
+         held_out=True),
+    dict(arch="t5", method="full", batch=1, seq_len=256, dtype="bf16", held_out=True),
+    dict(arch="t5_v1", method="lora", targets="all-linear", batch=2, seq_len=128, dtype="bf16", held_out=True),
 ]
 
 

@@ -251,6 +251,11 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         model = auto.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
                                                  attn_implementation=impl,
                                                  trust_remote_code=trust_remote_code)
+    if config.is_encoder_decoder and cfg.get("tie_word_embeddings") is False:
+        # transformers 5 builds T5 with its head tied to the embeddings, but T5 v1.1 / FLAN-T5 checkpoints (config
+        # tie_word_embeddings false) hold a separate lm_head, which loading keeps untied: trace that model
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(torch.empty_like(head.weight, device="meta"))
     if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 

@@ -124,6 +124,62 @@ def test_accumulated_micro_batches_train_as_one_batch(random_t5, method):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+# FLAN-T5's layout at test size: gated-gelu, dropout 0.1 as shipped, a separate lm_head (tie_word_embeddings false)
+T5_CFG = dict(model_type="t5", d_model=128, d_kv=32, d_ff=320, num_layers=2, num_decoder_layers=2, num_heads=4,
+              vocab_size=2000, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.1,
+              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def t5_config_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("t5cfg")
+    (d / "config.json").write_text(json.dumps(T5_CFG))
+    return d
+
+
+def test_trace_builds_the_t5_a_flan_checkpoint_loads(t5_config_dir, tmp_path):
+    """The traced step runs the encoder-decoder (AutoModelForSeq2SeqLM on meta, encoder input + labels) and counts
+    the separate lm_head a FLAN-T5 checkpoint holds, which transformers keeps untied on loading: the same count as
+    the analytic shape and as the real model loaded from such a checkpoint."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from fitburst.memory import TrainSettings, load_shape
+    from fitburst.memory.trace import trace_step
+    from fitburst.spec import PipelineSpec
+
+    spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
+    trace = trace_step(spec, TrainSettings(method="full", batch=2, seq_len=32, dtype="fp32"), seq_len=32)
+    cfg = dict(T5_CFG)
+    AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")  # a checkpoint with its own lm_head, as FLAN-T5's
+    save_file({**weights, "lm_head.weight": torch.randn(2000, 128)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert trace.params["total"] == load_shape(str(t5_config_dir)).param_count() == sum(
+        p.numel() for p in loaded.parameters())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(method="lora", targets="all-linear", batch=2, seq_len=96, dtype="fp32"),
+    dict(method="lora", targets=["q", "v"], batch=2, seq_len=96, dtype="bf16", grad_checkpointing=True),
+    dict(method="full", batch=2, seq_len=64, dtype="bf16"),
+])
+def test_analytic_t5_terms_match_the_traced_step(t5_config_dir, kw):
+    """The analytic T5 terms (encoder and decoder stacks, cross-attention, dropout masks, the position-bias masks
+    checkpointing keeps, fp32 master weights) against the traced real step on CPU: within 6 %."""
+    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory.trace import trace_step
+    from fitburst.spec import PipelineSpec
+
+    s = TrainSettings(rank=8, dropout=0.0, attention="sdpa", keep_logits=False, **kw)
+    spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
+    traced = trace_step(spec, s, seq_len=s.seq_len).live_peaks()[0]
+    analytic = estimate(load_shape(str(t5_config_dir)), s, resolve_device("cpu:8GiB"), calibrate=False)
+    assert analytic.allocated_peak_bytes == pytest.approx(traced, rel=0.06)
+
+
 @pytest.fixture(scope="module")
 def t5_run(prefect_server, pipelines_file):
     from flows.finetune import finetune

@@ -197,3 +197,22 @@ def test_tiny_t5_trains_through_the_dag(t5_run):
     m = run.data.metrics
     assert m["memory.estimated_peak_bytes"] > 0 and m["memory.measured_peak_bytes"] > 0
     assert m["eval.tuned_loss"] < m["eval.base_loss"] - 1.0
+
+
+def test_merge_folds_a_t5_adapter_into_its_base(t5_run, tmp_path):
+    """``fitburst merge`` of the DAG's T5 run: an ordinary seq2seq folder whose outputs equal base + adapter."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSeq2SeqLM
+
+    from fitburst.cli import main
+    from fitburst.models import T5_MODEL, load_model
+
+    assert main(["merge", t5_run["run_dir"], "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "merged").eval()
+    direct = PeftModel.from_pretrained(load_model(T5_MODEL, dtype=torch.float32, device="cpu"),
+                                       t5_run["adapter_dir"]).eval()
+    ids, labels = torch.tensor([[5, 17, 42, 99, 1]]), torch.tensor([[7, 8, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids, labels=labels).logits,
+                                   direct(input_ids=ids, labels=labels).logits, atol=1e-4, rtol=1e-4)

@@ -147,7 +147,7 @@ def build_tiny_t5(dest: Path, vocab_size: int = 1024) -> None:
     model.save_pretrained(dest)
 
 
-def _pretrain_t5(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -> None:
+def _pretrain_t5(model, tok, texts: list[str], steps: int = 150, batch: int = 16) -> None:
     """A few seconds of copying the demo sentences (encoder input = decoder target), with no instruction format:
     the base model knows the words and how to write them out, not the task the pipeline then teaches it."""
     import torch

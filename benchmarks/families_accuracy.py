@@ -37,7 +37,8 @@ ARCHS = {
                       num_experts=8, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=32, vocab_size=6000, tie_word_embeddings=False,
                       max_position_embeddings=4096),
-    # encoder-decoder: FLAN-T5's layout (gated-gelu, untied head, relative attention bias, dropout 0.1 as shipped)
+    # encoder-decoder: FLAN-T5's layout (gated-gelu, relative attention bias, dropout 0.1 as shipped; transformers 5
+    # builds it with the head tied, as it loads a checkpoint that holds no separate lm_head)
     "t5": dict(model_type="t5", d_model=256, d_kv=32, d_ff=640, num_layers=3, num_decoder_layers=3, num_heads=8,
                vocab_size=8000, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.1,
                pad_token_id=0, eos_token_id=2, decoder_start_token_id=0),

@@ -180,6 +180,37 @@ def test_analytic_t5_terms_match_the_traced_step(t5_config_dir, kw):
     assert analytic.allocated_peak_bytes == pytest.approx(traced, rel=0.06)
 
 
+def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_file, monkeypatch):
+    """The loop's OOM ladder on an encoder-decoder run: an out-of-memory error in a step (micro-batch 1 already)
+    turns gradient checkpointing on, the run resumes from the checkpoint written on the way out and finishes."""
+    import torch
+
+    import fitburst.train as train_mod
+    from fitburst.data import prepare_pipeline
+    from fitburst.oom import STEPDOWN_FILE, apply, train_stepping_down
+    from fitburst.spec import load_pipeline
+
+    spec = apply(load_pipeline(pipelines_file, "t5-demo"), {
+        "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
+        "training.checkpoint_every": 2, "training.log_every": 1})
+    calls, checkpointing = {"n": 0}, []
+    real = train_mod.optimizer_step
+
+    def step(model, optimizer, params, micro, **kw):
+        calls["n"] += 1
+        checkpointing.append(model.get_base_model().is_gradient_checkpointing)
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, optimizer, params, micro, **kw)
+
+    monkeypatch.setattr(train_mod, "optimizer_step", step)
+    result = train_stepping_down(spec, prepare_pipeline(spec), tmp_path, device="cpu", progress=False)
+    assert json.loads((tmp_path / STEPDOWN_FILE).read_text())["fields"] == {"training.gradient_checkpointing": True}
+    assert result.steps == 6 and result.resumed_from == 3
+    assert checkpointing[0] is False and checkpointing[-1] is True
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+
 @pytest.fixture(scope="module")
 def t5_run(prefect_server, pipelines_file):
     from flows.finetune import finetune

@@ -72,7 +72,7 @@ def build(arch: str, root: str) -> str:
     """A random model folder (config, weights, a minimal tokenizer) that fitburst.train.build_model loads."""
     import torch
     from tokenizers import Tokenizer, models
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
     path = os.path.join(root, arch)
     if os.path.exists(os.path.join(path, "tokenizer_config.json")):
@@ -80,7 +80,7 @@ def build(arch: str, root: str) -> str:
     kw = dict(ARCHS[arch])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_config(cfg).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return path

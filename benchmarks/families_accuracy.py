@@ -1,11 +1,12 @@
-"""Analytic and traced estimates vs measured peak for the model families beyond dense causal LMs (mixture-of-experts
-so far), on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
+"""Analytic estimate vs measured peak for the model families beyond dense causal LMs (mixture-of-experts, T5),
+on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
 make_optimizer, optimizer_step, with a tracker of live tensor storages).
 
-    PYTHONPATH=$PWD python benchmarks/families_accuracy.py
+    PYTHONPATH=$PWD python benchmarks/families_accuracy.py [ARCH_PREFIX, e.g. t5]
 
 Prints one row per case and the median / worst absolute error (targets: median <= 4 %, worst <= 10 %). The
-estimate is the uncalibrated analytic model; nothing here was fitted to these rows.
+estimate is the uncalibrated analytic model; no constant was fitted to these rows (the T5 terms were written
+against the in-sample rows' saved tensors), and the held-out rows were run only after.
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _measure import spec_of  # noqa: E402
-
 from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
-from fitburst.memory.trace import trace_step  # noqa: E402
 
 ARCHS = {
     "mixtral": dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -40,8 +38,18 @@ ARCHS = {
                       num_experts=8, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=32, vocab_size=6000, tie_word_embeddings=False,
                       max_position_embeddings=4096),
+    # encoder-decoder: FLAN-T5's layout (gated-gelu, relative attention bias, dropout 0.1 as shipped; transformers 5
+    # builds it with the head tied, as it loads a checkpoint that holds no separate lm_head)
+    "t5": dict(model_type="t5", d_model=256, d_kv=32, d_ff=640, num_layers=3, num_decoder_layers=3, num_heads=8,
+               vocab_size=8000, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.1,
+               pad_token_id=0, eos_token_id=2, decoder_start_token_id=0),
+    # T5 v1.0's layout (relu, tied head), deeper decoder than encoder: held-out rows only
+    "t5_v1": dict(model_type="t5", d_model=192, d_kv=32, d_ff=768, num_layers=2, num_decoder_layers=4,
+                  num_heads=6, vocab_size=6000, feed_forward_proj="relu", tie_word_embeddings=True,
+                  dropout_rate=0.1, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0),
 }
 QV = ["q_proj", "v_proj"]
+T5_QV = ["q", "v"]
 CASES = [
     dict(arch="mixtral", method="lora", targets=QV, batch=2, seq_len=256, dtype="fp32"),
     dict(arch="mixtral", method="lora", targets="all-linear", rank=16, batch=4, seq_len=128, dtype="fp32"),
@@ -60,6 +68,24 @@ CASES = [
          dtype="fp32", held_out=True),
     dict(arch="qwen2_moe", method="lora", targets="all-linear", batch=4, seq_len=128, dtype="fp32",
          grad_checkpointing=True, held_out=True),
+    # encoder-decoder (T5): encoder input and target both seq_len long
+    dict(arch="t5", method="lora", targets=T5_QV, batch=2, seq_len=256, dtype="fp32"),
+    dict(arch="t5", method="lora", targets="all-linear", rank=16, batch=4, seq_len=128, dtype="fp32"),
+    dict(arch="t5", method="full", batch=2, seq_len=128, dtype="fp32"),
+    dict(arch="t5", method="lora", targets="all-linear", batch=2, seq_len=256, dtype="fp32", grad_checkpointing=True),
+    dict(arch="t5", method="full", batch=2, seq_len=256, dtype="bf16", grad_checkpointing=True),
+    # these two, first run held out at -15.4 % and -12.7 %, showed the 16-bit terms missing (CPU SDPA's fp32
+    # upcast, LoRA inputs kept as they are under autocast, wo kept in fp32, master weights' norms in fp32): fixed,
+    # so they are in-sample now
+    dict(arch="t5", method="lora", targets="all-linear", batch=4, seq_len=192, dtype="bf16"),
+    dict(arch="t5_v1", method="full", batch=2, seq_len=192, dtype="bf16"),
+    # held out: not looked at while the T5 terms were set (the last three added after the fix above)
+    dict(arch="t5", method="full", batch=4, seq_len=128, dtype="fp32", grad_checkpointing=True, held_out=True),
+    dict(arch="t5_v1", method="lora", targets=T5_QV, batch=2, seq_len=256, dtype="fp32", held_out=True),
+    dict(arch="t5", method="lora", targets=T5_QV, batch=2, seq_len=256, dtype="bf16", grad_checkpointing=True,
+         held_out=True),
+    dict(arch="t5", method="full", batch=1, seq_len=256, dtype="bf16", held_out=True),
+    dict(arch="t5_v1", method="lora", targets="all-linear", batch=2, seq_len=128, dtype="bf16", held_out=True),
 ]
 
 
@@ -73,44 +99,54 @@ def measure_one(case: dict) -> dict:
     """In a child process: the case's random model, trained two steps by _measure.run."""
     import _measure
 
+    from fitburst.memory.trace import TraceUnsupported, traced_estimate
+
     _measure.ARCHS.update(ARCHS)
-    return _measure.run(case)
+    out = _measure.run(case)
+    spec = _measure.spec_of(case, _measure.build(case["arch"], case["root"]))
+    t0 = time.perf_counter()
+    try:  # the traced estimate of the same step (its allocated peak: live tensor bytes, as measured)
+        out["traced"] = traced_estimate(spec, settings_of(case), resolve_device("cpu:64GiB"),
+                                        seq_len=case["seq_len"]).allocated_peak_bytes
+    except TraceUnsupported:
+        out["traced"] = None
+    out["trace_s"] = time.perf_counter() - t0
+    return out
 
 
-def main() -> int:
+def main(only: str | None = None) -> int:
+    """Every case, or those whose arch starts with ``only`` (e.g. ``t5``)."""
     dev = resolve_device("cpu:64GiB")
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        for c in CASES:
+        for c in (c for c in CASES if only is None or c["arch"].startswith(only)):
             c = dict(c, root=root)
             r = subprocess.run([sys.executable, __file__, "--one", json.dumps(c)], capture_output=True, text=True)
             line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
             if not line:
                 raise SystemExit(f"measurement failed for {c}:\n{r.stderr[-3000:]}")
             m = json.loads(line[0][7:])
-            path = str(Path(root) / c["arch"])
-            e = estimate(load_shape(path), settings_of(c), dev, calibrate=False)
-            t0 = time.perf_counter()
-            traced = trace_step(spec_of(c, path), settings_of(c), seq_len=c["seq_len"]).live_peaks()[0]
+            e = estimate(load_shape(str(Path(root) / c["arch"])), settings_of(c), dev, calibrate=False)
             t = c.get("targets", QV)
             what = "" if c["method"] == "full" else " " + (t if isinstance(t, str) else "+".join(t))
             name = f"{c['arch']}: {settings_of(c).describe()}{what}"
-            rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False), traced,
-                         time.perf_counter() - t0))
-    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7} {'traced MiB':>10} {'error':>7}"
-          f" {'trace s':>7}")
+            rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False), m["traced"],
+                         m["trace_s"]))
+    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7} {'traced':>8} {'trace s':>7}")
     for name, meas, est, held, traced, secs in rows:
-        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%} "
-              f"{traced / 2**20:>10.2f} {traced / meas - 1:>+7.2%} {secs:>7.1f}" + ("  (held out)" if held else ""))
-    terr = [abs(r[4] / r[1] - 1) for r in rows]
-    print(f"traced (fitburst.memory.trace, nothing fitted): median |error| {statistics.median(terr):.2%}, "
-          f"worst {max(terr):.2%} over {len(terr)} rows")
+        tr = f"{traced / meas - 1:>+8.2%}" if traced else f"{'n/a':>8}"
+        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%} {tr} {secs:>7.1f}"
+              + ("  (held out)" if held else ""))
     ok = True
-    for part, sel in (("all", rows), ("held out", [r for r in rows if r[3]])):
-        errs = [abs(r[2] / r[1] - 1) for r in sel]
+    parts = (("in-sample", [r for r in rows if not r[3]]), ("held out", [r for r in rows if r[3]]), ("all", rows))
+    for part, sel in (p for p in parts if p[1]):
+        errs = [abs(est / meas - 1) for _, meas, est, _, _, _ in sel]
         med, worst = statistics.median(errs), max(errs)
         ok = ok and med <= 0.04 and worst <= 0.10
-        print(f"{part}: median |error| {med:.1%}, worst {worst:.1%} over {len(errs)} rows (targets 4 % / 10 %)")
+        traced = [abs(t / meas - 1) for _, meas, _, _, t, _ in sel if t]
+        trace = f"; traced: median {statistics.median(traced):.2%}, worst {max(traced):.2%}" if traced else ""
+        print(f"{part}: median |error| {med:.1%}, worst {worst:.1%} over {len(errs)} rows (targets 4 % / 10 %)"
+              + trace)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -119,4 +155,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         print("RESULT " + json.dumps(measure_one(json.loads(sys.argv[2]))), flush=True)
     else:
-        raise SystemExit(main())
+        raise SystemExit(main(sys.argv[1] if len(sys.argv) == 2 else None))

@@ -9,6 +9,10 @@ Accepted shapes (``format: auto`` detects them per record):
 - ``alpaca``: ``{"instruction": ..., "input": ..., "output": ...}``
 - ``sharegpt``: ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}``
 - ``prompt_completion``: ``{"prompt": ..., "completion": ...}``
+- ``input_target``: ``{"input": ..., "target": ...}`` (sequence-to-sequence records)
+
+For an encoder-decoder model (T5) every format becomes an (input, target) pair (:func:`to_pair`), tokenized
+separately (:func:`tokenize_pair`): encoder ``input_ids`` and decoder ``labels``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class PreparedData:
     n_skipped: int
     n_no_target: int
     stats: dict = field(default_factory=dict)
+    seq2seq: bool = False  # encoder-decoder samples: input_ids (encoder) and labels (decoder) of their own lengths
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -69,8 +74,10 @@ def detect_format(record: dict) -> str:
         return "alpaca"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
+    if "input" in record and "target" in record:
+        return "input_target"
     raise ValueError(f"cannot tell the format from keys {sorted(record)}: expected messages, conversations, "
-                     "instruction/output or prompt/completion")
+                     "instruction/output, prompt/completion or input/target")
 
 
 def to_messages(record: dict, fmt: str) -> list[dict]:
@@ -105,6 +112,10 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
         if not isinstance(record.get("prompt"), str) or not isinstance(record.get("completion"), str):
             raise ValueError("'prompt' and 'completion' must be strings")
         out = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+    elif fmt == "input_target":
+        if not isinstance(record.get("input"), str) or not isinstance(record.get("target"), str):
+            raise ValueError("'input' and 'target' must be strings")
+        out = [{"role": "user", "content": record["input"]}, {"role": "assistant", "content": record["target"]}]
     else:
         raise ValueError(f"unknown format {fmt!r}")
     if out[-1]["role"] != "assistant" or not out[-1]["content"]:
@@ -426,6 +437,34 @@ def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, t
     return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
 
 
+def to_pair(messages: list[dict]) -> tuple[str, str]:
+    """An encoder-decoder sample from a conversation: (everything before the last assistant turn, that reply). A
+    single prompt turn is its content; several are written one per line as ``role: content``."""
+    before = messages[:-1]
+    if not before:
+        raise DataError("the record has a reply but no input before it (an encoder-decoder model needs both)")
+    if len(before) == 1:
+        return before[0]["content"], messages[-1]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in before), messages[-1]["content"]
+
+
+def tokenize_pair(messages: list[dict], tokenizer, max_seq_len: int, max_target_len: int | None = None) -> dict:
+    """Encoder ``input_ids`` and decoder ``labels`` of an encoder-decoder sample (:func:`to_pair`), each ending
+    with eos as T5's tokenizer writes them, truncated to ``max_seq_len`` / ``max_target_len`` tokens (eos kept)."""
+    source, target = to_pair(messages)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no eos token: an encoder-decoder target needs one to end on")
+
+    def ids(text: str, limit: int) -> tuple[list[int], int]:
+        raw = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return raw[: limit - 1] + [eos], len(raw) + 1
+
+    input_ids, n_in = ids(source, max_seq_len)
+    labels, n_out = ids(target, max_target_len or max_seq_len)
+    return {"input_ids": input_ids, "labels": labels, "full_length": max(n_in, n_out)}
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -458,9 +497,11 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
     return h.hexdigest()
 
 
-def content_hash(source: Path | str, data: DataSpec, tokenizer) -> str:
+def content_hash(source: Path | str, data: DataSpec, tokenizer, seq2seq: bool = False) -> str:
     h = hashlib.sha256(source_fingerprint(source, data).encode())
     h.update(data.model_dump_json(exclude={"path", "dataset"}).encode())
+    if seq2seq:
+        h.update(b"encoder-decoder")
     h.update(tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()[:16]
 
@@ -477,10 +518,11 @@ def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) 
 
 
 def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
-            records: tuple[list[list[dict]], int] | None = None) -> PreparedData:
+            records: tuple[list[list[dict]], int] | None = None, seq2seq: bool = False) -> PreparedData:
     """Tokenize and split the records at ``data_path`` (a local path, or a hub id with ``data.dataset``); reuse the
     cached result when content, settings and tokenizer match. ``records``: :func:`read_records` of the source
-    when the caller has read it already.
+    when the caller has read it already. ``seq2seq``: encoder-decoder samples (:func:`tokenize_pair`); the length
+    statistics are then of the longer side of each pair.
 
     With ``data.streaming`` the records are read, tokenized and written to the cache in one pass that holds no
     more than a writer batch; the validation split is then drawn per record from a seeded hash of its position
@@ -490,7 +532,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     from datasets import Dataset, Features, List, Value
     from datasets.exceptions import DatasetsError
 
-    key = content_hash(data_path, data, tokenizer)
+    key = content_hash(data_path, data, tokenizer, seq2seq)
     out = cache_dir / key
     if (out / "prepared.json").exists():
         log.info("data cache hit %s", out)
@@ -511,13 +553,14 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     def rows():
         for i, (where, messages) in enumerate(pairs):
             try:
-                r = tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt)
+                r = tokenize_pair(messages, tokenizer, data.max_seq_len, data.max_target_len) if seq2seq else \
+                    tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
             if all(label == IGNORE_INDEX for label in r["labels"]):
                 seen["no_target"] += 1
                 continue
-            lengths.append(len(r["input_ids"]))
+            lengths.append(max(len(r["input_ids"]), len(r["labels"])))
             full.append(r["full_length"])
             yield {"input_ids": r["input_ids"], "labels": r["labels"], "val": _in_val(i, data)}
 
@@ -535,6 +578,8 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
             raise e.__cause__ from None
         if lengths:
             raise
+    except DataError:  # a record the template or the pairing cannot use (a ValueError, but not datasets' "no data")
+        raise
     except ValueError:  # datasets' "no data" when the generator yielded nothing
         if lengths:
             raise
@@ -565,7 +610,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     train.save_to_disk(str(tmp / "train"))
     val.save_to_disk(str(tmp / "val"))
     prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val),
-                            n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats)
+                            n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats, seq2seq=seq2seq)
     (tmp / "prepared.json").write_text(prepared.to_json())
     del ds, train, val
     import shutil
@@ -598,7 +643,7 @@ def _in_val(i: int, data: DataSpec) -> bool:
 def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a pipeline: its data source and settings, its model's tokenizer, the shared cache.
     Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record)."""
-    from fitburst.models import cache_root, tokenizer_for
+    from fitburst.models import cache_root, is_encoder_decoder, tokenizer_for
 
     source, data = spec.data_source(), spec.data
     if data.streaming:
@@ -607,7 +652,7 @@ def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     else:
         records = read_records(source, data.format, data.skip_invalid, data)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(data, source, tok, cache_root() / "data", records=records)
+    return prepare(data, source, tok, cache_root() / "data", records=records, seq2seq=is_encoder_decoder(spec.model))
 
 
 def load_split(prepared: PreparedData, split: str):
@@ -617,7 +662,8 @@ def load_split(prepared: PreparedData, split: str):
 
 
 def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
-    """Pad a batch to its longest sample (right padding); labels padded with -100.
+    """Pad a batch to its longest sample (right padding); labels padded with -100 to the longest labels (the same
+    length for a causal LM; an encoder-decoder sample's labels are its target, of their own length).
 
     ``packed``: padding-free, transformers' ``DataCollatorWithFlattening``: the samples concatenated into one row
     with no attention mask and position ids restarting at each sample, from which the model's mask keeps attention
@@ -634,12 +680,12 @@ def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
         return flat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batch])
     n = max(len(b["input_ids"]) for b in batch)
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.long)
+    labels = torch.full((len(batch), max(len(b["labels"]) for b in batch)), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
     for i, b in enumerate(batch):
         k = len(b["input_ids"])
         ids[i, :k] = torch.tensor(b["input_ids"])
-        labels[i, :k] = torch.tensor(b["labels"])
+        labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
         mask[i, :k] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 

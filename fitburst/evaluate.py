@@ -47,6 +47,37 @@ def _decoder_and_head(model):
     return base.get_decoder(), base.get_output_embeddings(), base.config
 
 
+def seq2seq_eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str,
+                      max_batches: int | None = None, *, amp: Amp | None = None,
+                      chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, int]:
+    """:func:`eval_loss` for an encoder-decoder model: the model's own forward (encoder, then the decoder on the
+    right-shifted labels, then its head, with whatever output scaling the architecture applies) gives logits aligned
+    with the labels; the fp32 cross-entropy then runs on the labelled positions ``chunk_tokens`` at a time."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    autocast = amp.autocast if amp is not None else contextlib.nullcontext
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    model.eval()
+    with torch.no_grad():
+        for i, start in enumerate(range(0, len(rows), batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
+            with autocast():
+                logits = model(**batch, use_cache=False).logits
+            keep = batch["labels"] != IGNORE_INDEX
+            logits, labels = logits[keep], batch["labels"][keep]
+            for s in range(0, labels.numel(), chunk_tokens):
+                total += F.cross_entropy(logits[s:s + chunk_tokens].float(), labels[s:s + chunk_tokens],
+                                         reduction="sum")
+            count += int(labels.numel())
+            del logits
+    return (total.item() / count if count else float("nan")), count
+
+
 def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str, max_batches: int | None = None,
               *, amp: Amp | None = None, chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, int]:
     """Token-weighted mean cross-entropy over the labelled tokens of ``rows``; returns (loss, n_tokens).
@@ -106,6 +137,25 @@ def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, 
     return out
 
 
+def generate_seq2seq_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, device: str) -> list[dict]:
+    """:func:`generate_samples` for an encoder-decoder model: the encoder input is the prompt, the decoder writes
+    the completion from its start token."""
+    import torch
+
+    out = []
+    for row in rows[:n]:
+        prompt = torch.tensor([row["input_ids"]], device=device)
+        with torch.no_grad():
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        out.append({
+            "prompt": tok.decode(row["input_ids"], skip_special_tokens=True).strip(),
+            "reference": tok.decode([t for t in row["labels"] if t != IGNORE_INDEX], skip_special_tokens=True).strip(),
+            "completion": tok.decode(gen[0], skip_special_tokens=True).strip(),
+        })
+    return out
+
+
 def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path, *, device: str,
              precision: str) -> EvalResult:
     """Load the base model once, attach the saved adapter, and measure base vs tuned on the validation split, in
@@ -122,10 +172,13 @@ def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path
     amp = make_amp(precision, device, pure_bf16=spec.training.pure_bf16)
     tok = load_tokenizer(str(adapter_dir))
 
+    losses, generate = (seq2seq_eval_loss, generate_seq2seq_samples) if prepared.seq2seq else (
+        eval_loss, generate_samples)
+
     def measure(model) -> tuple[float, int, list[dict]]:
-        loss, n = eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches, amp=amp)
+        loss, n = losses(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches, amp=amp)
         with amp.autocast():
-            samples = generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
+            samples = generate(model, tok, rows, ev.samples, ev.max_new_tokens, device)
         return loss, n, samples
 
     base = load_pipeline_model(spec, device, precision)

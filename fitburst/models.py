@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 DEMO_MODEL = "fitburst/tiny-demo"
 MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)
-LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral"}  # name -> family of the locally built models
+T5_MODEL = "fitburst/tiny-t5"  # encoder-decoder: a tiny T5 (gated-gelu, as FLAN-T5) with a byte-level BPE vocabulary
+LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral", T5_MODEL: "t5"}  # name -> family of the local builds
 DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
 DEMO_VERSION = 1
 
@@ -59,7 +60,10 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        build_demo_model(tmp, pretrain=pretrain, family=family, **arch)
+        if family == "t5":
+            build_tiny_t5(tmp)
+        else:
+            build_demo_model(tmp, pretrain=pretrain, family=family, **arch)
         try:
             tmp.rename(dest)
         except OSError:  # someone else finished first
@@ -73,20 +77,11 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family:
     """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model (or, for
     ``family`` mixtral, a Mixtral with 4 experts of which 2 run per token)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
-    texts = []
-    for line in DEMO_DATA.read_text().splitlines():
-        rec = json.loads(line)
-        texts += [rec["instruction"], rec.get("input", ""), rec["output"], "user assistant system"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|pad|>")
+    texts = demo_texts()
+    tok = PreTrainedTokenizerFast(tokenizer_object=demo_bpe(texts, vocab_size, SPECIAL_TOKENS),
+                                  eos_token="<|im_end|>", pad_token="<|pad|>")
     tok.chat_template = CHATML_TEMPLATE
     tok.save_pretrained(dest)
 
@@ -100,6 +95,78 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family:
     if pretrain:
         _pretrain(model, tok, [t for t in texts if t])
     model.save_pretrained(dest)
+
+
+def demo_texts() -> list[str]:
+    """The demo data's sentences, the corpus the demo tokenizers are trained on."""
+    texts = []
+    for line in DEMO_DATA.read_text().splitlines():
+        rec = json.loads(line)
+        texts += [rec["instruction"], rec.get("input", ""), rec["output"], "user assistant system"]
+    return texts
+
+
+def demo_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE tokenizer (``tokenizers``) trained on ``texts``; ``special_tokens`` get the first ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    return bpe
+
+
+# The tiny T5: FLAN-T5's layout (gated-gelu feed-forward, untied head, relative attention bias) at demo size.
+T5_ARCH = dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+               feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=32,
+               relative_attention_max_distance=128, dropout_rate=0.0)
+T5_SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # T5's ids: pad 0 (also the decoder start), eos 1, unk 2
+
+
+def build_tiny_t5(dest: Path, vocab_size: int = 1024) -> None:
+    """Train a byte-level BPE tokenizer on the demo data (T5's pad/eos/unk, eos appended to every encoded text as
+    T5's tokenizer does) and save a randomly initialised T5ForConditionalGeneration beside it."""
+    import torch
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    bpe = demo_bpe(demo_texts(), vocab_size, T5_SPECIAL_TOKENS)
+    eos = T5_SPECIAL_TOKENS[1]
+    bpe.post_processor = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+                                                       special_tokens=[(eos, bpe.token_to_id(eos))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token=eos, unk_token="<unk>")
+    tok.save_pretrained(dest)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.pad_token_id, **T5_ARCH))
+    _pretrain_t5(model, tok, [t for t in demo_texts() if t])
+    model.save_pretrained(dest)
+
+
+def _pretrain_t5(model, tok, texts: list[str], steps: int = 150, batch: int = 16) -> None:
+    """A few seconds of copying the demo sentences (encoder input = decoder target), with no instruction format:
+    the base model knows the words and how to write them out, not the task the pipeline then teaches it."""
+    import torch
+
+    ids = [tok(t).input_ids[:48] for t in texts]  # eos appended by the tokenizer
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(ids), (batch,), generator=g).tolist()
+        n = max(len(ids[i]) for i in pick)
+        x = torch.full((batch, n), tok.pad_token_id)
+        for row, i in enumerate(pick):
+            x[row, : len(ids[i])] = torch.tensor(ids[i])
+        mask = (x != tok.pad_token_id).long()
+        model(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
 
 
 def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -> None:
@@ -165,21 +232,41 @@ def quantization_config(quant: str, double_quant: bool, compute_dtype):
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False):
-    """Load the causal LM once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast)."""
-    from transformers import AutoModelForCausalLM
+    """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
+    or for an encoder-decoder config (T5, FLAN-T5) the sequence-to-sequence LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
-    kwargs = dict(dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
+    kwargs = dict(config=config, dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
                   device_map={"": device})
     if attention != "auto":
         kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(attention, attention)
     qconf = quantization_config(quant, double_quant, dtype)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(name), **kwargs)
+    model = auto.from_pretrained(resolve_model_ref(name), **kwargs)
     if quant in ("nf4", "fp4") and device == "cpu":
         _disable_bnb_cpu_repack(model)
     return model
+
+
+def load_config(name: str, revision: str | None = None, token: str | None = None, trust_remote_code: bool = False):
+    """The model's transformers config (``config.json``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_ref(name), revision=revision, token=token,
+                                      trust_remote_code=trust_remote_code)
+
+
+def is_encoder_decoder(model) -> bool:
+    """Whether a pipeline's ``model`` section names an encoder-decoder model (T5 / FLAN-T5): the one switch between
+    causal and sequence-to-sequence data prep, training and eval."""
+    from fitburst.spec import resolve_env
+
+    return bool(load_config(model.name, model.revision, resolve_env(model.hf_token),
+                            model.trust_remote_code).is_encoder_decoder)
 
 
 def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None):

@@ -42,13 +42,15 @@ def merge(run: str, out: str | Path | None = None) -> Path:
     """Load the adapter's base model in its own dtype, fold the adapter in (peft ``merge_and_unload``) and save
     an ordinary model folder with the adapter's tokenizer. Returns the folder (default ``<run>/merged``)."""
     from peft import PeftConfig, PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from fitburst.models import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         adapter = find_adapter(run, Path(tmp))
         base_ref = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
         dest = Path(out) if out else (Path(run) / "merged" if Path(run).is_dir() else Path(f"merged-{run}"))
-        base = AutoModelForCausalLM.from_pretrained(base_ref, dtype="auto", device_map={"": "cpu"})
+        base = load_model(base_ref, dtype="auto", device="cpu")  # a causal or an encoder-decoder LM
         merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
         merged.save_pretrained(dest)
         AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(dest)

@@ -45,7 +45,8 @@ class ModelSpec(Strict):
         return v
 
 
-RECORD_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion")
+RECORD_FIELDS = ("messages", "conversations", "instruction", "input", "output", "prompt", "completion",
+                 "target")
 
 
 class DataSpec(Strict):
@@ -62,9 +63,11 @@ class DataSpec(Strict):
                             "large for memory)")
     columns: dict[str, str] = Field(default_factory=dict, description="record field <- column in the data, e.g. "
                                     "{instruction: prompt, output: answer}")
-    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion"] = "auto"
+    format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "input_target"] = "auto"
     template: Literal["auto", "chatml", "alpaca", "none"] = "auto"
     max_seq_len: int = Field(default=512, ge=8, le=1_048_576)
+    max_target_len: int | None = Field(default=None, ge=1, le=1_048_576, description="encoder-decoder models: "
+                                       "target tokens kept (eos included); default max_seq_len")
     val_split: float = Field(default=0.1, ge=0.0, lt=1.0)
     seed: int = 42
     skip_invalid: bool = False

@@ -95,8 +95,9 @@ def prepare_for_training(model, spec: PipelineSpec):
         from peft import LoraConfig, get_peft_model
 
         targets = method.target_modules
+        task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
         model = get_peft_model(model, LoraConfig(
-            r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type="CAUSAL_LM",
+            r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type=task,
             target_modules=targets if targets == "all-linear" else list(targets)))
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
@@ -228,10 +229,10 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
-def label_tokens(batch: dict):
-    """How many tokens a causal-LM loss counts in ``batch`` (labels shifted by one, -100 ignored); a tensor, so
-    counting never waits for the device."""
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+def label_tokens(batch: dict, shifted: bool = True):
+    """How many tokens the loss counts in ``batch`` (-100 ignored; a causal LM's labels are ``shifted`` by one, an
+    encoder-decoder's are the decoder's targets as they are); a tensor, so counting never waits for the device."""
+    return ((batch["labels"][:, 1:] if shifted else batch["labels"]) != IGNORE_INDEX).sum()
 
 
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
@@ -242,17 +243,25 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     transformers' ``num_items_in_batch``), so two micro-batches of 4 give the gradient of one batch of 8. With
     ``amp`` (:func:`fitburst.device.make_amp`) the forward runs under autocast, and fp16 goes through its GradScaler:
     a step whose gradients hold inf/nan is skipped and counted in ``amp.skipped_steps``. The model output is
-    dropped as soon as the loss is taken, so the logits do not live through backward."""
+    dropped as soon as the loss is taken, so the logits do not live through backward.
+
+    An encoder-decoder model (T5) takes no ``num_items_in_batch`` and returns its micro-batch's mean: that mean is
+    weighted by the micro-batch's share of the window's label tokens, which gives the same token-weighted loss."""
     import contextlib
 
     import torch
 
     scaler = amp.scaler if amp is not None else None
-    n_items = sum(label_tokens(mb) for mb in micro_batches).to(device).clamp(min=1)
+    seq2seq = bool(model.config.is_encoder_decoder)
+    n_items = sum(label_tokens(mb, not seq2seq) for mb in micro_batches).to(device).clamp(min=1)
     total = torch.zeros((), device=device)
     for mb in micro_batches:
         with amp.autocast() if amp is not None else contextlib.nullcontext():
-            loss = model(**{k: v.to(device) for k, v in mb.items()}, num_items_in_batch=n_items).loss
+            if seq2seq:
+                loss = model(**{k: v.to(device) for k, v in mb.items()}).loss * (
+                    label_tokens(mb, False).to(device) / n_items)
+            else:
+                loss = model(**{k: v.to(device) for k, v in mb.items()}, num_items_in_batch=n_items).loss
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     if scaler is not None:
@@ -284,6 +293,9 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tr = spec.training
+    if tr.packing and prepared.seq2seq:
+        raise TrainError(f"pipeline '{spec.name}': packed batches are for decoder-only models; an encoder-decoder "
+                         "model's input and target are separate sequences: set training.packing: false")
     device = device or select_device(spec.preflight.device)
     precision = resolve_precision(tr.precision, device)
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
@@ -316,7 +328,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
             micro = [next(stream) for _ in range(tr.grad_accum)]
-            n_labels = int(sum(label_tokens(b) for b in micro))
+            n_labels = int(sum(label_tokens(b, not prepared.seq2seq) for b in micro))
             loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
                                   amp=amp)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule

@@ -454,6 +454,119 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     return sv, rg_h1 or rg_m
 
 
+def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool]:
+    """Saved-for-backward tensors of one T5 block: self-attention (and, in the decoder, cross-attention on the
+    encoder's output), then the feed-forward, each behind a T5LayerNorm and closed by a residual dropout. The
+    model's dropout (``shape.dropout``) keeps a mask wherever a gradient flows through it (CUDA: bool; elsewhere
+    noise in the tensor's dtype). The residual stream and the norms are in the weights' dtype: fp32 with master
+    weights, where each linear then keeps its own 16-bit autocast copy of its input."""
+    sv: dict[str, int] = {}
+    rg = rg_in
+    subs = [("sa", _t5_attention)] + ([("ca", _t5_attention)] if decoder else []) + [("ff", _t5_feed_forward)]
+    for k, (name, fn) in enumerate(subs):
+        sub: dict[str, int] = {}
+        rg_n = _t5_norm(sub, shape, c, rg)
+        rg_out = fn(sub, shape, c, rg_n, cross=name == "ca")
+        if rg_out and shape.dropout:
+            sub["res.drop"] = _t5_drop_bytes(c, c.a) * c.T * shape.hidden
+        rg = rg or rg_out
+        # the block input is "x"; each later sublayer's input is a new residual sum
+        sv.update({(key if key == "x" and k == 0 else f"{name}.{key}"): v for key, v in sub.items()})
+    if c.master:  # autocast's 16-bit copies of this block's weights, kept for backward (as in _layer)
+        sv["w16"] = c.a * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(decoder))
+    return sv, rg
+
+
+def _t5_res(c: _Ctx) -> int:
+    """Bytes per element of T5's residual stream and norm outputs (its weights' dtype)."""
+    return 4 if c.master else c.a
+
+
+def _t5_drop_bytes(c: _Ctx, of: int) -> int:
+    return 1 if c.mask_b == 1 else of  # CUDA: bool mask; CPU / MPS: noise in the input's dtype (``of`` bytes)
+
+
+def _t5_norm(sv: dict, shape: ModelShape, c: _Ctx, rg_in: bool) -> bool:
+    """T5LayerNorm: x.to(fp32).pow(2).mean, x * rsqrt(...) (keeps x, its fp32 copy and rsqrt), then weight * that
+    (keeps it when the weight trains)."""
+    T, r, h = c.T, _t5_res(c), shape.hidden
+    if rg_in:
+        sv["x"] = r * T * h
+        if r != 4:
+            sv["x.f32"] = 4 * T * h
+        sv["ln.rsqrt"] = 4 * T
+    if c.full:
+        sv["ln.normed"] = r * T * h
+    return rg_in or c.full
+
+
+def _t5_linear(sv: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _Ctx, in_bytes: int) -> bool:
+    """A T5 linear under autocast on an input of ``in_bytes`` per element: a trained weight keeps its input (its own
+    16-bit copy when the input is fp32 under 16-bit autocast); a LoRA adapter (no dropout) keeps the input as it is
+    in the activation dtype, plus lora_A's output."""
+    T, a = c.T, c.a
+    if c.full:
+        if in_bytes != a:
+            sv[f"{name}.in16"] = a * T * fan_in
+        else:
+            sv[in_key] = a * T * fan_in
+        return True
+    if name in c.targets and not c.drop:
+        sv[in_key] = a * T * fan_in
+        sv[f"{name}.loraA"] = a * T * c.rank
+        return True
+    return _linear(sv, name, in_key, fan_in, rg_in, c)
+
+
+def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+    """T5 attention (scores + position bias as a float mask); cross-attention takes k and v from the encoder's
+    output (which needs grad: the encoder trains). Outside CUDA, SDPA with dropout takes its math path, which
+    upcasts 16-bit inputs to fp32: q, k, v, the probabilities, the dropout noise and the dropped probabilities are
+    kept in fp32. On CUDA the memory-efficient kernel keeps q, k, v, its output and the log-sum-exp."""
+    T, a, h, qd, r = c.T, c.a, shape.hidden, shape.q_dim, _t5_res(c)
+    kv_in, rg_kv_in = ("enc", True) if cross else ("n1", rg_n)
+    rg_q = _t5_linear(sv, "q", "n1", h, rg_n, c, r)
+    rg_k = _t5_linear(sv, "k", kv_in, h, rg_kv_in, c, r)
+    rg_v = _t5_linear(sv, "v", kv_in, h, rg_kv_in, c, r)
+    rg_att = rg_q or rg_k or rg_v
+    if rg_att:
+        sq = c.b * shape.heads * c.S * c.S
+        if c.attention == "flash" and (c.mask_b == 1 or not shape.dropout):  # efficient / flash kernel
+            sv.update({"att.q": a * T * qd, "att.k": a * T * qd, "att.v": a * T * qd, "att.out": a * T * qd,
+                       "att.lse": 4 * c.b * shape.heads * c.S})
+        else:
+            ab = 4 if c.mask_b != 1 else a
+            sv.update({"att.q": ab * T * qd, "att.k": ab * T * qd, "att.v": ab * T * qd, "att.probs": ab * sq})
+            if shape.dropout:
+                sv["att.drop"] = _t5_drop_bytes(c, ab) * sq
+                sv["att.dropped"] = ab * sq
+    return _t5_linear(sv, "o", "ctx", qd, rg_att, c, a)
+
+
+def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+    """T5's DenseReluDense: gated (gelu_new(wi_0 x) * wi_1 x, as FLAN-T5) or plain (relu(wi x)), dropout, wo (kept
+    in fp32 by transformers: its input goes to fp32 and autocast makes a 16-bit copy of that)."""
+    T, a, i, r = c.T, c.a, shape.intermediate, _t5_res(c)
+    mlp = shape.mlp_linears()
+    if shape.mlp == "gated":
+        rg_g = _t5_linear(sv, mlp[0].name, "n2", shape.hidden, rg_n, c, r)
+        rg_u = _t5_linear(sv, mlp[1].name, "n2", shape.hidden, rg_n, c, r)
+        if rg_g:  # gelu_new's python formula keeps its input, tanh, 0.5x and 1 + tanh
+            sv.update({"gate": a * T * i, "gelu.tanh": a * T * i, "gelu.half": a * T * i, "gelu.1pt": a * T * i})
+        if rg_u:
+            sv["act"] = a * T * i
+        if rg_g:
+            sv["up"] = a * T * i
+        rg_p = rg_g or rg_u
+    else:
+        rg_p = _t5_linear(sv, mlp[0].name, "n2", shape.hidden, rg_n, c, r)
+        if rg_p:
+            sv["relu"] = a * T * i
+    if rg_p and shape.dropout:
+        sv["p.drop"] = _t5_drop_bytes(c, a) * T * i
+    return _t5_linear(sv, mlp[-1].name, "pd", i, rg_p, c, a)
+
+
 def _moe(sv: dict, shape: ModelShape, c: _Ctx, in_key: str, rg_in: bool) -> bool:
     """Saved tensors of a routed MoE block: each token's state runs through ``experts_per_tok`` experts
     (k*T rows in all, one expert at a time), plus the router's fp32 probabilities and any shared expert."""
@@ -561,8 +674,10 @@ def estimate(
     V, h = shape.vocab, shape.hidden
     notes: list[str] = []
 
-    # weights, trainable params, grads, optimizer
+    # weights, trainable params, grads, optimizer (fp32 master weights under autocast: weight_bytes)
     w = weight_bytes(shape, s)
+    if shape.model_type == "t5" and d != 4 and not s.master_weights and not s.kbit:  # transformers keeps wo in fp32
+        w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
     if full:
         tensors = _full_tensors(shape)
         pbytes = 4 if s.master_weights else d  # fp32 master weights: fp32 gradients and optimizer state
@@ -585,9 +700,10 @@ def estimate(
     per_layer: list[int] = []
     per_layer_full: list[dict] = []
     rg = rg0
+    layer = _t5_layer if shape.model_type == "t5" else _layer
     for count, dec in shape.blocks():
         for _ in range(count):
-            sv, rg_out = _layer(shape, c, rg, dec)
+            sv, rg_out = layer(shape, c, rg, dec)
             per_layer.append(sum(sv.values()))
             per_layer_full.append(sv)
             rg = rg_out
@@ -604,6 +720,10 @@ def estimate(
         mask_bytes = a * c.b * c.S * c.S  # eager always gets an additive float mask
     rope = 2 * a * T * shape.head_dim
     shared = rope + mask_bytes + 16 * T  # cos/sin, mask, ids/labels
+    if shape.model_type == "t5" and (ckpt or c.mask_b == 1):
+        # T5's position-bias masks (encoder self, decoder self and cross: b x heads x S x S in the weights' dtype)
+        # are inputs every checkpointed block keeps; on CUDA each attention kernel saves its bias too
+        shared += 3 * c.b * shape.heads * c.S * c.S * (4 if s.master_weights or s.dtype == "fp32" else d)
     logits = a_lm * T * V
     L = len(per_layer)
     if ckpt:

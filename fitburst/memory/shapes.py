@@ -79,6 +79,7 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # qwen2_moe's always-on shared expert (0: none), gated by a (h -> 1) linear
     encoder_layers: int = 0  # encoder-decoder (T5): encoder depth; ``layers`` is then the decoder depth
+    dropout: float = 0.0  # the model's own dropout in training (T5: dropout_rate, 0.1 as shipped): masks are saved
     extra_params: int = 0  # vision tower, relative position tables, ... (weights only, no text activations)
     extra_note: str = ""
     max_position: int | None = None
@@ -275,6 +276,7 @@ class ModelShape:
                 norm_style="t5",
                 norms_per_layer=2,
                 encoder_layers=int(g("num_layers")),
+                dropout=float(g("dropout_rate", default=0.1)),
                 extra_params=2 * buckets * heads,
                 max_position=None,
                 config_dtype=g("torch_dtype", "dtype"),

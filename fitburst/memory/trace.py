@@ -244,7 +244,7 @@ def spec_with(spec, s: TrainSettings):
 
 def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from fitburst.device import torch_dtype, weight_dtype
 
@@ -258,10 +258,16 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         raise TraceUnsupported(f"transformers cannot build model_type {mtype!r} ({e}): update transformers, "
                                "or set model.trust_remote_code for a custom architecture") from None
     impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM  # as models.load_model
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+        model = auto.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
                                                  attn_implementation=impl,
                                                  trust_remote_code=trust_remote_code)
+    if config.is_encoder_decoder and cfg.get("tie_word_embeddings") is False:
+        # transformers 5 builds T5 with its head tied to the embeddings, but T5 v1.1 / FLAN-T5 checkpoints (config
+        # tie_word_embeddings false) hold a separate lm_head, which loading keeps untied: trace that model
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(torch.empty_like(head.weight, device="meta"))
     if s.kbit:  # bitsandbytes 4-bit layers in place of the linears, as from_pretrained's quantizer puts them
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
@@ -450,7 +456,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
 
 
 def _batch(b: int, s: int, padded: bool) -> dict:
-    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest)."""
+    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest); for an
+    encoder-decoder model the encoder input and the decoder's labels, both ``s`` long."""
     import torch
 
     ids = torch.zeros((b, s), dtype=torch.long)

@@ -11,14 +11,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from fitburst.spec import PipelineSpec
 
 DEMO_MODEL = "fitburst/tiny-demo"
 MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)
-LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral"}  # name -> family of the locally built models
+VL_MODEL = "fitburst/tiny-vl"  # a tiny Qwen2-VL with a small vision tower (fitburst.vision)
+LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral", VL_MODEL: "qwen2_vl"}  # name -> family of the local models
 DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
 DEMO_VERSION = 1
 
@@ -126,6 +127,10 @@ def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -
 
 def resolve_model_ref(name: str) -> str:
     """A path or hub id that ``from_pretrained`` accepts; builds the demo model when asked for it."""
+    from fitburst.vision import tiny_vl_dir
+
+    if name == VL_MODEL:
+        return str(tiny_vl_dir())
     if name in LOCAL_MODELS:
         return str(demo_model_dir(family=LOCAL_MODELS[name]))
     return name
@@ -141,6 +146,19 @@ def load_tokenizer(name: str, revision: str | None = None, token: str | None = N
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def model_family(model) -> Literal["causal", "vision_language"]:
+    """The family of a pipeline's ``model`` section, from its config.json: a vision-language model
+    (:mod:`fitburst.vision`) or a causal LM. Data prep, training and eval part on this."""
+    from transformers import AutoConfig
+
+    from fitburst.spec import resolve_env
+    from fitburst.vision import is_vision_language
+
+    config = AutoConfig.from_pretrained(resolve_model_ref(model.name), revision=model.revision,
+                                        token=resolve_env(model.hf_token), trust_remote_code=model.trust_remote_code)
+    return "vision_language" if is_vision_language(config) else "causal"
 
 
 def tokenizer_for(model):
@@ -165,8 +183,11 @@ def quantization_config(quant: str, double_quant: bool, compute_dtype):
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False):
-    """Load the causal LM once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast)."""
-    from transformers import AutoModelForCausalLM
+    """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
+    or a vision-language model (:mod:`fitburst.vision`) with its image-text-to-text class."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from fitburst.vision import is_vision_language
 
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
     kwargs = dict(dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
@@ -176,7 +197,10 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
     qconf = quantization_config(quant, double_quant, dtype)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_ref(name), **kwargs)
+    ref = resolve_model_ref(name)
+    config = AutoConfig.from_pretrained(ref, revision=revision, token=token, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    model = auto.from_pretrained(ref, config=config, **kwargs)
     if quant in ("nf4", "fp4") and device == "cpu":
         _disable_bnb_cpu_repack(model)
     return model

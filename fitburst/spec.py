@@ -69,6 +69,10 @@ class DataSpec(Strict):
     seed: int = 42
     skip_invalid: bool = False
     train_on_prompt: bool = False
+    image_max_pixels: int | None = Field(default=None, ge=28 * 28, le=16384 * 28 * 28, description="vision-language "
+                                         "models: no image has more pixels than this (resized keeping its aspect); "
+                                         "image tokens per image follow from it (Qwen2-VL: pixels / 28**2). None: "
+                                         "the model's image processor's own limit")
 
     @field_validator("columns")
     @classmethod
@@ -103,6 +107,9 @@ class MethodSpec(Strict):
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )
     double_quant: bool = True
+    vision: Literal["frozen", "projector", "tower"] = Field(
+        default="frozen", description="vision-language models: the vision tower stays frozen, or its projector "
+        "(the merger) trains too, or all of it (LoRA on those layers, or full weights with type: full)")
 
     @model_validator(mode="after")
     def _quant_matches_type(self) -> MethodSpec:

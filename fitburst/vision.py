@@ -17,7 +17,7 @@ from typing import Literal
 
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # model types whose image side is Qwen2-VL's processor
 VL_DATA = Path(__file__).parent / "demo" / "vl" / "shapes.jsonl"
-VL_VERSION = 1
+VL_VERSION = 2
 IMAGE_TOKEN = "<|image_pad|>"
 VL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                      IMAGE_TOKEN, "<|video_pad|>"]
@@ -105,14 +105,17 @@ def tiny_vl_dir() -> Path:
 
 
 def build_tiny_vl(dest: Path, vocab_size: int = 400) -> None:
-    """Save a randomly initialised Qwen2-VL (2 text layers of width 64, a 2-block vision tower on 14-pixel
-    patches), a byte-level BPE tokenizer trained on the demo set with Qwen's pre-tokenizer and special tokens and
-    the Qwen2-VL chat template, and the Qwen2-VL image processor: a model folder ``from_pretrained`` reads."""
+    """Save a Qwen2-VL (2 text layers of width 64, a 2-block vision tower on 14-pixel patches) pretrained for a few
+    seconds on the demo set's sentences alone, a byte-level BPE tokenizer trained on them with Qwen's pre-tokenizer,
+    special tokens and the Qwen2-VL chat template, and the Qwen2-VL image processor: a model folder
+    ``from_pretrained`` reads."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from fitburst.models import _pretrain
 
     texts = ["user assistant system"]
     for line in VL_DATA.read_text().splitlines():
@@ -148,7 +151,9 @@ def build_tiny_vl(dest: Path, vocab_size: int = 400) -> None:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True)
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(dest)
+    model = Qwen2VLForConditionalGeneration(config)
+    _pretrain(model, tok, texts)  # the words, with no images and no chat format: what LoRA then teaches
+    model.save_pretrained(dest)
 
 
 # --- the family ------------------------------------------------------------------------------------------

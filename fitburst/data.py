@@ -689,6 +689,21 @@ def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[l
     return out, skipped
 
 
+def images_per_record(spec) -> int:
+    """The most image parts one record of the pipeline's data holds (a pass over the records that opens no image;
+    1 for data that is not a local file or folder). What the preflight plans the vision tower for."""
+    source = spec.data_source()
+    if not isinstance(source, Path) or not source.exists():
+        return 1
+    most = 0
+    for _, rec in _raw_records(source, spec.data):
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if isinstance(msgs, list):
+            most = max(most, sum(1 for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)
+                                 for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"))
+    return most
+
+
 def tokenize_images(messages: list[dict], images: list, tokenizer, processor, data: DataSpec) -> dict:
     """Token ids, labels and pixels of one image + conversation record.
 

@@ -163,6 +163,12 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
         else s.attention})
     update = {"method": method, "training": training}
+    if s.images and spec.data.image_max_pixels is not None:  # the resolution rung (memory.planner)
+        from fitburst.memory.estimator import QWEN2_VL_PIXELS_PER_TOKEN
+
+        px = min(spec.data.image_max_pixels, s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN)
+        if px != spec.data.image_max_pixels:
+            update["data"] = spec.data.model_copy(update={"image_max_pixels": px})
     if s.eval_batch:
         update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})
     return spec.model_copy(update=update)

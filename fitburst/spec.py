@@ -172,6 +172,7 @@ class AllowSpec(Strict):
     attention: bool = True
     dropout: bool = True
     packing: bool = True
+    resolution: bool = True  # vision-language: lower data.image_max_pixels (fewer image tokens)
 
 
 class PreflightSpec(Strict):

@@ -173,6 +173,7 @@ class AllowSpec(Strict):
     dropout: bool = True
     packing: bool = True
     resolution: bool = True  # vision-language: lower data.image_max_pixels (fewer image tokens)
+    precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
 
 
 class PreflightSpec(Strict):

@@ -32,6 +32,7 @@ _COST = {
     "quantize": 1.4,  # dequantize per matmul
     "reduce_batch": 1.12,  # per halving: smaller matmuls, more python overhead
     "resolution": 1.5,  # faster, but the model sees less: after the changes that cost only time
+    "precision": 1.5,  # faster, but the numerics the pipeline asked for (fp32) change: likewise
 }
 _EVAL_HALVING = 1.001  # a smaller eval batch: the eval is a small part of the run's time
 _MAX_EXACT_CHECKS = 4  # plans the exact estimate may reject before the planner gives up on this device
@@ -109,6 +110,10 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
     if allow["quantize"] and device.supports_bnb and s.method == "lora" and s.quant == "none":
         out.append(("quantize", lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
                     "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"))
+    if allow["precision"] and s.dtype == "fp32" and device.supports_bf16:
+        out.append(("precision", lambda x: replace(x, dtype="bf16"),
+                    "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
+                    "trains stay fp32)"))
     if allow["resolution"] and s.images and s.image_tokens >= 4:
         out.append(("resolution", _lower_resolution,
                     f"image resolution halved per side: {s.image_tokens} -> {s.image_tokens // 4} language tokens "

@@ -140,3 +140,87 @@ def test_tiny_vl_trains_through_the_dag(vl_run):
     m = run.data.metrics
     assert m["memory.estimated_peak_bytes"] > 0 and m["memory.measured_peak_bytes"] > 0
     assert m["eval.tuned_loss"] < m["eval.base_loss"] - 1.0
+
+
+@pytest.mark.parametrize(("method", "vision"), [("lora", "frozen"), ("lora", "projector"), ("lora", "tower"),
+                                                ("full", "frozen"), ("full", "projector")])
+def test_estimate_counts_what_trains(vl_spec, method, vision):
+    """The estimator's trainable parameters (LoRA on the vision side as method.vision asks; a full fine-tune's
+    frozen tower left out) equal what build_model really trains; the base count equals the loaded model's."""
+    from fitburst.memory import estimate, resolve_device, settings_from_spec
+    from fitburst.preflight import spec_shape
+    from fitburst.train import build_model
+
+    spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
+    model, _ = build_model(spec, "cpu", "fp32")
+    s = settings_from_spec(spec, resolve_device("cpu"), 40)
+    assert (s.images, s.image_tokens, s.vision) == (1, 16, vision)
+    e = estimate(spec_shape(spec), s, resolve_device("cpu"))
+    assert e.params["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert e.params["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_vision_terms_follow_images_and_what_trains(vl_spec):
+    """Frozen, the tower adds a forward transient and keeps nothing; trained, it keeps activations that grow with
+    the patches; more or larger images lengthen the language sequence and raise the peak."""
+    from dataclasses import replace
+
+    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory.estimator import vision_activations
+
+    shape = load_shape("qwen2-vl-7b")
+    dev = resolve_device("cuda:80GiB")
+    s = TrainSettings(method="lora", targets="all-linear", dtype="bf16", batch=1, seq_len=1400, images=1,
+                      image_tokens=1280)
+    kept, fwd = vision_activations(shape, s, 2, "flash", 1)
+    assert kept == 0 and fwd > 0
+    tower, _ = vision_activations(shape, replace(s, vision="tower"), 2, "flash", 1)
+    double, _ = vision_activations(shape, replace(s, vision="tower", images=2), 2, "flash", 1)
+    assert tower > 0 and double == 2 * tower
+    assert estimate(shape, replace(s, vision="tower"), dev).allocated_peak_bytes > estimate(
+        shape, s, dev).allocated_peak_bytes
+    assert "vision" in estimate(shape, s, dev).phases
+
+
+def test_seed_qwen2_vl_7b_fp32_on_m2_max(pipelines_file):
+    """The seed: Qwen2-VL-7B LoRA in fp32 with 1280-token images does not fit an M2 Max's 42.43 GiB MPS budget; the
+    planner proposes a plan that does, with no bitsandbytes (none on MPS)."""
+    from fitburst.memory import estimate, resolve_device, settings_from_spec
+    from fitburst.preflight import preflight, spec_shape
+
+    spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora")
+    dev = resolve_device(spec.preflight.device)
+    s = settings_from_spec(spec, dev, spec.data.max_seq_len)
+    assert not estimate(spec_shape(spec), s, dev, 0.03).fits
+    report = preflight(spec, spec.data.max_seq_len)
+    assert report.verdict.placement == "local" and report.plan.fits
+    assert report.plan.settings.quant == "none" and report.changes
+    assert report.plan.needed_bytes <= report.plan.limit_bytes
+
+
+def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
+    """When only fewer image tokens make it fit, the plan quarters data.image_max_pixels; the images prepared at
+    the planned resolution are 4 tokens each and every sample is exactly as much shorter as the plan assumed."""
+    from dataclasses import replace
+
+    from fitburst.memory import estimate, plan_fit, resolve_device, settings_from_spec
+    from fitburst.memory.planner import Budget
+    from fitburst.preflight import apply_settings, spec_shape
+
+    full = prepare_pipeline(vl_spec)
+    seq = full.stats["max"]
+    shape = spec_shape(vl_spec)
+    s = replace(settings_from_spec(vl_spec, resolve_device("cpu"), seq), batch=64, eval_batch=0)
+    cpu = resolve_device("cpu:64GiB")
+    need = Budget(cpu).needed  # the estimate's upper band edge, what a plan must keep within the limit
+    low = need(estimate(shape, replace(s, image_tokens=4, seq_len=seq - 12), cpu))
+    high = need(estimate(shape, s, cpu))
+    assert low < high
+    dev = replace(cpu, budget_bytes=int((low + high) / 2 / (1 - 0.03)))  # between the two, less the headroom
+    allow = {k: False for k in ("gradient_checkpointing", "reduce_batch", "dropout", "optimizer_8bit", "precision")}
+    plan = plan_fit(shape, s, dev, allow=allow)
+    assert plan.fits and plan.settings.image_tokens == 4 and any("image resolution" in c for c in plan.changes)
+    planned = apply_settings(vl_spec, plan.settings)
+    assert planned.data.image_max_pixels == 56 * 56
+    lowered = prepare_pipeline(planned)
+    assert lowered.stats["image_tokens_max"] == 4 and lowered.stats["max"] == plan.settings.seq_len

@@ -246,7 +246,9 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         raise TraceUnsupported(f"transformers cannot build model_type {mtype!r} ({e}): update transformers, "
                                "or set model.trust_remote_code for a custom architecture") from None
     if mtype in ("qwen2_vl", "qwen2_5_vl"):  # fitburst.vision.VL_TYPES (this module imports no training code)
-        raise TraceUnsupported(f"the traced estimate does not cover vision-language models ({mtype}) yet")
+        raise TraceUnsupported(f"the traced estimate does not cover vision-language models ({mtype}) yet: their "
+                               "vision tower and 3-D positions read the image grid's values, which fake tensors "
+                               "do not hold")
     impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),

@@ -123,9 +123,9 @@ def main() -> int:
             what += f" vision {c['vision']}" if c.get("vision") else ""
             name = f"{c['arch']}: {settings_of(c).describe()}{what}"
             rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False)))
-    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7}")
+    print(f"{'case':<88} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7}")
     for name, meas, est, held in rows:
-        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%}"
+        print(f"{name:<88} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%}"
               + ("  (held out)" if held else ""))
     ok = True
     for part, sel in (("all", rows), ("held out", [r for r in rows if r[3]])):

@@ -565,6 +565,9 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
     if kind == "mps" and spec.method.quant != "none":
         out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
                                          "use method.type: lora with quant: none on MPS, or a CUDA device"))
+    if spec.data.image_max_pixels is not None and spec.training.packing:
+        out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
+                                             "pipeline with data.image_max_pixels (a vision-language one)"))
     out += [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
     return out
 

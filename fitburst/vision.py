@@ -185,17 +185,6 @@ def image_token_counts(processor, grid_thw) -> list[int]:
     return [int(g[0] * g[1] * g[2]) // processor.merge_size ** 2 for g in grid_thw]
 
 
-def tokens_per_image(processor, height: int, width: int, max_pixels: int | None) -> int:
-    """Image tokens of one ``height`` x ``width`` image at the resolution limit (the processor's resize rule)."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-    factor = processor.patch_size * processor.merge_size
-    lo = processor.size.shortest_edge
-    hi = max_pixels if max_pixels is not None else processor.size.longest_edge
-    h, w = smart_resize(height, width, factor=factor, min_pixels=min(lo, hi), max_pixels=hi)
-    return (h // processor.patch_size) * (w // processor.patch_size) // processor.merge_size ** 2
-
-
 def expand_image_tokens(text: str, counts: list[int]) -> tuple[str, int]:
     """``text`` with its k-th ``<|image_pad|>`` repeated counts[k] times (Qwen2VLProcessor's rule); returns the text
     and how many images it used."""

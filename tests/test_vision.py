@@ -224,3 +224,24 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     assert planned.data.image_max_pixels == 56 * 56
     lowered = prepare_pipeline(planned)
     assert lowered.stats["image_tokens_max"] == 4 and lowered.stats["max"] == plan.settings.seq_len
+
+
+def test_vision_settings_are_validated_with_their_line(tmp_path, pipelines_file):
+    """A resolution below one image token and packing with images are each refused at their line in the file."""
+    import yaml
+
+    from fitburst.spec import SpecError
+
+    doc = yaml.safe_load(pipelines_file.read_text())
+    body = doc["pipelines"]["vl-demo"]
+    body["data"] = dict(body["data"], path=str(pipelines_file.parent / body["data"]["path"]), image_max_pixels=100)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"pipelines": {"vl": body}}))
+    with pytest.raises(SpecError, match=r"line \d+: field 'data.image_max_pixels' \(got 100\): Input should be "
+                                        r"greater than or equal to 784"):
+        load_pipeline(tmp_path / "p.yaml", "vl")
+    body["data"]["image_max_pixels"] = 3136
+    body["training"] = dict(body["training"], packing=True)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({"pipelines": {"vl": body}}))
+    with pytest.raises(SpecError, match=r"line \d+: field 'training.packing' \(got True\): packed batches carry no "
+                                        "images"):
+        load_pipeline(tmp_path / "p.yaml", "vl")

@@ -188,7 +188,7 @@ def test_seed_qwen2_vl_7b_fp32_on_m2_max(pipelines_file):
     from fitburst.memory import estimate, resolve_device, settings_from_spec
     from fitburst.preflight import preflight, spec_shape
 
-    spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora")
+    spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora", {"preflight.exact": False})  # the trace: minutes at 7B
     dev = resolve_device(spec.preflight.device)
     s = settings_from_spec(spec, dev, spec.data.max_seq_len)
     assert not estimate(spec_shape(spec), s, dev, 0.03).fits
@@ -245,3 +245,38 @@ def test_vision_settings_are_validated_with_their_line(tmp_path, pipelines_file)
     with pytest.raises(SpecError, match=r"line \d+: field 'training.packing' \(got True\): packed batches carry no "
                                         "images"):
         load_pipeline(tmp_path / "p.yaml", "vl")
+
+
+def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
+    """The trace runs the real step of the tiny Qwen2-VL on fake tensors, images included (the ids and image grids
+    real, so the model places the images as it would): its peak equals the live tensor bytes measured through the
+    project's own step on the same shapes."""
+    from dataclasses import replace
+
+    import torch
+
+    from fitburst.data import collate
+    from fitburst.memory import resolve_device, settings_from_spec
+    from fitburst.memory.trace import traced_estimate
+    from fitburst.preflight import model_ref
+    from fitburst.probe import TensorTracker
+    from fitburst.train import build_model, make_optimizer, optimizer_step
+
+    spec = vl_spec.model_copy(update={"training": vl_spec.training.model_copy(update={"micro_batch_size": 4})})
+    rows = [r for r in load_split(prepare_pipeline(spec), "train").to_list() if len(r["input_ids"]) == 40][:4]
+    torch.manual_seed(0)
+    model, tok = build_model(spec, "cpu", "fp32")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer("adamw", params, 1e-3, 0.0)
+    batch = collate(rows, tok.pad_token_id)
+    tracker = TensorTracker()
+    tracker.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
+    with tracker:
+        for _ in range(2):
+            optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0)
+    dev = resolve_device("cpu:64GiB")
+    s = replace(settings_from_spec(spec, dev, 40), padded=False)  # four samples of 40 tokens: no padding
+    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
+    traced = traced_estimate(local, s, dev, seq_len=40)
+    assert traced.method == "traced"
+    assert traced.allocated_peak_bytes == pytest.approx(tracker.peak, rel=0.002)

@@ -185,7 +185,8 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
 
     cache: dict = {}
     local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
-    return lambda s, d: traced_estimate(local, s, d, seq_len=seq_len, cache=cache)
+    # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
+    return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
 
 
 @dataclass

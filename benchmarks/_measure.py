@@ -72,7 +72,9 @@ def build(arch: str, root: str) -> str:
     """A random model folder (config, weights, a minimal tokenizer) that fitburst.train.build_model loads."""
     import torch
     from tokenizers import Tokenizer, models
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from fitburst.models import auto_model_class
 
     path = os.path.join(root, arch)
     if os.path.exists(os.path.join(path, "tokenizer_config.json")):
@@ -80,7 +82,7 @@ def build(arch: str, root: str) -> str:
     kw = dict(ARCHS[arch])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
-    (AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM).from_config(cfg).save_pretrained(path)
+    auto_model_class(cfg).from_config(cfg).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
     return path
@@ -91,7 +93,8 @@ def spec_of(cfg: dict, path: str):
     from fitburst.spec import PipelineSpec
 
     method = dict(type=cfg["method"], rank=cfg.get("rank", 8), alpha=cfg.get("alpha", 16),
-                  dropout=cfg.get("dropout", 0.0), target_modules=cfg.get("targets", ["q_proj", "v_proj"]))
+                  dropout=cfg.get("dropout", 0.0), target_modules=cfg.get("targets", ["q_proj", "v_proj"]),
+                  vision=cfg.get("vision", "frozen"))
     if cfg["method"] != "full":
         method.update(quant=cfg.get("quant", "none"), double_quant=cfg.get("double_quant", True))
     if method.get("quant", "none") != "none":
@@ -134,6 +137,8 @@ def run(cfg: dict) -> dict:
         n = s if i == 0 else s - max(1, s // 8)
         ids = torch.randint(3, V, (n,), generator=g).tolist()
         rows.append({"input_ids": ids, "labels": ids})
+    if cfg.get("images"):  # each sample opens with its images' tokens, the batch carries their patches
+        rows = [_with_images(model.config, r, cfg["images"], cfg["image_tokens"], g) for r in rows]
     batch = collate(rows, tok.pad_token_id)
     tr_ = Tracker()
     tr_.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
@@ -145,6 +150,22 @@ def run(cfg: dict) -> dict:
             losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
                                          max_grad_norm=tr.max_grad_norm, amp=amp))
     return {"peak": tr_.peak, "base": base, "losses": losses}
+
+
+def _with_images(config, row: dict, images: int, tokens: int, g) -> dict:
+    """``row`` with ``images`` images of ``tokens`` language tokens each (a 2 x 2*tokens grid of merged patches
+    per image) at its start, and their random pixel values."""
+    import torch
+
+    v = config.vision_config
+    one = [config.image_token_id] * tokens + [config.vision_end_token_id]  # a text token closes each image
+    n = images * len(one)
+    ids = one * images + row["input_ids"][n:]
+    grid = [[1, v.spatial_merge_size, v.spatial_merge_size * tokens]] * images
+    patches = images * tokens * v.spatial_merge_size ** 2
+    pixels = torch.randn((patches, 3 * v.temporal_patch_size * v.patch_size ** 2), generator=g).tolist()
+    return {"input_ids": ids, "labels": [-100] * n + row["labels"][n:], "pixel_values": pixels,
+            "mm_token_type_ids": ([1] * tokens + [0]) * images + [0] * (len(ids) - n), "image_grid_thw": grid}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Analytic estimate vs measured peak for the model families beyond dense causal LMs (mixture-of-experts, T5),
-on CPU, through fitburst's own training step (benchmarks/_measure.py: fitburst.train.build_model,
-make_optimizer, optimizer_step, with a tracker of live tensor storages).
+"""Analytic and traced estimates vs measured peak for the model families beyond dense causal LMs (mixture-of-experts,
+T5, Qwen2-VL LoRA / full with images), on CPU, through fitburst's own training step (benchmarks/_measure.py:
+fitburst.train.build_model, make_optimizer, optimizer_step, with a tracker of live tensor storages).
 
-    PYTHONPATH=$PWD python benchmarks/families_accuracy.py [ARCH_PREFIX, e.g. t5]
+    PYTHONPATH=$PWD python benchmarks/families_accuracy.py [ARCH_PREFIX, e.g. t5 or qwen2_vl]
 
 Prints one row per case and the median / worst absolute error (targets: median <= 4 %, worst <= 10 %). The
 estimate is the uncalibrated analytic model; no constant was fitted to these rows (the T5 terms were written
@@ -47,9 +47,21 @@ ARCHS = {
     "t5_v1": dict(model_type="t5", d_model=192, d_kv=32, d_ff=768, num_layers=2, num_decoder_layers=4,
                   num_heads=6, vocab_size=6000, feed_forward_proj="relu", tie_word_embeddings=True,
                   dropout_rate=0.1, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0),
+    # a small Qwen2-VL: text proportions as the llama row of _measure.py, a 2-block vision tower of width 128
+    "qwen2_vl": dict(model_type="qwen2_vl", image_token_id=7990, video_token_id=7991, vision_start_token_id=7992,
+                     vision_end_token_id=7993, tie_word_embeddings=False,
+                     text_config=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=8000,
+                                      max_position_embeddings=4096,
+                                      rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
+                                                       "rope_theta": 10000.0}),
+                     vision_config=dict(depth=2, embed_dim=128, num_heads=4, mlp_ratio=4, patch_size=14,
+                                        spatial_merge_size=2, temporal_patch_size=2, hidden_size=256)),
 }
 QV = ["q_proj", "v_proj"]
 T5_QV = ["q", "v"]
+# Qwen2-VL LoRA with images: images per sample x language tokens per image (x 4 patches each in the tower)
+VL = dict(arch="qwen2_vl", dtype="fp32")
 CASES = [
     dict(arch="mixtral", method="lora", targets=QV, batch=2, seq_len=256, dtype="fp32"),
     dict(arch="mixtral", method="lora", targets="all-linear", rank=16, batch=4, seq_len=128, dtype="fp32"),
@@ -86,13 +98,28 @@ CASES = [
          held_out=True),
     dict(arch="t5", method="full", batch=1, seq_len=256, dtype="bf16", held_out=True),
     dict(arch="t5_v1", method="lora", targets="all-linear", batch=2, seq_len=128, dtype="bf16", held_out=True),
+    dict(VL, method="lora", targets="all-linear", batch=2, seq_len=192, images=1, image_tokens=64),
+    dict(VL, method="lora", targets=QV, batch=4, seq_len=128, images=1, image_tokens=16),
+    dict(VL, method="lora", targets="all-linear", batch=2, seq_len=256, images=2, image_tokens=64,
+         vision="projector"),
+    dict(VL, method="lora", targets="all-linear", batch=2, seq_len=192, images=1, image_tokens=64, vision="tower"),
+    dict(VL, method="full", batch=1, seq_len=256, images=1, image_tokens=100),
+    dict(VL, method="lora", targets=QV, batch=1, seq_len=1100, images=4, image_tokens=256, vision="tower"),
+    dict(VL, method="lora", targets=QV, batch=1, seq_len=1100, images=1, image_tokens=1024),
+    # held out: added after the vision terms above were settled, and not looked at while building them
+    dict(VL, method="lora", targets="all-linear", batch=4, seq_len=160, images=1, image_tokens=36,
+         grad_checkpointing=True, held_out=True),
+    dict(VL, method="lora", targets=QV, batch=1, seq_len=512, images=4, image_tokens=100, vision="tower",
+         held_out=True),
+    dict(VL, method="full", batch=2, seq_len=192, images=1, image_tokens=64, vision="projector", held_out=True),
 ]
 
 
 def settings_of(c: dict) -> TrainSettings:
     return TrainSettings(method=c["method"], rank=c.get("rank", 8), dropout=0.0, targets=c.get("targets", QV),
                          batch=c["batch"], seq_len=c["seq_len"], grad_checkpointing=c.get("grad_checkpointing", False),
-                         dtype=c["dtype"], attention="sdpa", keep_logits=False)
+                         dtype=c["dtype"], attention="sdpa", keep_logits=False, images=c.get("images", 0),
+                         image_tokens=c.get("image_tokens", 0), vision=c.get("vision", "frozen"))
 
 
 def measure_one(case: dict) -> dict:
@@ -115,7 +142,7 @@ def measure_one(case: dict) -> dict:
 
 
 def main(only: str | None = None) -> int:
-    """Every case, or those whose arch starts with ``only`` (e.g. ``t5``)."""
+    """Every case, or those whose arch starts with ``only`` (e.g. ``t5``, ``qwen2_vl``)."""
     dev = resolve_device("cpu:64GiB")
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -129,13 +156,14 @@ def main(only: str | None = None) -> int:
             e = estimate(load_shape(str(Path(root) / c["arch"])), settings_of(c), dev, calibrate=False)
             t = c.get("targets", QV)
             what = "" if c["method"] == "full" else " " + (t if isinstance(t, str) else "+".join(t))
+            what += f" vision {c['vision']}" if c.get("vision") else ""
             name = f"{c['arch']}: {settings_of(c).describe()}{what}"
             rows.append((name, m["peak"], e.allocated_peak_bytes, c.get("held_out", False), m["traced"],
                          m["trace_s"]))
-    print(f"{'case':<76} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7} {'traced':>8} {'trace s':>7}")
+    print(f"{'case':<88} {'measured MiB':>12} {'estimate MiB':>12} {'error':>7} {'traced':>8} {'trace s':>7}")
     for name, meas, est, held, traced, secs in rows:
         tr = f"{traced / meas - 1:>+8.2%}" if traced else f"{'n/a':>8}"
-        print(f"{name:<76} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%} {tr} {secs:>7.1f}"
+        print(f"{name:<88} {meas / 2**20:>12.2f} {est / 2**20:>12.2f} {est / meas - 1:>+7.1%} {tr} {secs:>7.1f}"
               + ("  (held out)" if held else ""))
     ok = True
     parts = (("in-sample", [r for r in rows if not r[3]]), ("held out", [r for r in rows if r[3]]), ("all", rows))

@@ -642,17 +642,230 @@ def _in_val(i: int, data: DataSpec) -> bool:
 
 def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a pipeline: its data source and settings, its model's tokenizer, the shared cache.
-    Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record)."""
-    from fitburst.models import cache_root, is_encoder_decoder, tokenizer_for
+    Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record).
+    The one place the families part: a vision-language model's records go through :func:`prepare_images`, an
+    encoder-decoder's become (input, target) pairs."""
+    from fitburst.models import cache_root, model_family, tokenizer_for
 
     source, data = spec.data_source(), spec.data
+    family = model_family(spec.model)
+    if family == "vision_language":
+        return prepare_images(spec, tokenizer)
     if data.streaming:
         count_records(source, data)
         records = None
     else:
         records = read_records(source, data.format, data.skip_invalid, data)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(data, source, tok, cache_root() / "data", records=records, seq2seq=is_encoder_decoder(spec.model))
+    return prepare(data, source, tok, cache_root() / "data", records=records, seq2seq=family == "seq2seq")
+
+
+# --- image + conversation records (vision-language models, fitburst.vision) ----------------------------------
+
+def image_messages(record: object, base: Path) -> tuple[list[dict], list[Path]]:
+    """An image + conversation record as chat messages whose image parts are bare placeholders, and its image
+    files in order. The record: ``{"messages": [{"role": ..., "content": "text" or [{"type": "image", "image":
+    "path relative to the data file"}, {"type": "text", "text": ...}]}, ...]}`` (the parts Qwen2-VL's chat template
+    renders). Every image must exist and open; a problem raises ValueError naming the field."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        raise ValueError("an image + conversation record needs a non-empty 'messages' list")
+    messages, images = [], []
+    for i, m in enumerate(record["messages"]):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] needs 'role' and 'content'")
+        content = m["content"]
+        if isinstance(content, str):
+            messages.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content must be text or a list of image/text parts")
+        parts = []
+        for j, part in enumerate(content):
+            field = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image" and isinstance(part.get("image"), str) and part["image"]:
+                path = Path(part["image"]).expanduser()
+                path = path if path.is_absolute() else base / path
+                if not path.is_file():
+                    raise ValueError(f"{field}.image: no image file at {path} (image paths are relative to the "
+                                     "data file)")
+                try:
+                    with Image.open(path) as im:
+                        im.load()
+                except (UnidentifiedImageError, OSError, SyntaxError) as e:
+                    raise ValueError(f"{field}.image: cannot read {path} as an image ({type(e).__name__}: {e})") \
+                        from None
+                parts.append({"type": "image"})
+                images.append(path)
+            else:
+                raise ValueError(f"{field} must be {{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': "
+                                 "'path'}}")
+        messages.append({"role": m["role"], "content": parts})
+    last = messages[-1]
+    if last["role"] != "assistant" or not (last["content"] if isinstance(last["content"], str) else any(
+            p.get("text") for p in last["content"])):
+        raise ValueError("the last turn must be a non-empty assistant reply (nothing to learn otherwise)")
+    return messages, images
+
+
+def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[list[dict], list[Path]]], int]:
+    """Every image + conversation record of a local ``source`` (see :func:`image_messages`), each image checked;
+    a bad record raises DataError with its source, line or row and field unless ``data.skip_invalid``."""
+    if not isinstance(source, Path):
+        raise DataError(f"{source}: image + conversation records are read from a local file or folder (data.path); "
+                        "image paths in them are relative to it")
+    if data.streaming:
+        raise DataError(f"{source}: data.streaming is for text records; image records are read whole")
+    base = source if source.is_dir() else source.parent
+    out, skipped = [], 0
+    for where, rec in _raw_records(source, data):
+        try:
+            if isinstance(rec, Exception):
+                raise rec
+            out.append(image_messages(_map_columns(rec, data.columns), base))
+        except ValueError as e:
+            skipped += _refuse_or_skip(e if isinstance(e, DataError) else DataError(f"{where}: {e}"),
+                                       data.skip_invalid)
+    if not out:
+        raise DataError(f"{source}: no usable records")
+    return out, skipped
+
+
+def images_per_record(spec) -> int:
+    """The most image parts one record of the pipeline's data holds (a pass over the records that opens no image;
+    1 for data that is not a local file or folder). What the preflight plans the vision tower for."""
+    source = spec.data_source()
+    if not isinstance(source, Path) or not source.exists():
+        return 1
+    most = 0
+    for _, rec in _raw_records(source, spec.data):
+        msgs = rec.get("messages") if isinstance(rec, dict) else None
+        if isinstance(msgs, list):
+            most = max(most, sum(1 for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)
+                                 for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"))
+    return most
+
+
+def tokenize_images(messages: list[dict], images: list, tokenizer, processor, data: DataSpec) -> dict:
+    """Token ids, labels and pixels of one image + conversation record.
+
+    The chat template renders the conversation with one ``<|image_pad|>`` per image; each is repeated as many
+    times as the image has tokens at ``data.image_max_pixels`` (:mod:`fitburst.vision`). A reply's labels run from
+    the end of the rendered prompt before it to the end of the conversation up to it, both checked to tokenize to
+    prefixes of the whole. A record longer than ``data.max_seq_len`` is cut only after its last image token."""
+    from fitburst.vision import expand_image_tokens, image_inputs, image_token_counts
+
+    pix = image_inputs(processor, images, data.image_max_pixels) if images else {}
+    counts = image_token_counts(processor, pix["image_grid_thw"]) if images else []
+    kw = chat_template_kwargs(tokenizer, data.template) if data.template in ("auto", "chatml") else {}
+
+    def ids(msgs: list[dict], prompt: bool = False) -> list[int]:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt, **kw)
+        return tokenizer(expand_image_tokens(text, counts)[0], add_special_tokens=False)["input_ids"]
+
+    full = ids(messages)
+    labels = list(full) if data.train_on_prompt else [IGNORE_INDEX] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or data.train_on_prompt:
+            continue
+        before, upto = ids(messages[:i], prompt=True), ids(messages[: i + 1])
+        if full[:len(before)] != before or full[:len(upto)] != upto:
+            raise DataError(f"messages[{i}]: the chat template renders earlier turns differently once this reply is "
+                            "added, so its tokens cannot be located: use a template that renders history verbatim")
+        labels[len(before):len(upto)] = full[len(before):len(upto)]
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    marks = [int(t == image_id) for t in full]
+    if len(full) > data.max_seq_len and any(marks[data.max_seq_len:]):
+        raise DataError(f"with its images at this resolution the record is {len(full)} tokens and "
+                        f"data.max_seq_len ({data.max_seq_len}) would cut through an image: raise data.max_seq_len "
+                        "or lower data.image_max_pixels")
+    n = data.max_seq_len
+    return {"input_ids": full[:n], "labels": labels[:n], "mm_token_type_ids": marks[:n], "full_length": len(full),
+            "pixel_values": pix["pixel_values"].tolist() if images else [],
+            "image_grid_thw": pix["image_grid_thw"].tolist() if images else [], "image_tokens": counts}
+
+
+def prepare_images(spec, tokenizer=None) -> PreparedData:
+    """:func:`prepare` for a vision-language pipeline: records and every image checked before the tokenizer and
+    the image processor load, then tokenized with their pixels (cached by the content of the data file, its
+    images, the settings, the tokenizer and the image processor)."""
+    import shutil
+    import tempfile
+
+    from datasets import Dataset, Features, List, Value
+    from PIL import Image
+
+    from fitburst.models import cache_root, tokenizer_for
+    from fitburst.spec import resolve_env
+    from fitburst.vision import load_image_processor
+
+    source, data = spec.data_source(), spec.data
+    records, skipped = read_image_records(source, data)
+    tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
+    from fitburst.models import resolve_model_ref
+
+    m = spec.model
+    processor = load_image_processor(resolve_model_ref(m.name), m.revision, resolve_env(m.hf_token))
+    h = hashlib.sha256(content_hash(source, data, tok).encode())
+    h.update(processor.to_json_string().encode())
+    for path in sorted({p for _, paths in records for p in paths}):
+        h.update(str(path).encode() + path.read_bytes())
+    key = h.hexdigest()[:16]
+    cache_dir = cache_root() / "data"
+    out = cache_dir / key
+    if (out / "prepared.json").exists():
+        return PreparedData.from_dir(out)
+
+    rows, lengths, full, n_no_target, per_image = [], [], [], 0, []
+    for k, (messages, paths) in enumerate(records, 1):
+        images = []
+        for p in paths:
+            with Image.open(p) as im:
+                images.append(im.convert("RGB"))
+        try:
+            r = tokenize_images(messages, images, tok, processor, data)
+        except (DataError, ValueError) as e:
+            raise DataError(f"{source}: record {k}: {e}") from None
+        if all(label == IGNORE_INDEX for label in r["labels"]):
+            n_no_target += 1
+            continue
+        lengths.append(len(r["input_ids"]))
+        full.append(r["full_length"])
+        per_image += r.pop("image_tokens")
+        r.pop("full_length")
+        rows.append(r)
+    if not rows:
+        raise DataError(f"{source}: every record lost its reply to truncation: raise data.max_seq_len")
+    features = Features({"input_ids": List(Value("int64")), "labels": List(Value("int64")),
+                         "mm_token_type_ids": List(Value("int8")), "pixel_values": List(List(Value("float32"))),
+                         "image_grid_thw": List(List(Value("int64")))})
+    ds = Dataset.from_list(rows, features=features)
+    if data.val_split > 0 and len(ds) >= 2:
+        split = ds.train_test_split(test_size=max(1, round(len(ds) * data.val_split)), seed=data.seed, shuffle=True)
+        train, val = split["train"], split["test"]
+    else:
+        train, val = ds, ds.select([])
+    stats = length_stats(lengths, full, data.max_seq_len)
+    stats["train_tokens"] = int(sum(len(x) for x in train["input_ids"]))
+    stats.update(images=len(per_image), image_tokens_max=max(per_image, default=0),
+                 image_tokens_mean=sum(per_image) / len(per_image) if per_image else 0.0,
+                 image_max_pixels=data.image_max_pixels or processor.size.longest_edge)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
+    train.save_to_disk(str(tmp / "train"))
+    val.save_to_disk(str(tmp / "val"))
+    prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val), n_skipped=skipped,
+                            n_no_target=n_no_target, stats=stats)
+    (tmp / "prepared.json").write_text(prepared.to_json())
+    try:
+        tmp.rename(out)
+    except OSError:  # a concurrent prepare of the same content finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedData.from_dir(out)
 
 
 def load_split(prepared: PreparedData, split: str):
@@ -687,7 +900,12 @@ def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
         ids[i, :k] = torch.tensor(b["input_ids"])
         labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
         mask[i, :k] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if "mm_token_type_ids" in batch[0]:  # image + conversation samples (fitburst.vision)
+        from fitburst.vision import collate_images
+
+        out.update(collate_images(batch, n))
+    return out
 
 
 def batch_tokens(batch: dict) -> int:

@@ -42,9 +42,14 @@ EVAL_CHUNK_TOKENS = 1024
 
 
 def _decoder_and_head(model):
-    """The transformer body (hidden states out) and the output projection of a causal LM, peft-wrapped or not."""
+    """The transformer body (hidden states out) and the output projection of a causal LM, peft-wrapped or not; of a
+    vision-language model the whole multimodal body (vision tower, merger and language model), which takes the
+    batch's pixels."""
+    from fitburst.vision import is_vision_language
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings(), base.config
+    body = base.model if is_vision_language(base.config) else base.get_decoder()
+    return body, base.get_output_embeddings(), base.config
 
 
 def seq2seq_eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str,
@@ -101,8 +106,7 @@ def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str
                 break
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
             with autocast():
-                hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 use_cache=False).last_hidden_state
+                hidden = decoder(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).last_hidden_state
             labels = batch["labels"][:, 1:]
             keep = labels != IGNORE_INDEX
             hidden, labels = hidden[:, :-1][keep], labels[keep]  # (n_labelled, hidden), (n_labelled,)
@@ -126,8 +130,13 @@ def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, 
     for row in rows[:n]:
         first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
         prompt = torch.tensor([row["input_ids"][:first]], device=device)
+        images = {}
+        if row.get("image_grid_thw"):  # a vision-language sample: its pixels go with the prompt
+            images = {"pixel_values": torch.tensor(row["pixel_values"], device=device),
+                      "image_grid_thw": torch.tensor(row["image_grid_thw"], device=device),
+                      "mm_token_type_ids": torch.tensor([row["mm_token_type_ids"][:first]], device=device)}
         with torch.no_grad():
-            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **images,
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         out.append({
             "prompt": tok.decode(row["input_ids"][:first], skip_special_tokens=True).strip(),

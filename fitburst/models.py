@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from fitburst.spec import PipelineSpec
@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 DEMO_MODEL = "fitburst/tiny-demo"
 MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)
 T5_MODEL = "fitburst/tiny-t5"  # encoder-decoder: a tiny T5 (gated-gelu, as FLAN-T5) with a byte-level BPE vocabulary
-LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral", T5_MODEL: "t5"}  # name -> family of the local builds
+VL_MODEL = "fitburst/tiny-vl"  # a tiny Qwen2-VL with a small vision tower (fitburst.vision)
+# name -> architecture of the models built locally
+LOCAL_MODELS = {DEMO_MODEL: "llama", MOE_MODEL: "mixtral", T5_MODEL: "t5", VL_MODEL: "qwen2_vl"}
 DEMO_DATA = Path(__file__).parent / "demo" / "instructions.jsonl"
 DEMO_VERSION = 1
 
@@ -193,6 +195,10 @@ def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -
 
 def resolve_model_ref(name: str) -> str:
     """A path or hub id that ``from_pretrained`` accepts; builds the demo model when asked for it."""
+    from fitburst.vision import tiny_vl_dir
+
+    if name == VL_MODEL:
+        return str(tiny_vl_dir())
     if name in LOCAL_MODELS:
         return str(demo_model_dir(family=LOCAL_MODELS[name]))
     return name
@@ -208,6 +214,34 @@ def load_tokenizer(name: str, revision: str | None = None, token: str | None = N
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+Family = Literal["causal", "seq2seq", "vision_language"]
+
+
+def config_family(config) -> Family:
+    """The family of a transformers config: data prep, training, eval and the trace part on it (one switch)."""
+    from fitburst.vision import is_vision_language
+
+    if is_vision_language(config):
+        return "vision_language"
+    return "seq2seq" if config.is_encoder_decoder else "causal"
+
+
+def auto_model_class(config):
+    """The transformers Auto class that loads (or, for the trace, builds) a model of this config's family."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
+    return {"causal": AutoModelForCausalLM, "seq2seq": AutoModelForSeq2SeqLM,
+            "vision_language": AutoModelForImageTextToText}[config_family(config)]
+
+
+def model_family(model) -> Family:
+    """The family of a pipeline's ``model`` section, from its config.json (its ${ENV} token resolved at use)."""
+    from fitburst.spec import resolve_env
+
+    return config_family(load_config(model.name, model.revision, resolve_env(model.hf_token),
+                                     model.trust_remote_code))
 
 
 def tokenizer_for(model):
@@ -233,11 +267,9 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
-    or for an encoder-decoder config (T5, FLAN-T5) the sequence-to-sequence LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
+    an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.vision`): :func:`auto_model_class`."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    auto = auto_model_class(config)
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
     kwargs = dict(config=config, dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
                   device_map={"": device})
@@ -258,15 +290,6 @@ def load_config(name: str, revision: str | None = None, token: str | None = None
 
     return AutoConfig.from_pretrained(resolve_model_ref(name), revision=revision, token=token,
                                       trust_remote_code=trust_remote_code)
-
-
-def is_encoder_decoder(model) -> bool:
-    """Whether a pipeline's ``model`` section names an encoder-decoder model (T5 / FLAN-T5): the one switch between
-    causal and sequence-to-sequence data prep, training and eval."""
-    from fitburst.spec import resolve_env
-
-    return bool(load_config(model.name, model.revision, resolve_env(model.hf_token),
-                            model.trust_remote_code).is_encoder_decoder)
 
 
 def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None):

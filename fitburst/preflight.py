@@ -163,6 +163,12 @@ def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
         else s.attention})
     update = {"method": method, "training": training}
+    if s.images and spec.data.image_max_pixels is not None:  # the resolution rung (memory.planner)
+        from fitburst.memory.estimator import QWEN2_VL_PIXELS_PER_TOKEN
+
+        px = min(spec.data.image_max_pixels, s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN)
+        if px != spec.data.image_max_pixels:
+            update["data"] = spec.data.model_copy(update={"image_max_pixels": px})
     if s.eval_batch:
         update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})
     return spec.model_copy(update=update)
@@ -179,7 +185,8 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
 
     cache: dict = {}
     local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
-    return lambda s, d: traced_estimate(local, s, d, seq_len=seq_len, cache=cache)
+    # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
+    return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
 
 
 @dataclass

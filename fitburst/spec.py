@@ -72,6 +72,10 @@ class DataSpec(Strict):
     seed: int = 42
     skip_invalid: bool = False
     train_on_prompt: bool = False
+    image_max_pixels: int | None = Field(default=None, ge=28 * 28, le=16384 * 28 * 28, description="vision-language "
+                                         "models: no image has more pixels than this (resized keeping its aspect); "
+                                         "image tokens per image follow from it (Qwen2-VL: pixels / 28**2). None: "
+                                         "the model's image processor's own limit")
 
     @field_validator("columns")
     @classmethod
@@ -106,6 +110,9 @@ class MethodSpec(Strict):
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )
     double_quant: bool = True
+    vision: Literal["frozen", "projector", "tower"] = Field(
+        default="frozen", description="vision-language models: the vision tower stays frozen, or its projector "
+        "(the merger) trains too, or all of it (LoRA on those layers, or full weights with type: full)")
 
     @model_validator(mode="after")
     def _quant_matches_type(self) -> MethodSpec:
@@ -168,6 +175,8 @@ class AllowSpec(Strict):
     attention: bool = True
     dropout: bool = True
     packing: bool = True
+    resolution: bool = True  # vision-language: lower data.image_max_pixels (fewer image tokens)
+    precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
 
 
 class PreflightSpec(Strict):
@@ -559,6 +568,9 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
     if kind == "mps" and spec.method.quant != "none":
         out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
                                          "use method.type: lora with quant: none on MPS, or a CUDA device"))
+    if spec.data.image_max_pixels is not None and spec.training.packing:
+        out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
+                                             "pipeline with data.image_max_pixels (a vision-language one)"))
     out += [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
     return out
 

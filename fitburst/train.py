@@ -91,14 +91,23 @@ def prepare_for_training(model, spec: PipelineSpec):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
             model.enable_input_require_grads()
+    from fitburst.vision import freeze_vision, is_vision_language, lora_target_names
+
+    vl = is_vision_language(model.config)
+    if vl and tr.packing:
+        raise TrainError(f"{spec.name}: packed batches carry no images: set training.packing: false")
     if method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         targets = method.target_modules
         task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
+        if vl:  # the language model's layers, the vision side only as method.vision asks
+            targets = lora_target_names(model, targets, method.vision)
         model = get_peft_model(model, LoraConfig(
             r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type=task,
             target_modules=targets if targets == "all-linear" else list(targets)))
+    elif vl:
+        freeze_vision(model, method.vision)
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:

@@ -108,6 +108,8 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
         tracker.log_planned(spec, planned)
+        if planned.data != spec.data and not dry_run:  # the plan lowered the image resolution: images re-prepared
+            prepared = data_prep(planned, tracker)
         if dry_run and report.verdict.placement == "local":
             status = "FINISHED"
             return summary

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.evaluate import EvalResult
-from fitburst.models import is_encoder_decoder
+from fitburst.models import model_family
 from fitburst.spec import PipelineSpec, resolve_env
 from fitburst.tracking import Tracker
 from fitburst.train import TrainResult
@@ -30,9 +30,10 @@ def publish_model(spec: PipelineSpec, result: TrainResult, ev: EvalResult | None
     if ev is not None:
         tags.update({"eval.tuned_loss": f"{ev.tuned_loss:.6f}", "eval.base_loss": f"{ev.base_loss:.6f}",
                      "eval.delta_loss": f"{ev.delta_loss:.6f}"})
-    if (tr.log_model or tr.register_as) and is_encoder_decoder(spec.model):
-        log.warning("tracking.log_model: MLflow's transformers flavor logs chat (causal) models; this "
-                    "encoder-decoder model's adapter stays a run artifact (tracking.log_model: false silences this)")
+    family = model_family(spec.model) if tr.log_model or tr.register_as else "causal"
+    if family != "causal":
+        log.warning("tracking.log_model: fitburst logs chat (causal) models with MLflow's transformers flavor; this "
+                    "%s model's adapter stays a run artifact (tracking.log_model: false silences this)", family)
     elif tr.log_model or tr.register_as:
         info = tracker.log_model(spec, result.adapter_dir, precision=result.precision, tags=tags)
         out["model_uri"] = info.model_uri

@@ -60,6 +60,11 @@ class TrainSettings:
     padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
     packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
     pure_bf16: bool = False  # full fine-tuning steps bf16 weights directly (no autocast, no fp32 master weights)
+    # vision-language models: images per sample and language tokens per image (seq_len already counts them);
+    # what of the vision side trains: frozen | projector | tower
+    images: int = 0
+    image_tokens: int = 0
+    vision: str = "frozen"
 
     def __post_init__(self) -> None:
         if self.method == "qlora" and self.quant == "none":
@@ -70,6 +75,7 @@ class TrainSettings:
             "optimizer": (self.optimizer, ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")),
             "dtype": (self.dtype, ("bf16", "fp16", "fp32")),
             "attention": (self.attention, ("eager", "sdpa", "flash")),
+            "vision": (self.vision, ("frozen", "projector", "tower")),
         }
         for k, (v, ok) in checks.items():
             if v not in ok:
@@ -105,6 +111,7 @@ class TrainSettings:
             else ""
         )
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
+        ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
         return (
             f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
             f"{self.optimizer} {self.attention}"
@@ -138,7 +145,24 @@ def settings_from_spec(spec, device: Device | None = None, seq_len: int | None =
         eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
         pure_bf16=t.pure_bf16,
+        **image_settings(spec),
     )
+
+
+QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches, 2 x 2 merged into one language token
+
+
+def image_settings(spec) -> dict:
+    """The image fields of TrainSettings for a pipeline that sets ``data.image_max_pixels`` (a vision-language
+    one): the most images one record holds and the language tokens per image at that resolution (an image at the
+    limit; a smaller one takes fewer)."""
+    px = spec.data.image_max_pixels
+    if px is None:
+        return {}
+    from fitburst.data import images_per_record
+
+    return {"images": images_per_record(spec), "image_tokens": px // QWEN2_VL_PIXELS_PER_TOKEN,
+            "vision": spec.method.vision}
 
 
 @dataclass
@@ -232,7 +256,58 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
         out += per * c
     for _, mult, fan_in, fan_out in shape.lora_experts(s.targets):  # A and B of all experts at once
         out += [mult * s.rank * shape.experts * fan_in, mult * s.rank * shape.experts * fan_out] * shape.layers
-    return out
+    return out + [s.rank * n for n in _vision_linears(shape, s.vision, lora=True)]
+
+
+def _vision_linears(shape: ModelShape, vision: str, lora: bool = False) -> list[int]:
+    """fan_in and fan_out (LoRA's A and B sizes over the rank), or with ``lora`` false the weights and biases, of
+    the vision side's trained linear layers: the merger's two with ``projector``, every block's qkv, proj, fc1
+    and fc2 as well with ``tower`` (fitburst.vision.lora_target_names)."""
+    v = shape.vision
+    if v is None or vision == "frozen":
+        return []
+    m = v.dim * v.merge ** 2
+    linears = [(m, m), (m, v.out)]
+    if vision == "tower":
+        linears += [(v.dim, 3 * v.dim), (v.dim, v.dim), (v.dim, v.mlp), (v.mlp, v.dim)] * v.depth
+    if lora:
+        return [n for fi, fo in linears for n in (fi, fo)]
+    return [n for fi, fo in linears for n in (fi * fo, fo)]
+
+
+def vision_activations(shape: ModelShape, s: TrainSettings, a: int, attention: str, mask_b: int) -> tuple[int, int]:
+    """(bytes kept for backward, forward transient) of the vision tower on one micro-batch's images.
+
+    Frozen, nothing needs grad there, so its forward leaves only the image embeddings (counted in the language
+    sequence) and peaks inside one block: the residual, the normed input, qkv, fp32 rotary q and k, the attention
+    output (and, with the math kernel, one image's probabilities at a time: attention stays within each image), or
+    the MLP's fc1 output, QuickGELU's sigmoid and product. Trained (``projector`` or ``tower``), each trained layer
+    keeps what autograd saves per patch token, as the language model's layers do (LoRA: an fp32 copy of each
+    adapted input)."""
+    v = shape.vision
+    if v is None or not s.images or not s.image_tokens:
+        return 0, 0
+    per_image = s.image_tokens * v.merge ** 2  # patches
+    n = s.batch * s.images * per_image
+    d, m = v.dim, v.mlp
+    probs = 0 if attention == "flash" else (4 + a) * v.heads * per_image ** 2
+    attn = a * n * (d + 3 * d + d) + 4 * n * 2 * d + probs
+    mlp = 3 * a * n * m
+    fwd = (a * n * v.patch_in if a != 4 else 0) + a * n * d + max(attn, mlp, 3 * a * n * d)
+    lora = s.method != "full"
+    drop = (mask_b + 4) if (lora and s.dropout > 0) else 4
+
+    def kept_input(width: int) -> int:  # what a trained linear keeps of its input
+        return (drop if lora else a) * n * width + (4 * n * s.rank if lora else 0)
+
+    saved = 0
+    if s.vision in ("projector", "tower"):  # merger: LayerNorm, Linear(4d, 4d), GELU, Linear(4d, out)
+        saved += kept_input(d) + a * n * d + kept_input(d) + (a * n * d if s.vision == "tower" else 0)
+    if s.vision == "tower":
+        block = a * n * d + 8 * n * d + a * n * 3 * d + a * n * d + a * n * d + 2 * a * n * m
+        block += kept_input(d) + kept_input(d) + kept_input(d) + kept_input(m)
+        saved += v.depth * block
+    return saved, fwd
 
 
 def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
@@ -259,7 +334,7 @@ def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
 
 def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     total = shape.param_count()
-    trainable = total if s.method == "full" else lora_params(shape, s)
+    trainable = sum(_full_tensors(shape, s.vision)) if s.method == "full" else lora_params(shape, s)
     return {"total": total + (0 if s.method == "full" else trainable), "trainable": trainable, "base": total}
 
 
@@ -679,7 +754,7 @@ def estimate(
     if shape.model_type == "t5" and d != 4 and not s.master_weights and not s.kbit:  # transformers keeps wo in fp32
         w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
     if full:
-        tensors = _full_tensors(shape)
+        tensors = _full_tensors(shape, s.vision)
         pbytes = 4 if s.master_weights else d  # fp32 master weights: fp32 gradients and optimizer state
         lora_w = 0
     else:
@@ -737,7 +812,11 @@ def estimate(
         recompute = [0] * L
     # autocast's 16-bit copies of the fp32 adapters (cached through the forward, kept for backward)
     lora_cast = d * P_tr if c.lora16 else 0
-    A_all = sum(A_layers_kept) + A_final + shared + lora_cast
+    v = shape.vision
+    pixels = 4 * s.batch * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
+    shared += pixels  # the batch's pixel_values (fp32) live through the step
+    vis_saved, vis_fwd = vision_activations(shape, s, a, attention, c.mask_b)
+    A_all = sum(A_layers_kept) + A_final + shared + lora_cast + vis_saved
     G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
     kept_logits = logits if s.keep_logits else 0
     phases: dict[str, dict[str, int]] = {}
@@ -747,6 +826,8 @@ def estimate(
     # forward end: everything saved, the last block's transient
     fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
     phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t)
+    if vis_fwd:  # the vision tower runs first, before the language model keeps anything
+        phases["vision"] = _comp(w, lora_w, G_acc, OPT, shared + vis_saved, 0, vis_fwd)
     # loss forward: logits, their fp32 copy (a no-op when already fp32), the log_softmax output. Backward: the
     # saved log_softmax output plus two fp32 grads (of it, and of its input); the logits themselves are still
     # alive only when the loop keeps the model output (an output dropped after ``.loss`` frees them, since
@@ -759,7 +840,7 @@ def estimate(
     # backward through the blocks, top to bottom
     head_grad = pbytes * V * h if full else 0
     g_so_far = G_acc + head_grad if full else G_acc
-    remaining = sum(A_layers_kept) + shared + lora_cast
+    remaining = sum(A_layers_kept) + shared + lora_cast + vis_saved
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
     bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0)
@@ -847,7 +928,8 @@ def _embed_head_params(shape: ModelShape) -> int:
     return shape.embed_params + shape.lm_head_params
 
 
-def _full_tensors(shape: ModelShape) -> list[int]:
+def _full_tensors(shape: ModelShape, vision: str = "tower") -> list[int]:
+    """numel of each trained tensor of a full fine-tune (the vision tower's as ``vision`` trains it)."""
     out = [shape.embed_params]
     if shape.lm_head_params:
         out.append(shape.lm_head_params)
@@ -861,7 +943,9 @@ def _full_tensors(shape: ModelShape) -> list[int]:
         per += shape.expert_numels()
         out += per * c
     out.append(shape.final_norm_params)
-    if shape.extra_params:
+    if shape.vision is not None and vision != "tower":  # fitburst.vision.freeze_vision: merger only, or nothing
+        out += _vision_linears(shape, vision) + ([2 * shape.vision.dim] if vision == "projector" else [])
+    elif shape.extra_params:
         out.append(shape.extra_params)
     return out
 

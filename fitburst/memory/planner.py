@@ -31,6 +31,8 @@ _COST = {
     "gradient_checkpointing": 1.33,  # one extra forward
     "quantize": 1.4,  # dequantize per matmul
     "reduce_batch": 1.12,  # per halving: smaller matmuls, more python overhead
+    "resolution": 1.5,  # faster, but the model sees less: after the changes that cost only time
+    "precision": 1.5,  # faster, but the numerics the pipeline asked for (fp32) change: likewise
 }
 _EVAL_HALVING = 1.001  # a smaller eval batch: the eval is a small part of the run's time
 _MAX_EXACT_CHECKS = 4  # plans the exact estimate may reject before the planner gives up on this device
@@ -92,7 +94,7 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
         target = "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
         out.append(("attention", lambda x, t=target: replace(x, attention=t),
                     f"attention eager -> {target}: no seq x seq probability matrix kept"))
-    if allow["packing"] and not s.packed_fill and s.batch > 1 and s.attention == "flash":
+    if allow["packing"] and not s.packed_fill and s.batch > 1 and s.attention == "flash" and not s.images:
         out.append(("packing", lambda x: replace(x, packed_fill=1.0),
                     "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"))
     if allow["dropout"] and s.method != "full" and s.dropout > 0:
@@ -108,7 +110,22 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
     if allow["quantize"] and device.supports_bnb and s.method == "lora" and s.quant == "none":
         out.append(("quantize", lambda x: replace(x, method="qlora", quant="nf4", double_quant=True),
                     "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"))
+    if allow["precision"] and s.dtype == "fp32" and device.supports_bf16:
+        out.append(("precision", lambda x: replace(x, dtype="bf16"),
+                    "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
+                    "trains stay fp32)"))
+    if allow["resolution"] and s.images and s.image_tokens >= 4:
+        out.append(("resolution", _lower_resolution,
+                    f"image resolution halved per side: {s.image_tokens} -> {s.image_tokens // 4} language tokens "
+                    f"per image (data.image_max_pixels / 4), {s.images * (s.image_tokens - s.image_tokens // 4)} "
+                    "fewer per sample"))
     return out
+
+
+def _lower_resolution(s: TrainSettings) -> TrainSettings:
+    """A quarter of the pixels per image: a quarter of the image tokens, and the sequence shorter by the rest."""
+    cut = s.images * (s.image_tokens - s.image_tokens // 4)
+    return replace(s, image_tokens=s.image_tokens // 4, seq_len=max(1, s.seq_len - cut))
 
 
 def _halve_batch(base: TrainSettings, s: TrainSettings, k: int) -> TrainSettings:

@@ -44,6 +44,38 @@ class Linear:
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
 
 
+@dataclass(frozen=True)
+class VisionShape:
+    """A Qwen2-VL-style vision tower: patch embedding, ``depth`` pre-norm ViT blocks (LayerNorm, fused qkv,
+    attention within each image, fc1 -> QuickGELU -> fc2) over patch tokens, and the merger (LayerNorm, then an MLP
+    on ``merge``**2 neighbouring patches that emits one language-model token of width ``out``)."""
+
+    depth: int
+    dim: int
+    heads: int
+    mlp: int
+    patch: int  # pixels per patch side
+    temporal: int  # frames per patch (a still image is repeated to fill them)
+    channels: int
+    merge: int  # spatial merge size: merge**2 patches per language token
+    out: int
+
+    @property
+    def patch_in(self) -> int:
+        """Values per patch in pixel_values."""
+        return self.channels * self.temporal * self.patch ** 2
+
+    @property
+    def pixels_per_token(self) -> int:
+        """Image pixels behind one language-model image token ((patch * merge)**2)."""
+        return (self.patch * self.merge) ** 2
+
+    @property
+    def merger_params(self) -> int:
+        m = self.dim * self.merge ** 2
+        return 2 * self.dim + (m * m + m) + (m * self.out + self.out)
+
+
 @dataclass
 class ModelShape:
     """The architecture facts that decide training memory."""
@@ -81,6 +113,7 @@ class ModelShape:
     encoder_layers: int = 0  # encoder-decoder (T5): encoder depth; ``layers`` is then the decoder depth
     dropout: float = 0.0  # the model's own dropout in training (T5: dropout_rate, 0.1 as shipped): masks are saved
     extra_params: int = 0  # vision tower, relative position tables, ... (weights only, no text activations)
+    vision: VisionShape | None = None  # a vision-language model's tower (its weights are in extra_params)
     extra_note: str = ""
     max_position: int | None = None
     sliding_window: int | None = None
@@ -346,7 +379,12 @@ class ModelShape:
         vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
         if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
             kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
-            kw["extra_note"] = "vision tower (weights only; image activations not modelled)"
+            if mt == "qwen2_vl":  # Qwen2.5-VL's tower (RMSNorm, gated MLP, window attention) differs
+                kw["vision"] = _qwen2_vl_vision(vis, h)
+                kw["extra_note"] = ("vision tower: frozen, its forward is a transient; trained, its activations per "
+                                    "patch are kept (images per sample and their resolution from the settings)")
+            else:
+                kw["extra_note"] = "vision tower (weights only; image activations not modelled)"
         elif vis:
             kw["extra_note"] = "vision tower not counted"
         return cls(**kw)
@@ -372,6 +410,15 @@ def _moe(kw: dict, cfg: dict, mt: str, where: str) -> None:
         else:
             kw.update(qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)))
     kw["experts_per_tok"] = int(cfg.get("num_experts_per_tok", 2))
+
+
+def _qwen2_vl_vision(v: dict, out_hidden: int) -> VisionShape:
+    d = int(v.get("embed_dim", 1280))
+    return VisionShape(depth=int(v.get("depth", 32)), dim=d, heads=int(v.get("num_heads", 16)),
+                       mlp=int(d * float(v.get("mlp_ratio", 4))), patch=int(v.get("patch_size", 14)),
+                       temporal=int(v.get("temporal_patch_size", 2)),
+                       channels=int(v.get("in_chans", v.get("in_channels", 3))),
+                       merge=int(v.get("spatial_merge_size", 2)), out=int(v.get("hidden_size", out_hidden)))
 
 
 def _qwen2_vl_vision_params(v: dict, out_hidden: int) -> int:

@@ -106,6 +106,7 @@ def _recorder_cls():
     import weakref
 
     import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -154,6 +155,11 @@ def _recorder_cls():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if leaves and not any(  # integer bookkeeping on
+                    isinstance(t, FakeTensor) or t.is_meta or t.is_floating_point() for t in leaves):
+                with unset_fake_temporarily():  # real ids and image grids of a vision-language batch: run it
+                    return func(*args, **kwargs)
             if func is aten._local_scalar_dense.default:  # .item() has no data here: step counters read 1
                 t = args[0]  # (they were incremented), anything else 0 (loss, GradScaler's found-inf flag)
                 return False if t.dtype == torch.bool else int(t.untyped_storage()._cdata in self.counters)
@@ -244,9 +250,10 @@ def spec_with(spec, s: TrainSettings):
 
 def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
 
     from fitburst.device import torch_dtype, weight_dtype
+    from fitburst.models import auto_model_class
 
     d = dict(cfg)
     mtype = d.pop("model_type", None)
@@ -257,12 +264,12 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
     except (KeyError, ValueError) as e:
         raise TraceUnsupported(f"transformers cannot build model_type {mtype!r} ({e}): update transformers, "
                                "or set model.trust_remote_code for a custom architecture") from None
+    if mtype == "qwen2_5_vl":
+        raise TraceUnsupported("the traced estimate does not cover Qwen2.5-VL's windowed vision tower yet")
     impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM  # as models.load_model
-    with torch.device("meta"):
-        model = auto.from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
-                                                 attn_implementation=impl,
-                                                 trust_remote_code=trust_remote_code)
+    with torch.device("meta"):  # the class models.load_model loads
+        model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+                                                     attn_implementation=impl, trust_remote_code=trust_remote_code)
     if config.is_encoder_decoder and cfg.get("tie_word_embeddings") is False:
         # transformers 5 builds T5 with its head tied to the embeddings, but T5 v1.1 / FLAN-T5 checkpoints (config
         # tie_word_embeddings false) hold a separate lm_head, which loading keeps untied: trace that model
@@ -431,7 +438,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         # emulated). The GradScaler runs on fake tensors: its
         # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
-        micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
+        micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
         try:
             step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
@@ -443,7 +450,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         prefix[0] = ""
         rec.phase = "forward"
         start = len(rec.events)
-        micro = [_batch(s.batch, seq_len, padded) for _ in range(s.grad_accum)]
+        micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
         for h in hooks:
             h.remove()
@@ -455,14 +462,36 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                      heads=heads, head_dim=head_dim)
 
 
-def _batch(b: int, s: int, padded: bool) -> dict:
-    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest); for an
-    encoder-decoder model the encoder input and the decoder's labels, both ``s`` long."""
+def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
+    """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest; for an
+    encoder-decoder model the encoder input and the decoder's labels, both ``s`` long); with
+    ``settings.images``, each sample opens with its images' tokens (each image a 2 x 2*tokens grid of merged
+    patches, a text token after it) and carries their patches, as fitburst.vision.collate_images builds it. The
+    ids, mask, marks and grids are real tensors (the model reads their values to place the images; the recorder
+    runs what only they feed for real), and so are the 3-D rotary positions the model would build from them; the
+    labels and patches are fake."""
     import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    ids = torch.zeros((b, s), dtype=torch.long)
-    return {"input_ids": ids, "labels": torch.zeros((b, s), dtype=torch.long),
-            "attention_mask": torch.ones((b, s), dtype=torch.long)}
+    out = {"input_ids": torch.zeros((b, s), dtype=torch.long), "labels": torch.zeros((b, s), dtype=torch.long),
+           "attention_mask": torch.ones((b, s), dtype=torch.long)}
+    if settings is None or not settings.images or not settings.image_tokens:
+        return out
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    v, k, n = config.vision_config, settings.image_tokens, settings.images
+    with unset_fake_temporarily():
+        row = (([config.image_token_id] * k + [config.vision_end_token_id]) * n + [0] * s)[:s]
+        out["input_ids"] = torch.tensor([row] * b)
+        out["attention_mask"] = torch.ones((b, s), dtype=torch.long)
+        out["mm_token_type_ids"] = (out["input_ids"] == config.image_token_id).long()
+        out["image_grid_thw"] = torch.tensor([[1, v.spatial_merge_size, v.spatial_merge_size * k]] * (b * n))
+        out["position_ids"] = base.model.get_rope_index(
+            out["input_ids"], image_grid_thw=out["image_grid_thw"], attention_mask=out["attention_mask"],
+            mm_token_type_ids=out["mm_token_type_ids"])[0]
+    out["pixel_values"] = torch.zeros((b * n * k * v.spatial_merge_size ** 2,
+                                       v.in_channels * v.temporal_patch_size * v.patch_size ** 2))
+    return out
 
 
 def _tag_cpu_resident(rec, opt) -> None:

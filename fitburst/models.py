@@ -237,9 +237,12 @@ def auto_model_class(config):
 
 
 def model_family(model) -> Family:
-    """The family of a pipeline's ``model`` section, from its config.json (its ${ENV} token resolved at use)."""
+    """The family of a pipeline's ``model`` section, from its config.json (its ${ENV} token resolved at use); a
+    locally built model's from its architecture, so asking builds nothing (bad data is refused before that)."""
     from fitburst.spec import resolve_env
 
+    if model.name in LOCAL_MODELS:
+        return {"t5": "seq2seq", "qwen2_vl": "vision_language"}.get(LOCAL_MODELS[model.name], "causal")
     return config_family(load_config(model.name, model.revision, resolve_env(model.hf_token),
                                      model.trust_remote_code))
 

@@ -126,3 +126,13 @@ def test_qlora_leaves_experts_unquantized_and_the_estimate_counts_them_fp32(tmp_
     fp32 = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized)
     est = weight_bytes(load_shape(str(tmp_path)), TrainSettings(method="qlora", quant="nf4", double_quant=False))
     assert est["weights_fp32"] == pytest.approx(fp32, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["fitburst/tiny-demo", "fitburst/tiny-moe", "fitburst/tiny-t5", "fitburst/tiny-vl"])
+def test_a_local_models_family_is_known_before_it_is_built_and_matches_its_config(name):
+    """Data prep asks the family before reading records (so bad data is refused before any model is built): for
+    the locally built models it comes from their architecture, and must be what their built config says."""
+    from fitburst.models import config_family, load_config, model_family
+    from fitburst.spec import ModelSpec
+
+    assert model_family(ModelSpec(name=name)) == config_family(load_config(name))

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -57,15 +58,20 @@ def demo_model_dir(hidden_size: int | None = None, num_hidden_layers: int | None
     pretrain = arch == DEMO_ARCH and family == "llama"
     tag = f"h{arch['hidden_size']}-l{arch['num_hidden_layers']}-v{DEMO_VERSION}"
     dest = cache_root() / "models" / (f"tiny-demo-{tag}" if family == "llama" else f"tiny-{family}-{tag}")
+    if family == "t5":
+        return build_once(dest, build_tiny_t5)
+    return build_once(dest, lambda tmp: build_demo_model(tmp, pretrain=pretrain, family=family, **arch))
+
+
+def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
+    """``dest``, built by ``build`` into a temporary folder beside it on first use and renamed into place (atomic,
+    so concurrent callers are safe: the first rename wins)."""
     if (dest / "config.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        if family == "t5":
-            build_tiny_t5(tmp)
-        else:
-            build_demo_model(tmp, pretrain=pretrain, family=family, **arch)
+        build(tmp)
         try:
             tmp.rename(dest)
         except OSError:  # someone else finished first
@@ -145,16 +151,17 @@ def build_tiny_t5(dest: Path, vocab_size: int = 1024) -> None:
     model = T5ForConditionalGeneration(T5Config(
         vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         decoder_start_token_id=tok.pad_token_id, **T5_ARCH))
-    _pretrain_t5(model, tok, [t for t in demo_texts() if t])
+    _pretrain(model, tok, [t for t in demo_texts() if t], steps=150, batch=16, add_eos=False)
     model.save_pretrained(dest)
 
 
-def _pretrain_t5(model, tok, texts: list[str], steps: int = 150, batch: int = 16) -> None:
-    """A few seconds of copying the demo sentences (encoder input = decoder target), with no instruction format:
-    the base model knows the words and how to write them out, not the task the pipeline then teaches it."""
+def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32, add_eos: bool = True) -> None:
+    """A few seconds of plain training on the demo sentences, with no chat or instruction format, so the base model
+    knows the words but not the task the pipeline then teaches it: next-token prediction for a causal LM; for T5
+    (``add_eos`` false: its tokenizer appends eos) copying, encoder input = decoder target."""
     import torch
 
-    ids = [tok(t).input_ids[:48] for t in texts]  # eos appended by the tokenizer
+    ids = [tok(t).input_ids[:48] + ([tok.eos_token_id] if add_eos else []) for t in texts]
     g = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
@@ -166,28 +173,6 @@ def _pretrain_t5(model, tok, texts: list[str], steps: int = 150, batch: int = 16
             x[row, : len(ids[i])] = torch.tensor(ids[i])
         mask = (x != tok.pad_token_id).long()
         model(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    model.eval()
-
-
-def _pretrain(model, tok, texts: list[str], steps: int = 300, batch: int = 32) -> None:
-    """A few seconds of plain language-model training on the demo sentences, with no chat format, so the demo
-    base model knows the words but not the instruction-following task the pipeline then teaches it."""
-    import torch
-
-    ids = [tok(t).input_ids[:48] + [tok.eos_token_id] for t in texts]
-    g = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        pick = torch.randint(len(ids), (batch,), generator=g).tolist()
-        n = max(len(ids[i]) for i in pick)
-        x = torch.full((batch, n), tok.pad_token_id)
-        for row, i in enumerate(pick):
-            x[row, : len(ids[i])] = torch.tensor(ids[i])
-        labels = x.masked_fill(x == tok.pad_token_id, -100)
-        model(input_ids=x, attention_mask=(x != tok.pad_token_id).long(), labels=labels).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.eval()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -85,23 +83,10 @@ def write_shapes_demo(dest: Path, per_pair: int = 4, seed: int = 0) -> Path:
 # --- the tiny model --------------------------------------------------------------------------------------
 
 def tiny_vl_dir() -> Path:
-    """The tiny Qwen2-VL's folder, built on first use (atomic, so concurrent callers are safe)."""
-    from fitburst.models import cache_root
+    """The tiny Qwen2-VL's folder, built on first use."""
+    from fitburst.models import build_once, cache_root
 
-    dest = cache_root() / "models" / f"tiny-vl-v{VL_VERSION}"
-    if (dest / "config.json").exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
-    try:
-        build_tiny_vl(tmp)
-        try:
-            tmp.rename(dest)
-        except OSError:  # someone else finished first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return build_once(cache_root() / "models" / f"tiny-vl-v{VL_VERSION}", build_tiny_vl)
 
 
 def build_tiny_vl(dest: Path, vocab_size: int = 400) -> None:

@@ -280,3 +280,23 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
     traced = traced_estimate(local, s, dev, seq_len=40)
     assert traced.method == "traced"
     assert traced.allocated_peak_bytes == pytest.approx(tracker.peak, rel=0.002)
+
+
+def test_estimate_cli_takes_images_and_refuses_them_for_a_text_model(capsys):
+    """`fitburst estimate` gives a VL model's images their tokens and tower (a trained tower costs more than a
+    frozen one; more images or pixels cost more), and refuses --images for a text-only model with one message."""
+    from fitburst.cli import main
+
+    def reserved(*extra: str) -> float:
+        assert main(["estimate", "--model", "qwen2-vl-7b", "--method", "lora", "--targets", "all-linear",
+                     "--seq-len", "2048", "--device", "A100-80GB", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["reserved_peak_bytes"]
+
+    text = reserved()
+    frozen = reserved("--images", "1")
+    tower = reserved("--images", "1", "--vision", "tower")
+    more = reserved("--images", "2", "--vision", "tower")
+    assert text < frozen < tower < more
+    assert main(["estimate", "--model", "qwen2.5-7b", "--images", "1", "--device", "T4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --images: qwen2.5-7b has no vision tower (a vision-language model takes images)"]

@@ -49,6 +49,12 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "--safety-margin", type=float, default=DEFAULT_HEADROOM,
         help="headroom kept on top of the estimate's error band (fraction of budget)"
     )
+    p.add_argument("--pure-bf16", action="store_true", help="full fine-tuning steps bf16 weights (no fp32 masters)")
+    p.add_argument("--images", type=int, default=0, help="vision-language models: images per sample")
+    p.add_argument("--image-max-pixels", type=int, default=1003520,
+                   help="vision-language models: pixels per image (data.image_max_pixels; sets tokens per image)")
+    p.add_argument("--vision", choices=["frozen", "projector", "tower"], default="frozen",
+                   help="vision-language models: what of the vision side trains (method.vision)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument(
         "--exact",
@@ -60,6 +66,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_estimate(args: argparse.Namespace) -> int:
     from . import TrainSettings, load_shape, plan_fit, resolve_device
+    from .estimator import QWEN2_VL_PIXELS_PER_TOKEN
 
     try:
         shape = load_shape(args.model)
@@ -86,7 +93,13 @@ def run_estimate(args: argparse.Namespace) -> int:
             dtype=dtype,
             attention=args.attention,
             grad_accum=args.grad_accum,
+            pure_bf16=args.pure_bf16,
+            images=args.images,
+            image_tokens=args.image_max_pixels // QWEN2_VL_PIXELS_PER_TOKEN if args.images else 0,
+            vision=args.vision,
         )
+        if args.images and shape.vision is None:
+            raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
         plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -189,12 +190,8 @@ def _cpu_device() -> Device:
     if cg is not None:
         avail = min(avail, cg)
     budget = max(avail - CPU_RESERVE // 2, avail // 2)
-    try:
-        import bitsandbytes  # noqa: F401  (only to know whether QLoRA is possible here)
-
-        bnb = True
-    except Exception:
-        bnb = False
+    # whether QLoRA is possible here: installed is enough (importing it costs seconds and loads its kernels)
+    bnb = importlib.util.find_spec("bitsandbytes") is not None
     return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT)
 
 

@@ -360,16 +360,12 @@ class Tracker:
             prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
             example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
         local_base = Path(base_ref).is_dir() and spec.method.type != "full"
-        previous = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.uri)  # Model.log resolves the store from the process-wide URI ...
-        try:
+        with self._process_uri():
             return mlflow.transformers.log_model(
                 {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
                 base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
                 model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
                 pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
-        finally:  # ... which is put back, so a caller's own MLflow client is not redirected to this store
-            mlflow.set_tracking_uri(previous)
 
     def log_loss_curve(self, run_dir: str | Path, ev=None) -> None:
         """``train/loss.png``: the train loss curve, with the base and tuned validation losses when evaluated."""
@@ -387,6 +383,15 @@ class Tracker:
             loss_curve(metrics, Path(d) / "loss.png", title=Path(run_dir).name, eval_points=points)
             self.log_artifacts(Path(d) / "loss.png", "train")
 
+    def _process_uri(self):
+        """Model.log and a ``models:/`` version source resolve the store from MLflow's process-wide URI: set it to
+        this run's store for the call only and put back exactly what was there (unset stays unset, so
+        MLFLOW_TRACKING_URI keeps deciding for the rest of the process). MLflow's own scoped setter: the public API
+        cannot tell "unset" from "set to the environment's value"."""
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+        return _use_tracking_uri(self.uri)
+
     def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
         """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when
         its eval loss is lower than the current champion's (or there is none). Returns version, champion, moved."""
@@ -397,8 +402,9 @@ class Tracker:
             reg.get_registered_model(name)
         except MlflowException:
             reg.create_registered_model(name, description="fine-tuned by fitburst; alias 'champion': best eval loss")
-        version = reg.create_model_version(name, f"models:/{model_id}", run_id=self.run_id, model_id=model_id,
-                                           tags={k: redact(str(v)) for k, v in tags.items()})
+        with self._process_uri():
+            version = reg.create_model_version(name, f"models:/{model_id}", run_id=self.run_id, model_id=model_id,
+                                               tags={k: redact(str(v)) for k, v in tags.items()})
         try:
             holder = reg.get_model_version_by_alias(name, CHAMPION)
             held = holder.tags.get("eval.tuned_loss")

@@ -30,18 +30,14 @@ def short_runs(pipelines_file, demo_prepared, tmp_path_factory):
 
 
 def _log_and_register(spec, result, ev):
-    import mlflow
+    from mlflow.tracking._tracking_service import utils
 
     from fitburst.tracking import Tracker
 
     tracker = Tracker.start(spec)
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri("sqlite:///elsewhere.db")  # a caller's own process-wide store, not the tracker's
-    try:
-        info = tracker.log_model(spec, result.adapter_dir, precision=result.precision)
-        assert mlflow.get_tracking_uri() == "sqlite:///elsewhere.db"  # the tracker's store does not leak out
-    finally:
-        mlflow.set_tracking_uri(before)
+    unset = utils._tracking_uri  # None here: MLFLOW_TRACKING_URI decides, and must go on deciding
+    info = tracker.log_model(spec, result.adapter_dir, precision=result.precision)
+    assert utils._tracking_uri == unset  # the tracker's store does not stay set process-wide
     tags = {"pipeline": spec.name, "verdict": "local", "path": "local", "eval.tuned_loss": ev.tuned_loss,
             "eval.delta_loss": ev.delta_loss}
     reg = tracker.register_model("tracking-test", info.model_id, tags, ev.tuned_loss)

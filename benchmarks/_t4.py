@@ -26,7 +26,9 @@ MiB = 1 << 20
 # what bitsandbytes' quantizer always does; the 16-bit rows match only without it (the harness moved those with
 # .to()): cuda_kernels.apply's default (k-bit only). With the warm-up segment in the model, k-bit preparation
 # emptying the cache (what peft >= 0.20 does), on the fit rows: 4-bit rows 0.56 / 0.36 / 4.05 / 4.94 %, without:
-# 0.37 / 0.41 / 3.30 / 8.39 % (worst of the fit rows decides): taken.
+# 0.37 / 0.41 / 3.30 / 8.39 % (worst of the fit rows decides): taken. Result (held-out 4-bit rows, reserved +
+# context): -4.26 % .. +4.23 %, median |error| 2.13 %; allocated -0.12 % .. +0.25 % (was 8-17 MiB high). Errors of
+# TinyLlama rows 8, 20 and 21 under the warm-up rule were looked at while building it (nothing was chosen on them).
 READ_AHEAD = 0
 EMPTY_CACHE = True
 

@@ -528,7 +528,8 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
     events = trace.events
     if device.kind == "cuda":
-        events, start = cuda_kernels.apply(trace, device, s, seq_len)
+        # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too
+        events, start = cuda_kernels.apply(trace, device, s, seq_len, device_map=True)
         peak, peak_phase, phases = live_peaks(events, start)
         components = peak_components(events, start)
         replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())

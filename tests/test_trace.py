@@ -7,7 +7,7 @@ import pytest
 
 from fitburst.memory import TrainSettings, resolve_device
 from fitburst.memory import cuda_kernels as ck
-from fitburst.memory.trace import Event, TraceUnsupported, live_peaks, trace_step, traced_estimate
+from fitburst.memory.trace import Event, StepTrace, TraceUnsupported, live_peaks, trace_step, traced_estimate
 
 CFG = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, vocab_size=3000, tie_word_embeddings=True,
@@ -382,6 +382,13 @@ def test_rule_allocator_warmup_one_segment_the_load_carves():
     warm = allocator.replay(out)
     assert warm.peak_reserved == (76 + 20) * mib and warm.segments == 2  # 1 MiB left there: a new segment
     assert ck.allocator_warmup(ev, 0) == ev
+    # through the CUDA rules: k-bit loads take it (bnb's quantizer sets a device map), capped at the device less 1.2 GiB
+    tr = replace(StepTrace(events=ev, measured_start=3, params={}, seconds=0.0, dtype_bytes=2), load_bytes=40 << 30)
+    t4 = resolve_device("T4")
+    out, _ = ck.apply(tr, t4, settings(method="qlora", dtype="fp16"), S)
+    assert out[0].op == "caching_allocator_warmup" and out[0].size == t4.total_bytes - ck.WARMUP_HEADROOM
+    out, _ = ck.apply(tr, t4, settings(dtype="fp16"), S)
+    assert all(e.op != "caching_allocator_warmup" for e in out)
 
 
 def test_kbit_trace_records_warmup_bytes_and_gemm_4bit_shapes(model_dir):

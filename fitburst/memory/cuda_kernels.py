@@ -275,6 +275,9 @@ def bnb_dequant_linear(events, device: Device):
     return out
 
 
+WARMUP_HEADROOM = int(1.2 * 1024**3)  # caching_allocator_warmup never asks for more than the device less 1.2 GiB
+
+
 def allocator_warmup(events, nbytes: int):
     """transformers' ``caching_allocator_warmup``: before the first weight loads, one ``nbytes`` block (the
     checkpoint's weights on the device, 4-bit ones at half a byte per element) is allocated and freed."""
@@ -310,7 +313,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     s = settings
     events = drop_cpu_resident(list(trace.events))
     if s.kbit if device_map is None else device_map:
-        events = allocator_warmup(events, trace.load_bytes)
+        events = allocator_warmup(events, min(trace.load_bytes, device.total_bytes - WARMUP_HEADROOM))
     events = bnb_dequant_linear(events, device)
     events = softmax_half_to_float(events, s.dtype)
     events = softmax_backward_temp(events)

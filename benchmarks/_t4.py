@@ -29,6 +29,10 @@ MiB = 1 << 20
 # 0.37 / 0.41 / 3.30 / 8.39 % (worst of the fit rows decides): taken. Result (held-out 4-bit rows, reserved +
 # context): -4.26 % .. +4.23 %, median |error| 2.13 %; allocated -0.12 % .. +0.25 % (was 8-17 MiB high). Errors of
 # TinyLlama rows 8, 20 and 21 under the warm-up rule were looked at while building it (nothing was chosen on them).
+# The older loader (transformers before #44576: async, every 16-bit weight on the device before its quantize; read-
+# ahead "all") with peft 0.19 (no cache emptying), on the 4-bit fit rows with the warm-up: +3.15 / +2.85 / +0.75 /
+# -0.20 %: better there, not taken: it leaves TinyLlama's 2.1 GB of 16-bit weights reserved, more than the whole
+# measured reserved of a held-out row (b1 s1024 sdpa: 2034 MiB), so those runs did not load that way.
 READ_AHEAD = 0
 EMPTY_CACHE = True
 

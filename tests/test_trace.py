@@ -7,7 +7,7 @@ import pytest
 
 from fitburst.memory import TrainSettings, resolve_device
 from fitburst.memory import cuda_kernels as ck
-from fitburst.memory.trace import Event, TraceUnsupported, live_peaks, trace_step, traced_estimate
+from fitburst.memory.trace import Event, StepTrace, TraceUnsupported, live_peaks, trace_step, traced_estimate
 
 CFG = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, vocab_size=3000, tie_word_embeddings=True,
@@ -350,3 +350,58 @@ def test_mixture_of_experts_traces_in_fp32(tmp_path):
     peak = trace_step(spec_for(tmp_path), s, seq_len=S).live_peaks()[0]
     real, _ = real_cpu_peak(tmp_path, s, moe)
     assert abs(peak / real - 1) < 0.005, (peak, real)
+
+
+def test_rule_bnb_dequant_linear():
+    """bitsandbytes' CUDA gemm_4bit past the fused kernel's rows (T4: 320) dequantizes the weight into a temporary
+    allocated before the output and freed after it; at fewer rows the fused kernel allocates only the output."""
+    w = 8 << 20
+    ev = [A(1, 100), A(2, 4096, f"gemm_4bit:1024:{w}"), A(3, 64, f"gemm_4bit:256:{w}"), F(1, 100)]
+    out = ck.bnb_dequant_linear(ev, resolve_device("T4"))
+    assert [(e.kind, e.size) for e in out] == [("alloc", 100), ("alloc", w), ("alloc", 4096), ("free", w),
+                                               ("alloc", 64), ("free", 100)]
+    assert out[1].sid == out[3].sid and out[1].sid not in {1, 2, 3}
+    ev = [A(1, 64, f"gemm_4bit:400:{w}")]  # elsewhere the fused kernel may run to 512 rows
+    assert ck.bnb_dequant_linear(ev, resolve_device("A100-40GB")) == ev
+    assert len(ck.bnb_dequant_linear(ev, resolve_device("T4"))) == 3
+
+
+def test_rule_allocator_warmup_one_segment_the_load_carves():
+    """transformers' caching_allocator_warmup allocates and frees one block of the weights' size before loading:
+    the weights then fill that one segment instead of a segment each (a 1-10 MiB weight would take 20 MiB)."""
+    from fitburst.memory import allocator
+
+    mib = 1 << 20
+    ev = [A(1, 30 * mib, phase="load"), A(2, 5 * mib, phase="load"), A(3, 40 * mib, phase="load"),
+          A(4, 3 * mib)]
+    plain = allocator.replay(ev)  # the 3 MiB request reuses the 5 MiB weight's 20 MiB segment
+    assert plain.peak_reserved == (30 + 20 + 40) * mib and plain.segments == 3
+    out = ck.allocator_warmup(ev, 76 * mib)
+    assert [(e.kind, e.size, e.op) for e in out[:2]] == [("alloc", 76 * mib, "caching_allocator_warmup"),
+                                                         ("free", 76 * mib, "")]
+    warm = allocator.replay(out)
+    assert warm.peak_reserved == (76 + 20) * mib and warm.segments == 2  # 1 MiB left there: a new segment
+    assert ck.allocator_warmup(ev, 0) == ev
+    # through the CUDA rules: k-bit loads take it (bnb's quantizer sets a device map), capped at the device less 1.2 GiB
+    tr = replace(StepTrace(events=ev, measured_start=3, params={}, seconds=0.0, dtype_bytes=2), load_bytes=40 << 30)
+    t4 = resolve_device("T4")
+    out, _ = ck.apply(tr, t4, settings(method="qlora", dtype="fp16"), S)
+    assert out[0].op == "caching_allocator_warmup" and out[0].size == t4.total_bytes - ck.WARMUP_HEADROOM
+    out, _ = ck.apply(tr, t4, settings(dtype="fp16"), S)
+    assert all(e.op != "caching_allocator_warmup" for e in out)
+
+
+def test_kbit_trace_records_warmup_bytes_and_gemm_4bit_shapes(model_dir):
+    """The k-bit trace carries what caching_allocator_warmup reserves (4-bit weights at half a byte, the rest in
+    16 bits as loaded, the tied head once, no adapters) and each gemm_4bit's rows and dequantized weight bytes."""
+    s = settings(method="qlora", dtype="fp16", double_quant=False)
+    tr = trace_step(spec_for(model_dir), s, seq_len=S)
+    h, i, n = CFG["hidden_size"], CFG["intermediate_size"], CFG["num_hidden_layers"]
+    kv = CFG["num_key_value_heads"] * CFG["head_dim"]
+    numels = [i * h, h * h, h * kv]  # mlp, q/o, k/v
+    quantized = n * h * (2 * h + 2 * kv + 3 * i)
+    assert tr.load_bytes == quantized // 2 + 2 * (CFG["vocab_size"] * h + (2 * n + 1) * h)
+    tags = {e.tag for e in tr.events if e.kind == "alloc" and e.op == "gemm_4bit.default"}
+    assert {t.split(":")[1] for t in tags} == {str(B * S)}
+    assert {int(t.split(":")[2]) for t in tags} == {2 * x for x in numels}
+    assert trace_step(spec_for(model_dir), settings(dtype="fp16"), seq_len=S).load_bytes > 0

@@ -16,6 +16,11 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   it to fp32 (a 16-bit transient per adapter weight).
 - :func:`kbit_prepare_upcast`: k-bit loading brings embeddings, norms and head in 16 bits; k-bit preparation then
   casts them to fp32 (the trace builds them in fp32 directly).
+- :func:`bnb_dequant_linear`: bitsandbytes' CUDA ``gemm_4bit`` past a few hundred rows dequantizes the whole
+  weight into a temporary of the input's dtype and runs ``F.linear`` (its fake kernel shows only the output).
+- :func:`allocator_warmup`: from_pretrained with a device map (always so when bitsandbytes quantizes on load)
+  first allocates and frees one block the size of the weights it will load (transformers'
+  ``caching_allocator_warmup``): one segment that the loading, and later the step, carve up.
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
 - :func:`cuda_autocast_fp32_ops`: CUDA autocast runs layer_norm, group_norm and softmax / log_softmax (no dtype
@@ -244,6 +249,48 @@ def kbit_prepare_upcast(events, empty_cache: bool | None = None):
     return head + upcast + events[load_end:]
 
 
+# bitsandbytes 0.50 (backends/cuda/ops.py): past this many rows every CUDA arch takes _dequant_linear_fallback
+# (below it, a per-arch heuristic may pick the fused kernel: on a T4, only at <= 320 rows).
+GEMM_4BIT_FUSED_MAX_ROWS = {"T4": 320}
+GEMM_4BIT_FUSED_MAX_ROWS_DEFAULT = 512
+
+
+def bnb_dequant_linear(events, device: Device):
+    """``gemm_4bit`` events (tag ``gemm_4bit:<rows>:<weight bytes>``) with more rows than the fused kernel takes:
+    the dequantized weight is allocated before the output and freed right after it."""
+    from dataclasses import replace
+
+    limit = GEMM_4BIT_FUSED_MAX_ROWS.get(device.name.upper(), GEMM_4BIT_FUSED_MAX_ROWS_DEFAULT)
+    nxt = max((e.sid for e in events), default=0) + 1
+    out = []
+    for e in events:
+        if e.kind == "alloc" and e.tag.startswith("gemm_4bit:"):
+            _, rows, nbytes = e.tag.split(":")
+            if int(rows) > limit:
+                tmp = replace(e, sid=nxt, size=int(nbytes), op="dequantize_4bit", tag="bnb_dequant")
+                nxt += 1
+                out += [tmp, e, replace(tmp, kind="free", op="")]
+                continue
+        out.append(e)
+    return out
+
+
+WARMUP_HEADROOM = int(1.2 * 1024**3)  # caching_allocator_warmup never asks for more than the device less 1.2 GiB
+
+
+def allocator_warmup(events, nbytes: int):
+    """transformers' ``caching_allocator_warmup``: before the first weight loads, one ``nbytes`` block (the
+    checkpoint's weights on the device, 4-bit ones at half a byte per element) is allocated and freed."""
+    from dataclasses import replace
+
+    first = next((i for i, e in enumerate(events) if e.phase == "load"), None)
+    if first is None or nbytes <= 0:
+        return events
+    sid = max(e.sid for e in events) + 1
+    block = replace(events[first], kind="alloc", sid=sid, size=nbytes, op="caching_allocator_warmup", tag="")
+    return events[:first] + [block, replace(block, kind="free", op="")] + events[first:]
+
+
 def peft_empties_cache() -> bool:
     """Whether the installed peft's prepare_model_for_kbit_training calls torch.cuda.empty_cache() (0.20 on)."""
     import inspect
@@ -258,11 +305,16 @@ def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> st
     return "flash" if device.supports_bf16 and not padded else "efficient"
 
 
-def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None):
+def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None,
+          device_map: bool | None = None):
     """All rules for a CUDA ``device``; returns (events, index of the measured step's first event).
-    ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does)."""
+    ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does).
+    ``device_map``: whether from_pretrained loaded with a device map (None: only k-bit, whose quantizer sets one)."""
     s = settings
     events = drop_cpu_resident(list(trace.events))
+    if s.kbit if device_map is None else device_map:
+        events = allocator_warmup(events, min(trace.load_bytes, device.total_bytes - WARMUP_HEADROOM))
+    events = bnb_dequant_linear(events, device)
     events = softmax_half_to_float(events, s.dtype)
     events = softmax_backward_temp(events)
     if s.attention in ("sdpa", "flash"):

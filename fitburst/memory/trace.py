@@ -52,6 +52,7 @@ class StepTrace:
     heads: int = 0
     head_dim: int = 0
     notes: list[str] = field(default_factory=list)
+    load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
 
     def live_peaks(self) -> tuple[int, str, dict[str, int]]:
         """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
@@ -114,6 +115,8 @@ def _recorder_cls():
     counter_ops = {aten.add_, aten._foreach_add_}  # overload packets
     quantize_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "quantize_4bit", None)
     quantize_4bit = quantize_4bit.default if quantize_4bit is not None else None
+    gemm_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
+    gemm_4bit = gemm_4bit.default if gemm_4bit is not None else None
     matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 
     class Recorder(TorchDispatchMode):
@@ -186,6 +189,9 @@ def _recorder_cls():
                 tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
             elif "scaled_dot_product" in name:
                 tag = "sdpa_bwd" if "backward" in name else "sdpa_fwd"
+            elif func is gemm_4bit:  # rows M and the bytes of the weight dequantized to the input's dtype
+                a, (n, k) = args[0], args[2]
+                tag = f"gemm_4bit:{a.numel() // a.shape[-1]}:{n * k * a.element_size()}"
             leaves = tree_leaves(out)
             if func is quantize_4bit:  # its CUDA kernel allocates absmax before the packed weight it returns first
                 leaves = leaves[::-1]
@@ -304,6 +310,31 @@ def _quantized(w, compute_dtype, full=None):
     return p
 
 
+def warmup_bytes(model, compute_dtype) -> int:
+    """Bytes transformers' ``caching_allocator_warmup`` allocates (and frees at once) on the device before a
+    from_pretrained with a device map loads the weights (``get_total_byte_count``): every weight and persistent
+    buffer of the checkpoint once (tied ones once), at half a byte per element for a 4-bit weight, else at its
+    loading dtype (k-bit preparation's fp32 casts come later). Adapters are not in the checkpoint."""
+    import torch
+
+    total, seen = 0, set()
+    kbit = any(type(p).__name__ == "Params4bit" for p in model.parameters())
+    for name, m in model.named_modules():
+        stores = [(k, t) for k, t in m._parameters.items()]
+        stores += [(k, t) for k, t in m._buffers.items() if k not in m._non_persistent_buffers_set]
+        for k, t in stores:
+            if t is None or id(t) in seen or "lora_" in f"{name}.{k}":
+                continue
+            seen.add(id(t))
+            if type(t).__name__ == "Params4bit":
+                total += t.numel() // 2
+            elif kbit and t.dtype == torch.float32 and compute_dtype not in (None, torch.float32):
+                total += t.numel() * compute_dtype.itemsize  # k-bit preparation's fp32: loaded in 16 bits
+            else:
+                total += t.numel() * t.element_size()
+    return total
+
+
 def _materialize(model, rec, compute_dtype=None, kbit_read_ahead: int = 0) -> None:
     """Fake CPU storage for every meta parameter and buffer: base weights first (as loaded), then adapters (as
     peft adds them); a parameter shared by two modules (tied embeddings) materializes once. A quantize-on-load
@@ -420,6 +451,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     prefix = ["warmup."]
     fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops:
+        load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -459,7 +491,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
-                     heads=heads, head_dim=head_dim)
+                     heads=heads, head_dim=head_dim, load_bytes=load_bytes)
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
@@ -532,7 +564,8 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
     events = trace.events
     if device.kind == "cuda":
-        events, start = cuda_kernels.apply(trace, device, s, seq_len)
+        # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too
+        events, start = cuda_kernels.apply(trace, device, s, seq_len, device_map=True)
         peak, peak_phase, phases = live_peaks(events, start)
         components = peak_components(events, start)
         replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())

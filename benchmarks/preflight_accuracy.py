@@ -413,6 +413,7 @@ def part_b() -> list[dict]:
             grad_checkpointing=r["grad_ckpt"] == "yes",
             optimizer="adamw",
             dtype="bf16",
+            pure_bf16=True,  # LitGPT's bf16-true and torchtune's dtype bf16 hold bf16 weights: no autocast
             attention="sdpa",
             dropout=0.05 if r["id"].startswith("L") else 0.0,
         )

@@ -383,14 +383,25 @@ class Tracker:
             loss_curve(metrics, Path(d) / "loss.png", title=Path(run_dir).name, eval_points=points)
             self.log_artifacts(Path(d) / "loss.png", "train")
 
+    @contextmanager
     def _process_uri(self):
         """Model.log and a ``models:/`` version source resolve the store from MLflow's process-wide URI: set it to
-        this run's store for the call only and put back exactly what was there (unset stays unset, so
-        MLFLOW_TRACKING_URI keeps deciding for the rest of the process). MLflow's own scoped setter: the public API
-        cannot tell "unset" from "set to the environment's value"."""
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+        this run's store for the call only, then put back exactly what was there. MLflow keeps that state in two
+        places (its module global, which its public API cannot report as unset, and MLFLOW_TRACKING_URI, which
+        ``set_tracking_uri`` writes and unsets), so both are saved and restored."""
+        import mlflow
+        from mlflow.tracking._tracking_service import utils
 
-        return _use_tracking_uri(self.uri)
+        old_global, old_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(old_global)
+            if old_env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = old_env
 
     def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
         """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when

@@ -4,6 +4,7 @@ card, and the like-with-like memory plot; against a real MLflow sqlite store and
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,10 @@ def _log_and_register(spec, result, ev):
     from fitburst.tracking import Tracker
 
     tracker = Tracker.start(spec)
-    unset = utils._tracking_uri  # None here: MLFLOW_TRACKING_URI decides, and must go on deciding
+    # MLflow's process-wide state: unset here (MLFLOW_TRACKING_URI decides, and must go on deciding)
+    before = (utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI"))
     info = tracker.log_model(spec, result.adapter_dir, precision=result.precision)
-    assert utils._tracking_uri == unset  # the tracker's store does not stay set process-wide
+    assert (utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")) == before  # left exactly as it was
     tags = {"pipeline": spec.name, "verdict": "local", "path": "local", "eval.tuned_loss": ev.tuned_loss,
             "eval.delta_loss": ev.delta_loss}
     reg = tracker.register_model("tracking-test", info.model_id, tags, ev.tuned_loss)

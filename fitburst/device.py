@@ -50,7 +50,9 @@ def resolve_precision(precision: str, device: str) -> str:
 
     from fitburst.memory import auto_precision
 
-    bf16 = device != "cuda" or torch.cuda.is_bf16_supported()
+    # native bf16 only (sm >= 80): torch's default also says yes where it merely emulates it (a T4), which would
+    # train in slow emulated bf16 while the preflight planned fp16 (memory.probe_local: capability >= 8.0)
+    bf16 = device != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "bf16" and not bf16:
         raise DeviceError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
     return precision if precision != "auto" else auto_precision(device, bf16)

@@ -209,3 +209,25 @@ def test_pure_bf16_is_an_explicit_opt_in_for_bf16(pipelines_file):
         load_pipeline(pipelines_file, "demo", {"training.pure_bf16": True, "training.precision": "fp16"})
     spec = load_pipeline(pipelines_file, "demo", {"training.pure_bf16": True, "training.precision": "bf16"})
     assert make_amp("bf16", "cpu", pure_bf16=spec.training.pure_bf16).dtype is None  # no autocast: weights are bf16
+
+
+def test_a_gpu_that_only_emulates_bf16_trains_in_fp16(monkeypatch):
+    """torch.cuda.is_bf16_supported() says yes on a T4 (sm 7.5: it can make bf16 tensors, emulated): auto must
+    still pick fp16 there, as the preflight planned, and an explicit bf16 must be refused."""
+    import torch
+
+    from fitburst.device import DeviceError, resolve_precision
+
+    class T4Props:
+        major, minor, name = 7, 5, "Tesla T4"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: T4Props())
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True, raising=False)
+    assert torch.cuda.is_bf16_supported()  # what torch answers by default on such a card
+    assert resolve_precision("auto", "cuda") == "fp16"
+    with pytest.raises(DeviceError, match="no bf16"):
+        resolve_precision("bf16", "cuda")
+    T4Props.major, T4Props.minor = 8, 0  # an A100
+    assert resolve_precision("auto", "cuda") == "bf16"

@@ -191,9 +191,49 @@ def test_rule_sdpa_memory_efficient():
                                                ("free", b * s * h * d * 4), ("free", b * h * s * 4)]
     assert ck.sdpa_kernel(ev, "flash", batch=b, heads=h, seq_len=s, head_dim=d) == ev
     t4, a100 = resolve_device("T4"), resolve_device("A100-80GB")
-    assert ck.sdpa_kernel_for(t4, settings(), False) == "efficient"
-    assert ck.sdpa_kernel_for(a100, settings(), False) == "flash"
-    assert ck.sdpa_kernel_for(a100, settings(), True) == "efficient"
+    # (device, dtype, padded, grouped-query) -> what torch's CUDA dispatch runs
+    for dev, dtype, padded, gqa, kernel in [
+            (t4, "fp16", False, False, "efficient"), (t4, "fp16", True, True, "efficient"),  # mask: k/v expanded
+            (t4, "fp16", False, True, "math"),  # enable_gqa with no mask: efficient refuses, no flash on sm75
+            (a100, "bf16", False, True, "flash"), (a100, "bf16", True, False, "efficient"),
+            (a100, "fp32", False, False, "efficient"), (a100, "fp32", False, True, "math")]:  # flash: 16-bit only
+        assert ck.sdpa_kernel_for(dev, settings(dtype=dtype), padded, gqa) == kernel, (dev.name, dtype, padded, gqa)
+
+
+def test_grouped_query_sdpa_without_a_mask_is_traced_as_the_math_kernel_where_flash_cannot_run(model_dir, tmp_path):
+    """A T4 (or fp32 compute) cannot run flash, the efficient kernel takes no grouped-query heads, and transformers
+    passes unexpanded k/v when no mask reaches SDPA: the math kernel runs, with b*h*s*s fp32 scores per layer.
+    The traced math step equals a real CPU step pinned to the math kernel; both estimates count the scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fitburst.memory import estimate, load_shape
+
+    s = replace(settings(dtype="bf16"), keep_logits=False)
+    tr = trace_step(spec_for(model_dir), s, seq_len=S, sdpa_math=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        real, _ = real_cpu_peak(model_dir, s)
+    assert tr.sdpa == "math" and tr.kv_heads == CFG["num_key_value_heads"]
+    assert abs(tr.live_peaks()[0] / real - 1) < 0.005, (tr.live_peaks()[0], real)
+
+    t4, a100 = resolve_device("T4"), resolve_device("A100-80GB")
+    long = replace(s, seq_len=512, dtype="fp16")
+    scores = B * CFG["num_attention_heads"] * 512 * 512 * 4
+    on_t4 = traced_estimate(spec_for(model_dir), long, t4, seq_len=512)
+    on_a100 = traced_estimate(spec_for(model_dir), replace(long, dtype="bf16"), a100, seq_len=512)
+    assert any("math kernel" in n for n in on_t4.notes) and not any("math kernel" in n for n in on_a100.notes)
+    assert on_t4.allocated_peak_bytes - on_a100.allocated_peak_bytes >= scores
+    shape = load_shape(str(model_dir))
+    an_t4 = estimate(shape, long, t4, calibrate=False).allocated_peak_bytes
+    an_a100 = estimate(shape, replace(long, dtype="bf16"), a100, calibrate=False).allocated_peak_bytes
+    assert an_t4 - an_a100 >= scores
+    # a model with as many k/v heads as query heads keeps the memory-efficient kernel on the T4
+    mha = tmp_path / "mha"
+    mha.mkdir()
+    (mha / "config.json").write_text(json.dumps({**CFG, "num_key_value_heads": CFG["num_attention_heads"]}))
+    assert not any("math kernel" in n for n in traced_estimate(spec_for(mha), long, t4, seq_len=512).notes)
+    # a trace of the CPU's kernel cannot stand for the math kernel
+    with pytest.raises(ValueError, match="sdpa_math=True"):
+        ck.apply(trace_step(spec_for(model_dir), long, seq_len=512), t4, long, 512)
 
 
 def test_rule_cublas_workspaces_once_per_thread():

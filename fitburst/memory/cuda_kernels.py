@@ -30,8 +30,12 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .devices import Device
-from .estimator import TrainSettings
+
+if TYPE_CHECKING:
+    from .estimator import TrainSettings
 
 CUBLAS_WORKSPACE = {"sm75": 4096 * 1024 * 2 + 16 * 1024 * 8, "sm90": 32768 * 1024 + 16 * 1024 * 8}
 CUBLASLT_WORKSPACE = 1024 * 1024
@@ -148,9 +152,10 @@ def softmax_half_to_float(events, dtype: str):
 
 
 def sdpa_kernel(events, kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int):
-    """``kernel``: efficient | flash. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s); in
-    backward, ``delta`` (b, h, s fp32) and an fp32 dq accumulator (b, s, h, d) live for the op's duration."""
-    if kernel == "flash":
+    """``kernel``: efficient | flash | math. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s);
+    in backward, ``delta`` (b, h, s fp32) and an fp32 dq accumulator (b, s, h, d) live for the op's duration.
+    Flash allocates as the CPU's flash kernel does; math is traced as itself (``trace_step(sdpa_math=True)``)."""
+    if kernel in ("flash", "math"):
         return events
     from dataclasses import replace
 
@@ -300,16 +305,37 @@ def peft_empties_cache() -> bool:
     return "auto_clear_cache" in inspect.signature(prepare_model_for_kbit_training).parameters
 
 
-def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool) -> str:
-    """What SDPA picks on a GPU: FlashAttention-2 on sm >= 80 (bf16 capable) without a mask, else memory-efficient."""
-    return "flash" if device.supports_bf16 and not padded else "efficient"
+def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool, gqa: bool) -> str:
+    """The kernel torch's SDPA dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs on a CUDA
+    ``device``: flash | efficient | math. FlashAttention-2 needs sm >= 80 (``supports_bf16``), 16-bit q/k/v and no
+    mask. The memory-efficient kernel takes masks but no grouped-query heads (its dense constraints instantiate
+    ``check_batch_size_and_num_heads_dense<false>``), and transformers hands SDPA unexpanded k/v with
+    ``enable_gqa=True`` whenever no mask reaches it (``use_gqa_in_sdpa``; a padded batch's mask makes it expand
+    them with ``repeat_kv``). So an unpadded batch of a grouped-query model (``gqa``: fewer k/v heads than query
+    heads) where flash cannot run falls to the math kernel: fp32 copies of q, k and v, and b*h*s*s fp32 scores
+    and probabilities in every layer, as eager attention keeps them."""
+    if device.supports_bf16 and settings.dtype != "fp32" and not padded:
+        return "flash"
+    return "math" if gqa and not padded else "efficient"
+
+
+def sdpa_kernel_of(trace, device: Device, settings: TrainSettings) -> str | None:
+    """The SDPA kernel a CUDA ``device`` runs for a model traced as ``trace`` (None: eager attention). FlashAttention-2
+    (attention ``flash``) takes grouped-query heads itself."""
+    s = settings
+    if s.attention not in ("sdpa", "flash"):
+        return None
+    padded = s.batch > 1 if s.padded is None else s.padded
+    return sdpa_kernel_for(device, s, padded, gqa=s.attention == "sdpa" and 0 < trace.kv_heads < trace.heads)
 
 
 def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None,
-          device_map: bool | None = None):
+          device_map: bool | None = None, sdpa: str | None = None):
     """All rules for a CUDA ``device``; returns (events, index of the measured step's first event).
     ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does).
-    ``device_map``: whether from_pretrained loaded with a device map (None: only k-bit, whose quantizer sets one)."""
+    ``device_map``: whether from_pretrained loaded with a device map (None: only k-bit, whose quantizer sets one).
+    ``sdpa``: the SDPA kernel the run was pinned to (None: what the device's dispatch picks,
+    :func:`sdpa_kernel_of`); a trace of the CPU's kernel cannot stand for the math kernel, nor the reverse."""
     s = settings
     events = drop_cpu_resident(list(trace.events))
     if s.kbit if device_map is None else device_map:
@@ -317,10 +343,13 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     events = bnb_dequant_linear(events, device)
     events = softmax_half_to_float(events, s.dtype)
     events = softmax_backward_temp(events)
-    if s.attention in ("sdpa", "flash"):
-        padded = s.batch > 1 if s.padded is None else s.padded
-        events = sdpa_kernel(events, sdpa_kernel_for(device, s, padded), batch=s.batch, heads=trace.heads,
-                             seq_len=seq_len, head_dim=trace.head_dim)
+    kernel = sdpa or sdpa_kernel_of(trace, device, s)
+    if kernel is not None:
+        if (kernel == "math") != (trace.sdpa == "math"):
+            raise ValueError(f"the trace ran SDPA's {trace.sdpa} kernel; this CUDA run takes the {kernel} kernel: "
+                             f"trace it with sdpa_math={kernel == 'math'}")
+        events = sdpa_kernel(events, kernel, batch=s.batch, heads=trace.heads, seq_len=seq_len,
+                             head_dim=trace.head_dim)
     events = cublas_workspaces(events, device)
     events = kbit_prepare_upcast(events, empty_cache)
     events = peft_adapter_upcast(events, s.dtype)

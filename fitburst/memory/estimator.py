@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
 from .calibration import ErrorBand
+from .cuda_kernels import sdpa_kernel_for
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import EXPERT_ALIASES, ModelShape
 
@@ -727,7 +728,10 @@ def estimate(
     attention = s.attention
     if attention == "flash" and device.kind != "cuda":
         attention = "sdpa"
-    if attention == "sdpa":
+    if attention == "sdpa" and device.kind == "cuda":  # flash / efficient keep no scores; math keeps them
+        gqa = shape.kv_heads < shape.heads
+        attention = "math" if sdpa_kernel_for(device, s, padded, gqa) == "math" else "flash"
+    elif attention == "sdpa":
         attention = "math" if device.kind == "mps" else "flash"
     c = _Ctx(
         T=T,

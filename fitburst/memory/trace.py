@@ -53,6 +53,8 @@ class StepTrace:
     head_dim: int = 0
     notes: list[str] = field(default_factory=list)
     load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
+    kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
+    sdpa: str = "cpu"  # the SDPA kernel the trace ran: cpu (the CPU's flash kernel) | math
 
     def live_peaks(self) -> tuple[int, str, dict[str, int]]:
         """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
@@ -236,6 +238,20 @@ def gpu_like_masking(padded: bool):
 # --- building ----------------------------------------------------------------------------------------------
 
 
+def grouped_query(cfg: dict) -> bool:
+    """Whether the (text) model of a config.json has fewer key/value heads than query heads, as transformers
+    reads the config (False where it cannot build it: the trace then says why)."""
+    from transformers import AutoConfig
+
+    d = dict(cfg)
+    try:
+        text = AutoConfig.for_model(d.pop("model_type", ""), **d).get_text_config()
+    except (KeyError, ValueError):
+        return False
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    return 0 < int(getattr(text, "num_key_value_heads", None) or heads) < heads
+
+
 def config_dict(ref: str) -> dict:
     """config.json of a model reference, found where :func:`fitburst.memory.load_shape` looks."""
     from .shapes import config_path
@@ -411,7 +427,7 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str]):
 
 
 def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
-               kbit_read_ahead: int = 0, cuda_autocast: bool = False) -> StepTrace:
+               kbit_read_ahead: int = 0, cuda_autocast: bool = False, sdpa_math: bool = False) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
@@ -420,12 +436,16 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
     transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
     ``cuda_autocast``: run the ops CUDA autocast keeps in fp32 that way
-    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`)."""
+    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`). ``sdpa_math``: run SDPA's math kernel (the
+    composite both devices share), where the GPU's dispatch falls to it
+    (:func:`fitburst.memory.cuda_kernels.sdpa_kernel_for`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fitburst.device import make_amp, torch_dtype
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
@@ -445,12 +465,14 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     text = model.config.get_text_config()
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
     padded = s.batch > 1 if s.padded is None else s.padded
     rec = _recorder_cls()()
     prefix = ["warmup."]
     fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops:
+    math = sdpa_kernel(SDPBackend.MATH) if sdpa_math else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops, math:
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -491,7 +513,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
-                     heads=heads, head_dim=head_dim, load_bytes=load_bytes)
+                     heads=heads, head_dim=head_dim, load_bytes=load_bytes, kv_heads=kv_heads,
+                     sdpa="math" if sdpa_math else "cpu")
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
@@ -550,18 +573,25 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
     tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
     (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
-    trace depends on the device only through the optimizer's foreach path and CUDA autocast's fp32 ops)."""
+    trace depends on the device only through the optimizer's foreach path, CUDA autocast's fp32 ops and whether
+    SDPA falls to its math kernel there)."""
     from . import allocator, cuda_kernels
 
     s = settings
     foreach = device.kind == "cuda"
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach)
+    padded = s.batch > 1 if s.padded is None else s.padded
+    math = foreach and s.attention == "sdpa" and cuda_kernels.sdpa_kernel_for(
+        device, s, padded, gqa=grouped_query(config_dict(spec.model.name))) == "math"
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, math)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
-        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach)
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, sdpa_math=math)
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
+    if math:
+        notes.append(f"{device.name}: SDPA runs its math kernel here (grouped-query heads, no mask, no flash): "
+                     "b*h*s*s fp32 scores in every layer, traced as such")
     events = trace.events
     if device.kind == "cuda":
         # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too

@@ -319,6 +319,11 @@ def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool, gqa: 
     return "math" if gqa and not padded else "efficient"
 
 
+def math_kernel_note(device: Device) -> str:
+    return (f"{device.name}: SDPA runs its math kernel (grouped-query heads, no mask, no flash for this dtype): "
+            "b*h*s*s fp32 scores in every layer; a padded batch or a GPU with flash keeps them out")
+
+
 def sdpa_kernel_of(trace, device: Device, settings: TrainSettings) -> str | None:
     """The SDPA kernel a CUDA ``device`` runs for a model traced as ``trace`` (None: eager attention). FlashAttention-2
     (attention ``flash``) takes grouped-query heads itself."""

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import sdpa_kernel_for
+from .cuda_kernels import math_kernel_note, sdpa_kernel_for
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import EXPERT_ALIASES, ModelShape
 
@@ -751,7 +751,7 @@ def estimate(
         lora16=d if s.amp and not full else 0,
     )
     V, h = shape.vocab, shape.hidden
-    notes: list[str] = []
+    notes: list[str] = [math_kernel_note(device)] if device.kind == "cuda" and attention == "math" else []
 
     # weights, trainable params, grads, optimizer (fp32 master weights under autocast: weight_bytes)
     w = weight_bytes(shape, s)

@@ -590,8 +590,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
     if math:
-        notes.append(f"{device.name}: SDPA runs its math kernel here (grouped-query heads, no mask, no flash): "
-                     "b*h*s*s fp32 scores in every layer, traced as such")
+        notes.append(cuda_kernels.math_kernel_note(device))
     events = trace.events
     if device.kind == "cuda":
         # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from fitburst.memory.devices import Device
     from fitburst.spec import PipelineSpec
 
 DEMO_MODEL = "fitburst/tiny-demo"
@@ -251,18 +252,59 @@ def quantization_config(quant: str, double_quant: bool, compute_dtype):
                               bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
 
 
+# SDPA with grouped-query k/v expanded first, for GPUs with no FlashAttention for the run's dtype (T4, V100, fp32):
+# there transformers' unmasked SDPA call (enable_gqa) falls to the math kernel (fitburst.memory.cuda_kernels)
+EXPANDED_KV = "sdpa_expanded_kv"
+
+
+def _sdpa_expanded_kv(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with k/v expanded to the query heads when no mask reaches it (with a mask,
+    transformers expands them itself), so that SDPA's memory-efficient kernel can run the call."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if attention_mask is None and key.shape[1] < query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attn_implementation(attention: str, config, target: Device | None, precision: str) -> str | None:
+    """transformers' ``attn_implementation`` for ``training.attention`` (None: transformers' default, SDPA) on the
+    ``target`` device computing in ``precision``: SDPA becomes :data:`EXPANDED_KV` where a grouped-query model's
+    unmasked call would fall to the math kernel (:func:`fitburst.memory.cuda_kernels.expands_kv`); the estimate
+    traces the same choice."""
+    from fitburst.memory.cuda_kernels import expands_kv
+
+    impl = {"flash": "flash_attention_2", "auto": None}.get(attention, attention)
+    if impl not in (None, "sdpa") or target is None:
+        return impl
+    text = config.get_text_config()
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    gqa = 0 < int(getattr(text, "num_key_value_heads", None) or heads) < heads
+    if not expands_kv(target, precision, gqa):
+        return impl
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EXPANDED_KV, _sdpa_expanded_kv)
+    AttentionMaskInterface.register(EXPANDED_KV, sdpa_mask)
+    return EXPANDED_KV
+
+
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32"):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
-    an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.vision`): :func:`auto_model_class`."""
+    an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.vision`): :func:`auto_model_class`.
+    ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`)."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
     auto = auto_model_class(config)
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
     kwargs = dict(config=config, dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
                   device_map={"": device})
-    if attention != "auto":
-        kwargs["attn_implementation"] = {"flash": "flash_attention_2"}.get(attention, attention)
+    impl = attn_implementation(attention, config, target, precision)
+    if impl is not None:
+        kwargs["attn_implementation"] = impl
     qconf = quantization_config(quant, double_quant, dtype)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
@@ -284,16 +326,19 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
     """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
     revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`."""
     from fitburst.device import check_quant_supported, weight_dtype
+    from fitburst.memory.devices import probe_local
     from fitburst.spec import resolve_env
 
     m, method, tr = spec.model, spec.method, spec.training
     check_quant_supported(method.quant, device)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)
+    target = probe_local("cuda") if device.startswith("cuda") else None
     if path is not None:
-        return load_model(path, dtype=dtype, device=device, attention=tr.attention)
+        return load_model(path, dtype=dtype, device=device, attention=tr.attention, target=target,
+                          precision=precision)
     return load_model(m.name, dtype=dtype, device=device, quant=method.quant, double_quant=method.double_quant,
                       attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
-                      trust_remote_code=m.trust_remote_code)
+                      trust_remote_code=m.trust_remote_code, target=target, precision=precision)
 
 
 def _disable_bnb_cpu_repack(model) -> None:

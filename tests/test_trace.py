@@ -39,7 +39,7 @@ def eager16(model_dir):
     return trace_step(spec_for(model_dir), settings(dtype="fp16", attention="eager"), seq_len=S)
 
 
-def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG) -> tuple[int, int]:
+def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = None) -> tuple[int, int]:
     """Live tensor bytes of two real steps of the same model through the loop's own functions."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,7 +54,7 @@ def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG) -> tuple[int, int]:
     cfg = dict(cfg)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     sp = spec_with(spec_for(path), s)
-    base = AutoModelForCausalLM.from_config(config, attn_implementation=s.attention,
+    base = AutoModelForCausalLM.from_config(config, attn_implementation=attn or s.attention,
                                             dtype=weight_dtype(s.dtype, sp.method.type))  # as load_pipeline_model
     model = prepare_for_training(base, sp)
     amp = make_amp(s.dtype, "cpu")  # the loop's AMP: autocast (bf16/fp16) and fp16's GradScaler
@@ -191,50 +191,87 @@ def test_rule_sdpa_memory_efficient():
                                                ("free", b * s * h * d * 4), ("free", b * h * s * 4)]
     assert ck.sdpa_kernel(ev, "flash", batch=b, heads=h, seq_len=s, head_dim=d) == ev
     t4, a100 = resolve_device("T4"), resolve_device("A100-80GB")
-    # (device, dtype, padded, grouped-query) -> what torch's CUDA dispatch runs
+    # (device, dtype, padded, grouped-query heads reach SDPA) -> what torch's CUDA dispatch runs
     for dev, dtype, padded, gqa, kernel in [
             (t4, "fp16", False, False, "efficient"), (t4, "fp16", True, True, "efficient"),  # mask: k/v expanded
             (t4, "fp16", False, True, "math"),  # enable_gqa with no mask: efficient refuses, no flash on sm75
             (a100, "bf16", False, True, "flash"), (a100, "bf16", True, False, "efficient"),
             (a100, "fp32", False, False, "efficient"), (a100, "fp32", False, True, "math")]:  # flash: 16-bit only
-        assert ck.sdpa_kernel_for(dev, settings(dtype=dtype), padded, gqa) == kernel, (dev.name, dtype, padded, gqa)
+        assert ck.sdpa_kernel_for(dev, dtype, padded, gqa) == kernel, (dev.name, dtype, padded, gqa)
+    # the loader expands grouped-query k/v exactly where SDPA would fall to the math kernel
+    assert ck.expands_kv(t4, "fp16", True) and ck.expands_kv(a100, "fp32", True)
+    assert not ck.expands_kv(t4, "fp16", False) and not ck.expands_kv(a100, "bf16", True)
+    assert not ck.expands_kv(resolve_device("cpu:8GiB"), "fp32", True)
 
 
-def test_grouped_query_sdpa_without_a_mask_is_traced_as_the_math_kernel_where_flash_cannot_run(model_dir, tmp_path):
-    """A T4 (or fp32 compute) cannot run flash, the efficient kernel takes no grouped-query heads, and transformers
-    passes unexpanded k/v when no mask reaches SDPA: the math kernel runs, with b*h*s*s fp32 scores per layer.
-    The traced math step equals a real CPU step pinned to the math kernel; both estimates count the scores."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel(model_dir, tmp_path):
+    """On a T4 (no flash) a grouped-query model's unmasked SDPA call would run the math kernel (b*h*s*s fp32 scores
+    per layer); the loader expands k/v first so the memory-efficient kernel runs, and the estimates trace that
+    choice: the T4 figure carries expanded k/v, no scores. The traced expanded step equals a real CPU step."""
     from fitburst.memory import estimate, load_shape
-
-    s = replace(settings(dtype="bf16"), keep_logits=False)
-    tr = trace_step(spec_for(model_dir), s, seq_len=S, sdpa_math=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        real, _ = real_cpu_peak(model_dir, s)
-    assert tr.sdpa == "math" and tr.kv_heads == CFG["num_key_value_heads"]
-    assert abs(tr.live_peaks()[0] / real - 1) < 0.005, (tr.live_peaks()[0], real)
+    from fitburst.models import EXPANDED_KV, attn_implementation, load_config
 
     t4, a100 = resolve_device("T4"), resolve_device("A100-80GB")
+    config = load_config(str(model_dir))
+    assert attn_implementation("sdpa", config, t4, "fp16") == EXPANDED_KV
+    assert attn_implementation("auto", config, t4, "fp16") == EXPANDED_KV
+    assert attn_implementation("auto", config, a100, "bf16") is None and attn_implementation("eager", config, t4,
+                                                                                             "fp16") == "eager"
+    s = replace(settings(dtype="bf16"), keep_logits=False)
+    tr = trace_step(spec_for(model_dir), s, seq_len=S, device=t4)
+    real, _ = real_cpu_peak(model_dir, s, attn=EXPANDED_KV)
+    assert tr.kv_expanded and abs(tr.live_peaks()[0] / real - 1) < 0.005, (tr.live_peaks()[0], real)
+
     long = replace(s, seq_len=512, dtype="fp16")
     scores = B * CFG["num_attention_heads"] * 512 * 512 * 4
     on_t4 = traced_estimate(spec_for(model_dir), long, t4, seq_len=512)
     on_a100 = traced_estimate(spec_for(model_dir), replace(long, dtype="bf16"), a100, seq_len=512)
-    assert any("math kernel" in n for n in on_t4.notes) and not any("math kernel" in n for n in on_a100.notes)
-    assert any("math kernel" in n for n in estimate(load_shape(str(model_dir)), long, t4, calibrate=False).notes)
-    assert on_t4.allocated_peak_bytes - on_a100.allocated_peak_bytes >= scores
+    assert any("expanded" in n for n in on_t4.notes) and not any("expanded" in n for n in on_a100.notes)
+    expanded_kv = 2 * B * 512 * CFG["num_attention_heads"] * CFG["head_dim"] * 2  # k and v at all heads, fp16
+    assert expanded_kv <= on_t4.allocated_peak_bytes - on_a100.allocated_peak_bytes < scores
     shape = load_shape(str(model_dir))
-    an_t4 = estimate(shape, long, t4, calibrate=False).allocated_peak_bytes
-    an_a100 = estimate(shape, replace(long, dtype="bf16"), a100, calibrate=False).allocated_peak_bytes
-    assert an_t4 - an_a100 >= scores
-    # a model with as many k/v heads as query heads keeps the memory-efficient kernel on the T4
+    an_t4 = estimate(shape, long, t4, calibrate=False)
+    an_a100 = estimate(shape, replace(long, dtype="bf16"), a100, calibrate=False)
+    assert any("expanded" in n for n in an_t4.notes)
+    assert 0 < an_t4.allocated_peak_bytes - an_a100.allocated_peak_bytes < scores
+    # a trace made for another device would hand the T4 unexpanded k/v: refused, never taken for the math kernel
+    with pytest.raises(ValueError, match="expands grouped-query"):
+        ck.apply(trace_step(spec_for(model_dir), long, seq_len=512), t4, long, 512)
+    # a model with as many k/v heads as query heads keeps plain SDPA
     mha = tmp_path / "mha"
     mha.mkdir()
     (mha / "config.json").write_text(json.dumps({**CFG, "num_key_value_heads": CFG["num_attention_heads"]}))
-    assert not any("math kernel" in n for n in traced_estimate(spec_for(mha), long, t4, seq_len=512).notes)
-    # a trace of the CPU's kernel cannot stand for the math kernel
-    with pytest.raises(ValueError, match="sdpa_math=True"):
-        ck.apply(trace_step(spec_for(model_dir), long, seq_len=512), t4, long, 512)
+    assert attn_implementation("sdpa", load_config(str(mha)), t4, "fp16") == "sdpa"
+    assert not any("expanded" in n for n in traced_estimate(spec_for(mha), long, t4, seq_len=512).notes)
+
+
+def test_the_loader_expands_grouped_query_k_v_for_a_gpu_without_flash(tmp_path, monkeypatch):
+    """load_model for a T4: the expanded-k/v attention, the same logits as plain SDPA, and SDPA gets as many k/v heads
+    as query heads (plain SDPA hands it the grouped ones, which only the math kernel takes there)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fitburst.models import EXPANDED_KV, load_model
+
+    cfg = dict(CFG)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(tmp_path)
+    plain = load_model(str(tmp_path), dtype=torch.float32, device="cpu", attention="sdpa")
+    t4 = load_model(str(tmp_path), dtype=torch.float32, device="cpu", attention="sdpa", target=resolve_device("T4"),
+                    precision="fp16")
+    assert t4.config._attn_implementation == EXPANDED_KV and plain.config._attn_implementation == "sdpa"
+    heads = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        heads.append((q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    x = torch.randint(3, CFG["vocab_size"], (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(plain(x).logits, t4(x).logits, atol=1e-5)
+    n, kv = CFG["num_attention_heads"], CFG["num_key_value_heads"]
+    assert heads == [(n, kv)] * CFG["num_hidden_layers"] + [(n, n)] * CFG["num_hidden_layers"]
 
 
 def test_rule_cublas_workspaces_once_per_thread():

@@ -152,10 +152,10 @@ def softmax_half_to_float(events, dtype: str):
 
 
 def sdpa_kernel(events, kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int):
-    """``kernel``: efficient | flash | math. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s);
+    """``kernel``: efficient | flash. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s);
     in backward, ``delta`` (b, h, s fp32) and an fp32 dq accumulator (b, s, h, d) live for the op's duration.
-    Flash allocates as the CPU's flash kernel does; math is traced as itself (``trace_step(sdpa_math=True)``)."""
-    if kernel in ("flash", "math"):
+    Flash allocates as the CPU's flash kernel does."""
+    if kernel == "flash":
         return events
     from dataclasses import replace
 
@@ -305,33 +305,40 @@ def peft_empties_cache() -> bool:
     return "auto_clear_cache" in inspect.signature(prepare_model_for_kbit_training).parameters
 
 
-def sdpa_kernel_for(device: Device, settings: TrainSettings, padded: bool, gqa: bool) -> str:
+def sdpa_kernel_for(device: Device, dtype: str, padded: bool, gqa: bool) -> str:
     """The kernel torch's SDPA dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs on a CUDA
-    ``device``: flash | efficient | math. FlashAttention-2 needs sm >= 80 (``supports_bf16``), 16-bit q/k/v and no
-    mask. The memory-efficient kernel takes masks but no grouped-query heads (its dense constraints instantiate
-    ``check_batch_size_and_num_heads_dense<false>``), and transformers hands SDPA unexpanded k/v with
-    ``enable_gqa=True`` whenever no mask reaches it (``use_gqa_in_sdpa``; a padded batch's mask makes it expand
-    them with ``repeat_kv``). So an unpadded batch of a grouped-query model (``gqa``: fewer k/v heads than query
-    heads) where flash cannot run falls to the math kernel: fp32 copies of q, k and v, and b*h*s*s fp32 scores
-    and probabilities in every layer, as eager attention keeps them."""
-    if device.supports_bf16 and settings.dtype != "fp32" and not padded:
+    ``device`` for a run computing in ``dtype``: flash | efficient | math. FlashAttention-2 needs sm >= 80
+    (``supports_bf16``), 16-bit q/k/v and no mask. The memory-efficient kernel takes masks but no grouped-query
+    heads (its dense constraints instantiate ``check_batch_size_and_num_heads_dense<false>``); ``gqa``: SDPA gets
+    fewer k/v heads than query heads, as transformers passes them (``enable_gqa=True``) whenever no mask reaches
+    it (a padded batch's mask makes it expand them with ``repeat_kv``). Such a call with no flash falls to the math
+    kernel: fp32 copies of q, k and v, and b*h*s*s fp32 scores and probabilities in every layer."""
+    if device.supports_bf16 and dtype != "fp32" and not padded:
         return "flash"
     return "math" if gqa and not padded else "efficient"
 
 
-def math_kernel_note(device: Device) -> str:
-    return (f"{device.name}: SDPA runs its math kernel (grouped-query heads, no mask, no flash for this dtype): "
-            "b*h*s*s fp32 scores in every layer; a padded batch or a GPU with flash keeps them out")
+def expands_kv(device: Device, dtype: str, gqa: bool) -> bool:
+    """Whether fitburst's loader gives a grouped-query model (``gqa``) k/v expanded before SDPA on ``device``
+    (:data:`fitburst.models.EXPANDED_KV`): where an unmasked call would otherwise fall to the math kernel, so that
+    the memory-efficient kernel runs it (b*h*s*d copies of k and v instead of b*h*s*s scores)."""
+    return device.kind == "cuda" and gqa and sdpa_kernel_for(device, dtype, padded=False, gqa=True) == "math"
+
+
+def expanded_kv_note(device: Device) -> str:
+    return (f"{device.name}: no FlashAttention for this dtype, so grouped-query k/v are expanded before SDPA and its "
+            "memory-efficient kernel runs (unexpanded, SDPA would fall to its math kernel: b*h*s*s fp32 scores)")
 
 
 def sdpa_kernel_of(trace, device: Device, settings: TrainSettings) -> str | None:
     """The SDPA kernel a CUDA ``device`` runs for a model traced as ``trace`` (None: eager attention). FlashAttention-2
-    (attention ``flash``) takes grouped-query heads itself."""
+    (attention ``flash``) takes grouped-query heads itself; a trace whose k/v were expanded hands SDPA all heads."""
     s = settings
     if s.attention not in ("sdpa", "flash"):
         return None
     padded = s.batch > 1 if s.padded is None else s.padded
-    return sdpa_kernel_for(device, s, padded, gqa=s.attention == "sdpa" and 0 < trace.kv_heads < trace.heads)
+    gqa = s.attention == "sdpa" and 0 < trace.kv_heads < trace.heads and not trace.kv_expanded
+    return sdpa_kernel_for(device, s.dtype, padded, gqa)
 
 
 def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None,
@@ -340,7 +347,8 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does).
     ``device_map``: whether from_pretrained loaded with a device map (None: only k-bit, whose quantizer sets one).
     ``sdpa``: the SDPA kernel the run was pinned to (None: what the device's dispatch picks,
-    :func:`sdpa_kernel_of`); a trace of the CPU's kernel cannot stand for the math kernel, nor the reverse."""
+    :func:`sdpa_kernel_of`). A trace made for another device, whose grouped-query k/v reach SDPA unexpanded here,
+    would stand for the math kernel, which fitburst's loader avoids: refused."""
     s = settings
     events = drop_cpu_resident(list(trace.events))
     if s.kbit if device_map is None else device_map:
@@ -350,9 +358,9 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     events = softmax_backward_temp(events)
     kernel = sdpa or sdpa_kernel_of(trace, device, s)
     if kernel is not None:
-        if (kernel == "math") != (trace.sdpa == "math"):
-            raise ValueError(f"the trace ran SDPA's {trace.sdpa} kernel; this CUDA run takes the {kernel} kernel: "
-                             f"trace it with sdpa_math={kernel == 'math'}")
+        if kernel == "math":
+            raise ValueError(f"on {device.name} fitburst expands grouped-query k/v before SDPA: trace for this device "
+                             "(trace_step(device=...))")
         events = sdpa_kernel(events, kernel, batch=s.batch, heads=trace.heads, seq_len=seq_len,
                              head_dim=trace.head_dim)
     events = cublas_workspaces(events, device)

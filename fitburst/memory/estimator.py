@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import math_kernel_note, sdpa_kernel_for
+from .cuda_kernels import expanded_kv_note, expands_kv
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import EXPERT_ALIASES, ModelShape
 
@@ -381,6 +381,7 @@ class _Ctx:
     mask_b: int  # bytes per element of the dropout mask (CUDA fused: bool; elsewhere a float noise tensor)
     attention: str  # flash | math | eager
     padded: bool
+    kv_expanded: bool = False  # grouped-query k/v expanded before SDPA (fitburst.models.EXPANDED_KV)
     merged_experts: int = 0  # bytes of one block's expert weights merged with their LoRA (kept for backward)
     lora16: int = 0  # LoRA under autocast: bytes of the 16-bit dtype its adapters compute in (0: no autocast)
     master: bool = False  # full fine-tuning with fp32 master weights under autocast: fp32 residual stream, 16-bit
@@ -464,7 +465,7 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         sv["q_rope"] = a * T * qd
         repeat = (
             groups > 1
-            and (c.attention != "flash" or c.padded)
+            and (c.attention != "flash" or c.padded or c.kv_expanded)
             and shape.head_dim <= 256
             or (groups > 1 and shape.head_dim > 256)
         )
@@ -728,10 +729,8 @@ def estimate(
     attention = s.attention
     if attention == "flash" and device.kind != "cuda":
         attention = "sdpa"
-    if attention == "sdpa" and device.kind == "cuda":  # flash / efficient keep no scores; math keeps them
-        gqa = shape.kv_heads < shape.heads
-        attention = "math" if sdpa_kernel_for(device, s, padded, gqa) == "math" else "flash"
-    elif attention == "sdpa":
+    kv_expanded = attention == "sdpa" and expands_kv(device, s.dtype, shape.kv_heads < shape.heads)
+    if attention == "sdpa":
         attention = "math" if device.kind == "mps" else "flash"
     c = _Ctx(
         T=T,
@@ -746,12 +745,13 @@ def estimate(
         mask_b=1 if device.kind == "cuda" else 4,
         attention=attention,
         padded=padded,
+        kv_expanded=kv_expanded,
         merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
         master=s.master_weights,
         lora16=d if s.amp and not full else 0,
     )
     V, h = shape.vocab, shape.hidden
-    notes: list[str] = [math_kernel_note(device)] if device.kind == "cuda" and attention == "math" else []
+    notes: list[str] = [expanded_kv_note(device)] if kv_expanded else []
 
     # weights, trainable params, grads, optimizer (fp32 master weights under autocast: weight_bytes)
     w = weight_bytes(shape, s)

@@ -54,7 +54,7 @@ class StepTrace:
     notes: list[str] = field(default_factory=list)
     load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
     kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
-    sdpa: str = "cpu"  # the SDPA kernel the trace ran: cpu (the CPU's flash kernel) | math
+    kv_expanded: bool = False  # grouped-query k/v expanded before SDPA (fitburst.models.EXPANDED_KV)
 
     def live_peaks(self) -> tuple[int, str, dict[str, int]]:
         """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
@@ -270,12 +270,13 @@ def spec_with(spec, s: TrainSettings):
     return spec.model_copy(update={"method": method, "training": training})
 
 
-def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False):
+def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False,
+                device: Device | None = None):
     import torch
     from transformers import AutoConfig
 
     from fitburst.device import torch_dtype, weight_dtype
-    from fitburst.models import auto_model_class
+    from fitburst.models import attn_implementation, auto_model_class
 
     d = dict(cfg)
     mtype = d.pop("model_type", None)
@@ -288,7 +289,8 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
                                "or set model.trust_remote_code for a custom architecture") from None
     if mtype == "qwen2_5_vl":
         raise TraceUnsupported("the traced estimate does not cover Qwen2.5-VL's windowed vision tower yet")
-    impl = {"flash": "sdpa"}.get(s.attention, s.attention)  # FA2 needs its CUDA package: trace SDPA's shapes
+    # FA2 needs its CUDA package: trace SDPA's shapes; on ``device`` the loader's choice (models.attn_implementation)
+    impl = "sdpa" if s.attention == "flash" else attn_implementation(s.attention, config, device, s.dtype) or "sdpa"
     with torch.device("meta"):  # the class models.load_model loads
         model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
                                                      attn_implementation=impl, trust_remote_code=trust_remote_code)
@@ -427,7 +429,7 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str]):
 
 
 def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
-               kbit_read_ahead: int = 0, cuda_autocast: bool = False, sdpa_math: bool = False) -> StepTrace:
+               kbit_read_ahead: int = 0, cuda_autocast: bool = False, device: Device | None = None) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
@@ -436,18 +438,16 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
     transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
     ``cuda_autocast``: run the ops CUDA autocast keeps in fp32 that way
-    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`). ``sdpa_math``: run SDPA's math kernel (the
-    composite both devices share), where the GPU's dispatch falls to it
-    (:func:`fitburst.memory.cuda_kernels.sdpa_kernel_for`)."""
+    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`). ``device``: the device the model is loaded for,
+    whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from fitburst.device import make_amp, torch_dtype
+    from fitburst.models import EXPANDED_KV
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     from . import cuda_kernels
@@ -461,7 +461,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     step = step or optimizer_step
     sp = spec_with(spec, s)
     cfg = config_dict(sp.model.name)
-    model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16)
+    model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16, device)
     text = model.config.get_text_config()
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0))
@@ -471,8 +471,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     rec = _recorder_cls()()
     prefix = ["warmup."]
     fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
-    math = sdpa_kernel(SDPBackend.MATH) if sdpa_math else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops, math:
+    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops:
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -514,7 +513,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, head_dim=head_dim, load_bytes=load_bytes, kv_heads=kv_heads,
-                     sdpa="math" if sdpa_math else "cpu")
+                     kv_expanded=text._attn_implementation == EXPANDED_KV)
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
@@ -574,23 +573,22 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
     (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
     trace depends on the device only through the optimizer's foreach path, CUDA autocast's fp32 ops and whether
-    SDPA falls to its math kernel there)."""
+    the loader expands grouped-query k/v there)."""
     from . import allocator, cuda_kernels
 
     s = settings
     foreach = device.kind == "cuda"
-    padded = s.batch > 1 if s.padded is None else s.padded
-    math = foreach and s.attention == "sdpa" and cuda_kernels.sdpa_kernel_for(
-        device, s, padded, gqa=grouped_query(config_dict(spec.model.name))) == "math"
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, math)
+    expand = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype,
+                                                               grouped_query(config_dict(spec.model.name)))
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expand)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
-        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, sdpa_math=math)
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, device=device)
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
-    if math:
-        notes.append(cuda_kernels.math_kernel_note(device))
+    if trace.kv_expanded:
+        notes.append(cuda_kernels.expanded_kv_note(device))
     events = trace.events
     if device.kind == "cuda":
         # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too

@@ -258,30 +258,39 @@ EXPANDED_KV = "sdpa_expanded_kv"
 
 
 def _sdpa_expanded_kv(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention with k/v expanded to the query heads when no mask reaches it (with a mask,
-    transformers expands them itself), so that SDPA's memory-efficient kernel can run the call."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    """transformers' SDPA attention with k/v expanded to the query heads where transformers would hand SDPA the
+    grouped ones (``use_gqa_in_sdpa``: no mask, head dims <= 256; otherwise it expands them itself), so that SDPA's
+    memory-efficient kernel can run the call."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 
-    if attention_mask is None and key.shape[1] < query.shape[1]:
+    if key.shape[1] < query.shape[1] and use_gqa_in_sdpa(attention_mask, key, value):
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def attn_implementation(attention: str, config, target: Device | None, precision: str) -> str | None:
+def attn_implementation(attention: str, config, target: Device | None, precision: str,
+                        trust_remote_code: bool = False) -> str | None:
     """transformers' ``attn_implementation`` for ``training.attention`` (None: transformers' default, SDPA) on the
     ``target`` device computing in ``precision``: SDPA becomes :data:`EXPANDED_KV` where a grouped-query model's
-    unmasked call would fall to the math kernel (:func:`fitburst.memory.cuda_kernels.expands_kv`); the estimate
-    traces the same choice."""
+    unmasked call would fall to the math kernel (:func:`fitburst.memory.cuda_kernels.expands_kv`), for models
+    whose own code takes SDPA and a named attention implementation (not custom code); the estimate traces the same
+    choice."""
     from fitburst.memory.cuda_kernels import expands_kv
 
     impl = {"flash": "flash_attention_2", "auto": None}.get(attention, attention)
-    if impl not in (None, "sdpa") or target is None:
+    if impl not in (None, "sdpa") or target is None or trust_remote_code:
         return impl
     text = config.get_text_config()
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     gqa = 0 < int(getattr(text, "num_key_value_heads", None) or heads) < heads
     if not expands_kv(target, precision, gqa):
+        return impl
+    try:
+        cls = auto_model_class(config)._model_mapping[type(config)]
+    except KeyError:
+        return impl
+    if not (getattr(cls, "_supports_sdpa", False) and cls._can_set_attn_implementation()):
         return impl
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -302,7 +311,7 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
     kwargs = dict(config=config, dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
                   device_map={"": device})
-    impl = attn_implementation(attention, config, target, precision)
+    impl = attn_implementation(attention, config, target, precision, trust_remote_code)
     if impl is not None:
         kwargs["attn_implementation"] = impl
     qconf = quantization_config(quant, double_quant, dtype)

@@ -194,17 +194,29 @@ def test_rule_sdpa_memory_efficient():
     # (device, dtype, padded, grouped-query heads reach SDPA) -> what torch's CUDA dispatch runs
     for dev, dtype, padded, gqa, kernel in [
             (t4, "fp16", False, False, "efficient"), (t4, "fp16", True, True, "efficient"),  # mask: k/v expanded
-            (t4, "fp16", False, True, "math"),  # enable_gqa with no mask: efficient refuses, no flash on sm75
+            (t4, "fp16", False, True, "math"),  # enable_gqa with no mask: efficient refuses (torch 2.13), no flash
             (a100, "bf16", False, True, "flash"), (a100, "bf16", True, False, "efficient"),
             (a100, "fp32", False, False, "efficient"), (a100, "fp32", False, True, "math")]:  # flash: 16-bit only
-        assert ck.sdpa_kernel_for(dev, dtype, padded, gqa) == kernel, (dev.name, dtype, padded, gqa)
+        assert ck.sdpa_kernel_for(dev, dtype, padded, gqa, efficient_gqa=False) == kernel, (dev.name, dtype, gqa)
+    assert ck.sdpa_kernel_for(t4, "fp16", False, True, efficient_gqa=True) == "efficient"  # torch 2.14 on
     # the loader expands grouped-query k/v exactly where SDPA would fall to the math kernel
-    assert ck.expands_kv(t4, "fp16", True) and ck.expands_kv(a100, "fp32", True)
-    assert not ck.expands_kv(t4, "fp16", False) and not ck.expands_kv(a100, "bf16", True)
-    assert not ck.expands_kv(resolve_device("cpu:8GiB"), "fp32", True)
+    assert ck.expands_kv(t4, "fp16", True, False) and ck.expands_kv(a100, "fp32", True, False)
+    assert not ck.expands_kv(t4, "fp16", False, False) and not ck.expands_kv(a100, "bf16", True, False)
+    assert not ck.expands_kv(resolve_device("cpu:8GiB"), "fp32", True, False)
+    assert not ck.expands_kv(t4, "fp16", True, efficient_gqa=True)
+    import torch
+    assert ck.efficient_takes_gqa() == (tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14))
 
 
-def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel(model_dir, tmp_path):
+@pytest.fixture
+def torch_2_13_sdpa(monkeypatch):
+    """SDPA dispatch as torch 2.13 has it (the installed CPU build here): no grouped-query heads in the efficient
+    kernel, so a T4 would run an unmasked grouped-query call with the math kernel."""
+    monkeypatch.setattr(ck, "efficient_takes_gqa", lambda: False)
+
+
+def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel(model_dir, tmp_path,
+                                                                                     torch_2_13_sdpa):
     """On a T4 (no flash) a grouped-query model's unmasked SDPA call would run the math kernel (b*h*s*s fp32 scores
     per layer); the loader expands k/v first so the memory-efficient kernel runs, and the estimates trace that
     choice: the T4 figure carries expanded k/v, no scores. The traced expanded step equals a real CPU step."""
@@ -227,16 +239,23 @@ def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel
     on_t4 = traced_estimate(spec_for(model_dir), long, t4, seq_len=512)
     on_a100 = traced_estimate(spec_for(model_dir), replace(long, dtype="bf16"), a100, seq_len=512)
     assert any("expanded" in n for n in on_t4.notes) and not any("expanded" in n for n in on_a100.notes)
-    expanded_kv = 2 * B * 512 * CFG["num_attention_heads"] * CFG["head_dim"] * 2  # k and v at all heads, fp16
-    assert expanded_kv <= on_t4.allocated_peak_bytes - on_a100.allocated_peak_bytes < scores
+    one_layer_kv = 2 * B * 512 * CFG["num_attention_heads"] * CFG["head_dim"] * 2  # a layer's expanded k and v
+    assert one_layer_kv <= on_t4.allocated_peak_bytes - on_a100.allocated_peak_bytes < scores
     shape = load_shape(str(model_dir))
     an_t4 = estimate(shape, long, t4, calibrate=False)
     an_a100 = estimate(shape, replace(long, dtype="bf16"), a100, calibrate=False)
     assert any("expanded" in n for n in an_t4.notes)
-    assert 0 < an_t4.allocated_peak_bytes - an_a100.allocated_peak_bytes < scores
+    q_dim, kv_dim = CFG["num_attention_heads"] * CFG["head_dim"], CFG["num_key_value_heads"] * CFG["head_dim"]
+    saved_kv = 2 * CFG["num_hidden_layers"] * B * 512 * (q_dim - kv_dim) * 2  # k and v kept at all heads, fp16
+    assert an_t4.allocated_peak_bytes - an_a100.allocated_peak_bytes == saved_kv
     # a trace made for another device would hand the T4 unexpanded k/v: refused, never taken for the math kernel
     with pytest.raises(ValueError, match="expands grouped-query"):
         ck.apply(trace_step(spec_for(model_dir), long, seq_len=512), t4, long, 512)
+    # custom attention code (trust_remote_code) keeps its own: the trace says it cannot stand for the math kernel
+    custom = spec_for(model_dir)
+    custom = custom.model_copy(update={"model": custom.model.model_copy(update={"trust_remote_code": True})})
+    with pytest.raises(TraceUnsupported, match="math kernel"):
+        traced_estimate(custom, long, t4, seq_len=512)
     # a model with as many k/v heads as query heads keeps plain SDPA
     mha = tmp_path / "mha"
     mha.mkdir()
@@ -245,15 +264,18 @@ def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel
     assert not any("expanded" in n for n in traced_estimate(spec_for(mha), long, t4, seq_len=512).notes)
 
 
-def test_the_loader_expands_grouped_query_k_v_for_a_gpu_without_flash(tmp_path, monkeypatch):
-    """load_model for a T4: the expanded-k/v attention, the same logits as plain SDPA, and SDPA gets as many k/v heads
-    as query heads (plain SDPA hands it the grouped ones, which only the math kernel takes there)."""
+@pytest.mark.parametrize("head_dim", [32, 288])  # past 256 transformers expands k/v itself: no second expansion
+def test_the_loader_expands_grouped_query_k_v_for_a_gpu_without_flash(tmp_path, monkeypatch, torch_2_13_sdpa,
+                                                                      head_dim):
+    """load_model for a T4: the expanded-k/v attention, the same logits as plain SDPA with and without a padding
+    mask, and SDPA gets as many k/v heads as query heads (plain SDPA hands it the grouped ones when no mask reaches
+    it, which only the math kernel takes there)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fitburst.models import EXPANDED_KV, load_model
 
-    cfg = dict(CFG)
+    cfg = {**CFG, "head_dim": head_dim}
     AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(tmp_path)
     plain = load_model(str(tmp_path), dtype=torch.float32, device="cpu", attention="sdpa")
     t4 = load_model(str(tmp_path), dtype=torch.float32, device="cpu", attention="sdpa", target=resolve_device("T4"),
@@ -268,10 +290,14 @@ def test_the_loader_expands_grouped_query_k_v_for_a_gpu_without_flash(tmp_path, 
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     x = torch.randint(3, CFG["vocab_size"], (2, 16))
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
     with torch.no_grad():
         assert torch.allclose(plain(x).logits, t4(x).logits, atol=1e-5)
-    n, kv = CFG["num_attention_heads"], CFG["num_key_value_heads"]
-    assert heads == [(n, kv)] * CFG["num_hidden_layers"] + [(n, n)] * CFG["num_hidden_layers"]
+        assert torch.allclose(plain(x, attention_mask=mask).logits, t4(x, attention_mask=mask).logits, atol=1e-5)
+    n, kv, layers = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["num_hidden_layers"]
+    grouped = (n, kv if head_dim <= 256 else n)  # what plain SDPA gets with no mask
+    assert heads == [grouped] * layers + [(n, n)] * layers + [(n, n)] * 2 * layers
 
 
 def test_rule_cublas_workspaces_once_per_thread():

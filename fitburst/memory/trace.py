@@ -290,7 +290,8 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
     if mtype == "qwen2_5_vl":
         raise TraceUnsupported("the traced estimate does not cover Qwen2.5-VL's windowed vision tower yet")
     # FA2 needs its CUDA package: trace SDPA's shapes; on ``device`` the loader's choice (models.attn_implementation)
-    impl = "sdpa" if s.attention == "flash" else attn_implementation(s.attention, config, device, s.dtype) or "sdpa"
+    impl = "sdpa" if s.attention == "flash" else (
+        attn_implementation(s.attention, config, device, s.dtype, trust_remote_code) or "sdpa")
     with torch.device("meta"):  # the class models.load_model loads
         model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
                                                      attn_implementation=impl, trust_remote_code=trust_remote_code)
@@ -591,6 +592,10 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         notes.append(cuda_kernels.expanded_kv_note(device))
     events = trace.events
     if device.kind == "cuda":
+        if cuda_kernels.sdpa_kernel_of(trace, device, s) == "math":  # grouped-query k/v the loader cannot expand
+            raise TraceUnsupported(f"{spec.model.name}: on {device.name} its custom attention code would hand SDPA "
+                                   "grouped-query heads, which this torch runs with the math kernel (not traced); "
+                                   "the analytic estimate and its wider error band decide")
         # fitburst.models.load_model always loads with a device map: caching_allocator_warmup runs for 16 bits too
         events, start = cuda_kernels.apply(trace, device, s, seq_len, device_map=True)
         peak, peak_phase, phases = live_peaks(events, start)

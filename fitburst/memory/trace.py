@@ -238,20 +238,6 @@ def gpu_like_masking(padded: bool):
 # --- building ----------------------------------------------------------------------------------------------
 
 
-def grouped_query(cfg: dict) -> bool:
-    """Whether the (text) model of a config.json has fewer key/value heads than query heads, as transformers
-    reads the config (False where it cannot build it: the trace then says why)."""
-    from transformers import AutoConfig
-
-    d = dict(cfg)
-    try:
-        text = AutoConfig.for_model(d.pop("model_type", ""), **d).get_text_config()
-    except (KeyError, ValueError):
-        return False
-    heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    return 0 < int(getattr(text, "num_key_value_heads", None) or heads) < heads
-
-
 def config_dict(ref: str) -> dict:
     """config.json of a model reference, found where :func:`fitburst.memory.load_shape` looks."""
     from .shapes import config_path
@@ -579,9 +565,9 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
 
     s = settings
     foreach = device.kind == "cuda"
-    expand = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype,
-                                                               grouped_query(config_dict(spec.model.name)))
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expand)
+    # whether this device would expand a grouped-query model's k/v (the trace records whether this model's were)
+    expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype, gqa=True)
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expands)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
         trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, device=device)

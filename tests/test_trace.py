@@ -179,6 +179,41 @@ def test_rule_softmax_backward_temporary():
     assert live_peaks(out, 0)[0] == live_peaks(ev, 0)[0] + 400
 
 
+def test_rule_dropout_bool_mask():
+    ev = [A(1, 400, "dropout_noise:4"), A(2, 400), A(3, 200, "dropout_noise:2"), F(1, 400), A(4, 50), F(3, 200)]
+    out = ck.dropout_bool_mask(ev)
+    assert [(e.kind, e.sid, e.size) for e in out] == [("alloc", 1, 100), ("alloc", 2, 400), ("alloc", 3, 100),
+                                                      ("free", 1, 100), ("alloc", 4, 50), ("free", 3, 100)]
+    assert live_peaks(out, 0)[0] == live_peaks(ev, 0)[0] - 300 - 100
+
+
+def test_dropout_noise_is_recorded_and_cuda_keeps_a_bool_mask(model_dir, monkeypatch):
+    """The CPU's dropout draws noise of its input's dtype (what the trace records, tagged); CUDA's fused
+    native_dropout returns a bool mask (its meta kernel, which mirrors the CUDA op, says so): on a T4 each saved
+    noise block of a LoRA step with dropout becomes a mask of a quarter of its size (fp32 adapter inputs)."""
+    import torch
+
+    _, mask = torch.ops.aten.native_dropout(torch.empty(4, 8, device="meta"), 0.1, True)
+    assert mask.dtype == torch.bool and mask.element_size() == 1
+    s = settings(dropout=0.1, attention="eager")
+    tr = trace_step(spec_for(model_dir), s, seq_len=S)
+    noise = [e for e in tr.events if e.kind == "alloc" and e.tag.startswith("dropout_noise:")]
+    # q_proj and v_proj adapters of each layer, warm-up and measured step; fp32 adapter inputs
+    assert len(noise) == 2 * CFG["num_hidden_layers"] * 2
+    assert {(e.size, e.tag) for e in noise} == {(4 * B * S * CFG["hidden_size"], "dropout_noise:4")}
+    dev = resolve_device("T4")
+    events, start = ck.apply(tr, dev, s, S)
+    assert not any(e.tag.startswith("dropout_noise") for e in events)
+    masks = [e for e in events if e.kind == "alloc" and e.tag == "dropout_mask"]
+    assert {e.size for e in masks} == {B * S * CFG["hidden_size"]} and len(masks) == len(noise)
+    s0 = settings(attention="eager")
+    no_dropout, _ = ck.apply(trace_step(spec_for(model_dir), s0, seq_len=S), dev, s0, S)
+    monkeypatch.setattr(ck, "dropout_bool_mask", lambda ev: ev)
+    cpu_noise, _ = ck.apply(tr, dev, s, S)
+    peak = live_peaks(events, start)[0]
+    assert live_peaks(no_dropout, start)[0] < peak < live_peaks(cpu_noise, start)[0]
+
+
 def test_rule_sdpa_memory_efficient():
     b, h, s, d = 2, 4, 40, 16
     lse = b * h * s * 4

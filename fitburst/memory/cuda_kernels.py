@@ -6,6 +6,8 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 - :func:`softmax_half_to_float`: CUDA's ``softmax(fp16 x, dtype=fp32)`` writes fp32 straight from fp16 input;
   the CPU makes an fp32 copy of ``x`` first (b*h*s*s*4 bytes in eager attention).
 - :func:`softmax_backward_temp`: CUDA's softmax backward holds a ``grad * output`` temporary beside its result.
+- :func:`dropout_bool_mask`: CUDA runs dropout (0 < p < 1) as one fused kernel that keeps a bool mask for the
+  backward; the CPU draws a noise tensor of the input's dtype (4 bytes an element for an fp32 adapter input).
 - :func:`sdpa_kernel`: the CPU runs SDPA's flash kernel for CPU; a GPU runs the memory-efficient kernel (sm < 80,
   or with a mask) whose logsumexp is padded to 32 rows and whose backward holds a ``delta`` (b,h,s fp32) and an
   fp32 dq accumulator; FlashAttention-2 (sm >= 80, no mask) matches the CPU kernel's outputs.
@@ -150,6 +152,24 @@ def softmax_half_to_float(events, dtype: str):
         else:
             out.append(e)
         i += 1
+    return out
+
+
+def dropout_bool_mask(events):
+    """CUDA's ``native_dropout`` (fused, 0 < p < 1) allocates a bool mask, then the output; the CPU's composite
+    dropout allocates a noise tensor of the input's dtype, then the output: each noise block shrinks to one byte
+    an element, for as long as it lives (saved for the backward)."""
+    from dataclasses import replace
+
+    out, resized = [], {}
+    for e in events:
+        if e.kind == "alloc" and e.tag.startswith("dropout_noise:"):
+            resized[e.sid] = e.size // int(e.tag.split(":")[1])
+            out.append(replace(e, size=resized[e.sid], op="native_dropout", tag="dropout_mask"))
+        elif e.kind == "free" and e.sid in resized:
+            out.append(replace(e, size=resized.pop(e.sid)))
+        else:
+            out.append(e)
     return out
 
 
@@ -374,6 +394,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     if s.kbit if device_map is None else device_map:
         events = allocator_warmup(events, min(trace.load_bytes, device.total_bytes - WARMUP_HEADROOM))
     events = bnb_dequant_linear(events, device)
+    events = dropout_bool_mask(events)
     events = softmax_half_to_float(events, s.dtype)
     events = softmax_backward_temp(events)
     kernel = sdpa or sdpa_kernel_of(trace, device, s)

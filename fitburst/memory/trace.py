@@ -187,6 +187,8 @@ def _recorder_cls():
             elif func is aten._softmax.default and self._upcast is not None and self.sid_of(args[0]) == self._upcast:
                 self._retag(args[0], "softmax_upcast")
                 h2f = True
+            elif func is aten.bernoulli_.float:  # dropout's noise (CPU: input dtype; CUDA's fused kernel: bool)
+                self._retag(args[0], f"dropout_noise:{args[0].element_size()}")
             elif func is aten._softmax_backward_data.default:
                 tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
             elif "scaled_dot_product" in name:

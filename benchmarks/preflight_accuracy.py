@@ -294,7 +294,7 @@ def part_a(quick: bool) -> list[dict]:
 def part_t4() -> list[dict]:
     """t4_dev.csv: traced step (the harness's step) + CUDA rules + allocator replay vs measured allocated and
     reserved + context. The SmolLM2-135M rows chose the allocator's placement rule (fit); the rest are held out."""
-    from _t4 import predict
+    from _t4 import predict, settings_of
     from _t4 import rows as t4_rows
 
     from fitburst.memory.trace import TraceUnsupported
@@ -314,6 +314,8 @@ def part_t4() -> list[dict]:
         row.update(alloc=p["alloc"], total=p["reserved"] + ctx, trace_s=p["seconds"])
         row.update(alloc_err=row["alloc"] / row["measured_alloc"] - 1,
                    total_err=row["total"] / row["measured_total"] - 1)
+        a = estimate(load_shape(r["model_id"]), settings_of(r), resolve_device("T4"), calibrate=False)
+        row.update(analytic_err=(a.reserved_peak_bytes / 2**20 + ctx) / row["measured_total"] - 1)
         out.append(row)
     return out
 
@@ -360,21 +362,30 @@ def show_a(rows: list[dict]) -> dict:
 
 def show_t4(rows: list[dict]) -> dict:
     print("\n## (b) T4 (t4_dev.csv): predicted vs measured allocated and reserved + context\n")
-    print("| case | fit row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error | trace s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| case | fit row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error "
+          "| analytic error | trace s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
             print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.0f} | {r['error']} | "
                   f"{r['measured_total']:,.0f} | | |")
             continue
         print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.1f} / {r['alloc']:,.1f} | {r['alloc_err']:+.2%} "
-              f"| {r['measured_total']:,.0f} / {r['total']:,.0f} | {r['total_err']:+.2%} | {r['trace_s']:.1f} |")
+              f"| {r['measured_total']:,.0f} / {r['total']:,.0f} | {r['total_err']:+.2%} | {r['analytic_err']:+.1%} "
+              f"| {r['trace_s']:.1f} |")
     out = {}
     for name, sel in (("fit rows", True), ("held-out rows", False)):
         rr = [r for r in rows if r["fit"] == sel and "error" not in r]
         out[name] = dict(allocated=_stats([r["alloc_err"] for r in rr]),
                          total=_stats([r["total_err"] for r in rr]))
         print(f"{name}: allocated {out[name]['allocated']}; reserved + context {out[name]['total']}")
+        for label, quant in (("16-bit", False), ("4-bit", True)):
+            errs = [r["total_err"] for r in rr if (" nf4 " in r["case"]) == quant]
+            if errs:
+                print(f"  {label}: reserved + context {min(errs):+.2%} .. {max(errs):+.2%}")
+    an = [r["analytic_err"] for r in rows if "analytic_err" in r]  # nothing of the analytic model is fitted here
+    out["analytic"] = f"{_stats(an)}, {min(an):+.1%} .. {max(an):+.1%}" if an else "n=0"
+    print(f"analytic (every row held out): reserved + context {out['analytic']}")
     print(f"refused by the trace: {sum('error' in r for r in rows)} of {len(rows)}")
     return out
 

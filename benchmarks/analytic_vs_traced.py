@@ -1,0 +1,103 @@
+"""The analytic estimate against the traced one on CUDA, at full size: where the constants of the analytic reserved
+term (fitburst.memory.estimator.RESERVED_FACTOR / RESERVED_PER_LOGITS / RESERVED_FLOOR) come from.
+
+A seeded grid of configurations (10 bundled models; T4 / L4 / A100; LoRA / QLoRA, eager / SDPA, padded or not,
+checkpointing or not, 256-2048 tokens) is traced (FakeTensorMode, CUDA rules, caching-allocator replay) and
+estimated analytically. Prints per configuration and per group traced / analytic - 1 for allocated and reserved,
+then the least-squares fit of reserved - allocated = a x allocated + b x fp32 logits + c on the traced replays of
+the FIT models, scored on the others (held out). Nothing here is a measurement of a GPU.
+
+Usage: python benchmarks/analytic_vs_traced.py [--n 100] [--seed 1]   (about 8 minutes on the 2-core box)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory.estimator import RESERVED_FACTOR, RESERVED_FLOOR, RESERVED_PER_LOGITS  # noqa: E402
+from fitburst.memory.trace import TraceUnsupported, traced_estimate  # noqa: E402
+from fitburst.spec import PipelineSpec  # noqa: E402
+
+FIT = ["Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "google/gemma-3-270m", "Qwen/Qwen2.5-1.5B"]
+HELD_OUT = ["HuggingFaceTB/SmolLM2-135M", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "Qwen/Qwen2.5-3B",
+            "meta-llama/Llama-3.2-3B", "microsoft/phi-1_5"]
+MiB = 1 << 20
+
+
+def grid(n: int, seed: int) -> list[tuple[str, str, TrainSettings]]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        model = rnd.choice(FIT if i % 5 < 3 else HELD_OUT)
+        dev = rnd.choice(["T4", "T4", "A100-40GB", "L4"])
+        quant, b = rnd.choice(["none", "nf4"]), rnd.choice([1, 2, 4])
+        out.append((model, dev, TrainSettings(
+            method="qlora" if quant == "nf4" else "lora", quant=quant, double_quant=rnd.choice([True, False]),
+            rank=rnd.choice([8, 16, 32]), targets=rnd.choice([["q_proj", "v_proj"], "all-linear"]), batch=b,
+            seq_len=rnd.choice([256, 512, 1024, 2048]), grad_checkpointing=rnd.choice([True, False]),
+            dtype="fp16" if dev == "T4" else "bf16", attention=rnd.choice(["eager", "sdpa"]), keep_logits=False,
+            dropout=rnd.choice([0.0, 0.05]), padded=rnd.choice([False, True]) if b > 1 else False)))
+    return out
+
+
+def _range(errs: list[float]) -> str:
+    return (f"n={len(errs)}: {min(errs):+.1%} .. {max(errs):+.1%}, median |error| "
+            f"{statistics.median(abs(e) for e in errs):.1%}") if errs else "n=0"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    rows = []
+    print("| model | device | settings | traced alloc / reserved MiB | analytic alloc / reserved MiB | "
+          "reserved: traced / analytic - 1 |")
+    print("|---|---|---|---:|---:|---:|")
+    for model, dev, s in grid(args.n, args.seed):
+        device = resolve_device(dev)
+        spec = PipelineSpec.model_validate(dict(name="g", model=dict(name=model), data=dict(path="x.jsonl")))
+        try:
+            t = traced_estimate(spec, s, device, seq_len=s.seq_len)
+        except TraceUnsupported as e:
+            print(f"| {model} | {dev} | {s.describe()} | refused: {e} | | |")
+            continue
+        shape = load_shape(model)
+        a = estimate(shape, s, device, calibrate=False)
+        rows.append(dict(model=model, ckpt=s.grad_checkpointing, t_alloc=t.allocated_peak_bytes,
+                         t_res=t.reserved_peak_bytes, a_alloc=a.allocated_peak_bytes, a_res=a.reserved_peak_bytes,
+                         logits=4 * s.batch * s.seq_len * shape.vocab))
+        r = rows[-1]
+        print(f"| {model.split('/')[1]} | {dev} | {s.describe()} | {r['t_alloc'] / MiB:,.0f} / {r['t_res'] / MiB:,.0f} "
+              f"| {r['a_alloc'] / MiB:,.0f} / {r['a_res'] / MiB:,.0f} | {r['t_res'] / r['a_res'] - 1:+.1%} |")
+    print("\ntraced / analytic - 1 (the scale of calibration's analytic-vs-traced band):")
+    for name, sel in (("with checkpointing", True), ("without", False)):
+        rr = [r for r in rows if r["ckpt"] == sel]
+        print(f"  {name}: allocated {_range([r['t_alloc'] / r['a_alloc'] - 1 for r in rr])}; "
+              f"reserved {_range([r['t_res'] / r['a_res'] - 1 for r in rr])}")
+    fit = np.array([r["model"] in FIT for r in rows])
+    x = np.array([[r["t_alloc"], r["logits"], 1.0] for r in rows])
+    y = np.array([r["t_res"] - r["t_alloc"] for r in rows], dtype=float)
+    coef, *_ = np.linalg.lstsq(x[fit], y[fit], rcond=None)
+    kept = np.array([RESERVED_FACTOR["cuda"] - 1, RESERVED_PER_LOGITS["cuda"], RESERVED_FLOOR["cuda"]])
+    print(f"\nreserved - allocated on the traced replays = a x allocated + b x fp32 logits + c, least squares on "
+          f"{fit.sum()} configurations of the fit models: a {coef[0]:.3f}, b {coef[1]:.3f}, c {coef[2] / MiB:.0f} MiB "
+          f"(the estimator has {kept[0]:.3f}, {kept[1]:.3f}, {kept[2] / MiB:.0f} MiB)")
+    for label, c in (("this fit", coef), ("the estimator's", kept), ("x 1.06 + 64 MiB", [0.06, 0.0, 64 * MiB])):
+        for name, sel in (("fit models", fit), ("held-out models", ~fit)):
+            pred = x[sel] @ np.asarray(c) + x[sel, 0]
+            print(f"  {label}, {name}: reserved from the traced allocated "
+                  f"{_range(list(pred / (y[sel] + x[sel, 0]) - 1))}")
+
+
+if __name__ == "__main__":
+    main()

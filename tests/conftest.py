@@ -5,7 +5,9 @@ The environment is set before prefect / mlflow are imported anywhere, so their s
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -13,7 +15,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _TMP = Path(tempfile.mkdtemp(prefix="fitburst-tests-"))
+# every temp folder of this session (ours, the libraries', the subprocesses') lives in _TMP and goes with it
+tempfile.tempdir = str(_TMP)
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 os.environ.update({
+    "TMPDIR": str(_TMP),
     "PREFECT_HOME": str(_TMP / "prefect"),
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",

@@ -214,6 +214,22 @@ def test_dropout_noise_is_recorded_and_cuda_keeps_a_bool_mask(model_dir, monkeyp
     assert live_peaks(no_dropout, start)[0] < peak < live_peaks(cpu_noise, start)[0]
 
 
+def test_feature_dropout_noise_is_not_taken_for_a_mask():
+    """Feature dropout (dropout2d) is not fused on CUDA either: its broadcast noise keeps the input's dtype."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitburst.memory.trace import _recorder_cls
+
+    rec = _recorder_cls()()
+    with FakeTensorMode(), rec:
+        x = torch.empty(2, 8, 4, 4)
+        torch.nn.functional.dropout2d(x, 0.1, True)
+        torch.nn.functional.dropout(x, 0.1, True)
+    tags = [e.tag for e in rec.events if e.kind == "alloc"]
+    assert tags.count("dropout_noise:4") == 1, tags
+
+
 def test_rule_sdpa_memory_efficient():
     b, h, s, d = 2, 4, 40, 16
     lse = b * h * s * 4

@@ -187,8 +187,9 @@ def _recorder_cls():
             elif func is aten._softmax.default and self._upcast is not None and self.sid_of(args[0]) == self._upcast:
                 self._retag(args[0], "softmax_upcast")
                 h2f = True
-            elif func is aten.bernoulli_.float:  # dropout's noise (CPU: input dtype; CUDA's fused kernel: bool)
-                self._retag(args[0], f"dropout_noise:{args[0].element_size()}")
+            elif func is aten.bernoulli_.float:  # dropout's noise (CPU: input dtype; CUDA's fused kernel: bool);
+                # feature dropout's noise (at::empty of a broadcast shape) stays a float tensor on CUDA too
+                self._retag(args[0], f"dropout_noise:{args[0].element_size()}", op="empty_like.default")
             elif func is aten._softmax_backward_data.default:
                 tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
             elif "scaled_dot_product" in name:
@@ -208,12 +209,14 @@ def _recorder_cls():
                 self._upcast = self.sid_of(out)
             return out
 
-        def _retag(self, t, tag: str) -> None:
+        def _retag(self, t, tag: str, op: str | None = None) -> None:
+            """Tag the allocation of ``t`` (only if the op that made it is ``op``, when given)."""
             sid = self.sid_of(t)
             for i in range(len(self.events) - 1, -1, -1):
                 e = self.events[i]
                 if e.sid == sid and e.kind == "alloc":
-                    self.events[i] = Event(e.kind, e.sid, e.size, e.phase, e.op, tag)
+                    if op is None or e.op == op:
+                        self.events[i] = Event(e.kind, e.sid, e.size, e.phase, e.op, tag)
                     return
 
     return Recorder

@@ -177,31 +177,56 @@ def test_the_verdict_plans_for_the_bands_upper_edge():
 
 # --- the exact estimate verifies the plan (merge point of the traced estimate) -----------------------------
 
+def traced_like(shape, factor: float, calls: list):
+    """Stands in for the traced estimate: the analytic figure x ``factor``, judged by the traced band."""
+    def exact(x, d):
+        calls.append(x)
+        e = estimate(shape, x, d)
+        return replace(e, reserved_peak_bytes=int(e.reserved_peak_bytes * factor), method="traced")
+    return exact
+
+
 def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_rung_further():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
     dev = resolve_device("A6000")
 
-    def traced_like(factor: float, calls: list):
-        def exact(x, d):  # stands in for the traced estimate: the analytic figure x factor, with its narrow band
-            calls.append(x)
-            e = estimate(shape, x, d)
-            return replace(e, reserved_peak_bytes=int(e.reserved_peak_bytes * factor), method="traced")
-        return exact
-
     plain = plan_fit(shape, s, dev)  # analytic alone: planned for its +31 % band
     assert plain.settings.grad_checkpointing
     agreed_calls: list = []
-    agreed = plan_fit(shape, s, dev, exact=traced_like(1.0, agreed_calls))
-    # the exact estimate agrees: the search only had to predict it (+-2 %), so a cheaper plan is verified
+    agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))
+    # the exact estimate agrees: the search only had to pick plans worth tracing, so a cheaper plan is verified
     assert agreed.fits and len(agreed_calls) == 1 and agreed.estimate.method == "traced"
     assert not agreed.settings.grad_checkpointing and agreed.settings.effective_batch == s.effective_batch
     assert agreed.estimate.band == band_for("traced", "cuda")
     calls: list = []
-    checked = plan_fit(shape, s, dev, exact=traced_like(1.35, calls))
+    checked = plan_fit(shape, s, dev, exact=traced_like(shape, 1.35, calls))
     assert calls[0] == agreed.settings  # the cheapest plan was checked first, rejected, then the next rung
     assert checked.fits and checked.settings != agreed.settings and len(calls) >= 2
     assert checked.needed_bytes <= checked.limit_bytes
+
+
+def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
+    """Without checkpointing the analytic figure can be ~20 % above the trace on CUDA: the search must still
+    trace the plan as configured (not skip to checkpointing, or to a burst), and take it when the trace fits."""
+    shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
+    s = TrainSettings(method="lora", rank=16, batch=2, seq_len=2048)
+    need = estimate(shape, s, resolve_device("A100-80GB")).reserved_peak_bytes
+    dev = resolve_device(f"cuda:{need * 0.92 / GiB:.3f}GiB")
+    limit = int(dev.budget_bytes * 0.97)
+    assert band_for("analytic", "cuda").upper(need) > limit  # the analytic estimate alone: does not fit
+    assert band_for("traced", "cuda").upper(int(need * 0.85)) <= limit  # a trace 15 % lower: fits
+    plain = plan_fit(shape, s, dev)
+    assert plain.changes  # analytic alone: a rung down
+    calls: list = []
+    p = plan_fit(shape, s, dev, exact=traced_like(shape, 0.85, calls))
+    assert p.fits and p.changes == [] and p.settings == s and calls == [s]
+    assert p.estimate.method == "traced" and p.needed_bytes <= p.limit_bytes
+    # a trace as high as the analytic figure: the plan as configured is tried once, rejected, and the search
+    # goes on to a plan the trace accepts, with at most a few traces
+    calls = []
+    p = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, calls))
+    assert calls[0] == s and p.fits and p.settings != s and 2 <= len(calls) <= 4
 
 
 # --- the traced estimate wired in: it checks the chosen plan, the report shows both figures -----------------

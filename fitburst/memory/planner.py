@@ -1,9 +1,11 @@
 """The fit planner for one device: the ladder of changes people try by hand, cheapest slowdown first.
 
-It searches with the fast analytic estimate; the chosen plan is then checked by an ``exact`` estimate function
-when one is given (the traced estimate), and when that says it does not fit, the next-cheapest plan is tried.
-A plan fits when the upper edge of the estimate's error band (:mod:`fitburst.memory.calibration`) stays within the
-device budget less the extra headroom. Where to run (local, cloud, nowhere) is not decided here.
+It searches with the fast analytic estimate. Without an ``exact`` estimate function the analytic figure decides;
+with one (the traced estimate), the search only picks the plans worth checking, cheapest first (those the
+analytic figure leaves room for, given how far it may be from the trace: calibration's analytic-vs-traced band),
+and the first plan the exact estimate says fits is taken. A plan fits when the upper edge of the estimate's error
+band (:mod:`fitburst.memory.calibration`) stays within the device budget less the extra headroom. Where to run
+(local, cloud, nowhere) is not decided here.
 """
 
 from __future__ import annotations
@@ -57,26 +59,33 @@ class Plan:
 
 @dataclass(frozen=True)
 class Budget:
-    """What a plan must stay within on ``device``: budget x (1 - headroom), against the band's upper edge."""
+    """What a plan must stay within on ``device``: budget x (1 - headroom), against the band's upper edge.
+
+    ``scout``: judge an analytic estimate as a predictor of the exact (traced) one that will verify the plan: a
+    plan is worth tracing when the most favourable trace its analytic figure allows (the analytic-vs-traced band's
+    low edge) fits at the traced band's upper edge. The exact check then decides; nothing is accepted on this."""
 
     device: Device
     headroom: float = DEFAULT_HEADROOM
-    band_key: str | None = None  # which band to judge by; None: the estimate's own method's
+    scout: bool = False
 
     @property
     def limit(self) -> int:
         return int(self.device.budget_bytes * (1 - self.headroom))
 
     def judge(self, e: Estimate) -> Estimate:
-        """Mark ``e`` with its band, the headroom and whether its upper edge fits (the only fit test)."""
-        e.band = band_for(self.band_key or e.method, self.device.kind, _kbit(e))
+        """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing)."""
+        e.band = band_for(e.method, self.device.kind, _kbit(e))
         e.safety_margin = self.headroom
         e.fits = self.needed(e) <= self.limit
         return e
 
     def needed(self, e: Estimate) -> int:
-        band = e.band or band_for(self.band_key or e.method, self.device.kind, _kbit(e))
-        return band.upper(e.reserved_peak_bytes)
+        kind, kbit = self.device.kind, _kbit(e)
+        if self.scout:
+            lowest = int(e.reserved_peak_bytes * (1 + band_for("analytic-vs-traced", kind, kbit).low))
+            return band_for("traced", kind, kbit).upper(lowest)
+        return (e.band or band_for(e.method, kind, kbit)).upper(e.reserved_peak_bytes)
 
 
 def _kbit(e: Estimate) -> bool:
@@ -170,8 +179,8 @@ def plan_fit(
     ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search."""
     allow = {**{k: True for k in _COST}, **(allow or {})}
     budget = Budget(device, safety_margin)
-    # with an exact check behind it, the search needs the analytic estimate only as a predictor of the exact one
-    scout = Budget(device, safety_margin, "analytic-vs-traced") if exact is not None else budget
+    # with an exact check behind it, the search only picks plans worth tracing; the trace decides
+    scout = Budget(device, safety_margin, scout=True) if exact is not None else budget
 
     def analytic(s: TrainSettings, d: Device) -> Estimate:
         return estimate(shape, s, d)
@@ -224,7 +233,8 @@ def plan_fit(
         plan = verified([f for f in search() if f[1] not in rejected])
     if plan is not None:
         return plan
-    # nothing fits here: the closest miss, and how long a sequence would fit as configured
+    # nothing fits here: the closest miss (judged as the analytic estimate it is), and how long a sequence would fit
+    base = budget.judge(base)
     longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
     why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
            f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "

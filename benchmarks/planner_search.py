@@ -1,0 +1,52 @@
+"""What the fit planner chooses for a few full-size runs on CUDA cards: with the analytic estimate alone, and with
+the traced estimate verifying its choice (what ``fitburst preflight`` does), how many traces that took and how
+long. The traced plan is the one a user would run; nothing here is a measurement of a GPU.
+
+Usage: python benchmarks/planner_search.py   (about a minute on the 2-core box)
+"""
+
+from __future__ import annotations
+
+import time
+
+from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
+from fitburst.memory.trace import traced_estimate
+from fitburst.spec import PipelineSpec
+
+CASES = [
+    ("Qwen/Qwen2.5-7B-Instruct", TrainSettings(method="lora", rank=16, batch=4, seq_len=2048), "A6000"),
+    # a T4 has no bf16: fp16 there (what fitburst's precision resolution picks)
+    ("Qwen/Qwen2.5-7B-Instruct",
+     TrainSettings(method="qlora", quant="nf4", rank=16, batch=4, seq_len=1024, dtype="fp16"), "T4"),
+    ("Qwen/Qwen2.5-1.5B-Instruct", TrainSettings(method="lora", rank=16, batch=8, seq_len=1024, dtype="fp16"), "T4"),
+    ("TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+     TrainSettings(method="qlora", quant="nf4", rank=32, batch=8, seq_len=1024, dtype="fp16"), "T4"),
+]
+
+
+def _said(plan) -> str:
+    return ("; ".join(plan.changes) or "as configured") if plan.fits else "nothing fits"
+
+
+def main() -> None:
+    print("| model | settings | device | analytic alone | traced check | traces | seconds |")
+    print("|---|---|---|---|---|---:|---:|")
+    for model, s, name in CASES:
+        shape, device = load_shape(model), resolve_device(name)
+        spec = PipelineSpec.model_validate(dict(name="bench", model=dict(name=model), data=dict(path="unused.jsonl")))
+        calls: list = []
+        cache: dict = {}
+
+        def exact(x, d, spec=spec, calls=calls, cache=cache):
+            calls.append(x)
+            return traced_estimate(spec, x, d, seq_len=x.seq_len, cache=cache)
+
+        t0 = time.perf_counter()
+        traced = plan_fit(shape, s, device, exact=exact)
+        seconds = time.perf_counter() - t0
+        print(f"| {model.split('/')[1]} | {s.describe()} | {name} | {_said(plan_fit(shape, s, device))} "
+              f"| {_said(traced)} | {len(calls)} | {seconds:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
-from fitburst.memory.trace import traced_estimate
+from fitburst.preflight import exact_estimate
 from fitburst.spec import PipelineSpec
 
 CASES = [
@@ -34,12 +34,11 @@ def main() -> None:
     for model, s, name in CASES:
         shape, device = load_shape(model), resolve_device(name)
         spec = PipelineSpec.model_validate(dict(name="bench", model=dict(name=model), data=dict(path="unused.jsonl")))
-        calls: list = []
-        cache: dict = {}
+        traced, calls = exact_estimate(spec, s.seq_len), []  # the preflight's own check (one trace per settings)
 
-        def exact(x, d, spec=spec, calls=calls, cache=cache):
+        def exact(x, d, traced=traced, calls=calls):
             calls.append(x)
-            return traced_estimate(spec, x, d, seq_len=x.seq_len, cache=cache)
+            return traced(x, d)
 
         t0 = time.perf_counter()
         traced = plan_fit(shape, s, device, exact=exact)

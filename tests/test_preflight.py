@@ -229,6 +229,28 @@ def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
     assert calls[0] == s and p.fits and p.settings != s and 2 <= len(calls) <= 4
 
 
+def test_when_the_exact_checks_run_out_the_most_frugal_plan_left_is_checked_last():
+    """An exact estimate that rejects the first plans it sees (each just over the card, so the search learns
+    little from them): after the 4 checks a device gets, the planner checks the plan that needs least, and takes
+    it when it fits, saying cheaper ones were not all checked, instead of giving up on the device."""
+    shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
+    s = TrainSettings(method="lora", rank=16, batch=4, seq_len=1024, dropout=0.05)
+    dev = resolve_device("A6000")
+    over = int(int(dev.budget_bytes * 0.97) / (1 + band_for("traced", "cuda").high)) + (64 << 20)
+    calls: list = []
+
+    def exact(x, d):
+        calls.append(x)
+        e = replace(estimate(shape, x, d), method="traced")
+        return replace(e, reserved_peak_bytes=max(over, e.reserved_peak_bytes)) if len(calls) <= 4 else e
+
+    p = plan_fit(shape, s, dev, exact=exact)
+    assert len(calls) == 5 and p.fits and p.settings == calls[-1] and p.estimate.method == "traced"
+    needs = [estimate(shape, x, dev).reserved_peak_bytes for x in calls]
+    assert needs[-1] == min(needs)  # the most frugal plan, not the next cheapest
+    assert "rejected 4 cheaper plan(s)" in p.changes[-1] and p.needed_bytes <= p.limit_bytes
+
+
 # --- the traced estimate wired in: it checks the chosen plan, the report shows both figures -----------------
 
 def test_the_preflight_traces_the_chosen_plan_and_reports_both_figures(demo_spec, demo_prepared):

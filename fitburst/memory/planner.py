@@ -3,7 +3,8 @@
 It searches with the fast analytic estimate. Without an ``exact`` estimate function the analytic figure decides;
 with one (the traced estimate), the search only picks the plans worth checking, cheapest first (those the
 analytic figure leaves room for, given how far it may be from the trace: calibration's analytic-vs-traced band),
-and the first plan the exact estimate says fits is taken. A plan fits when the upper edge of the estimate's error
+and the first plan the exact estimate says fits is taken; after a few rejections, the plan that needs least is
+checked last. A plan fits when the upper edge of the estimate's error
 band (:mod:`fitburst.memory.calibration`) stays within the device budget less the extra headroom. Where to run
 (local, cloud, nowhere) is not decided here.
 """
@@ -207,23 +208,44 @@ def plan_fit(
                                     [text for _, _, text in combo], e))
         return sorted(out, key=lambda f: f[0])
 
-    def verified(found: list) -> Plan | None:
-        """The first of ``found`` that the exact estimate (when given) agrees fits."""
-        for _, s, rung_text, e in found:
-            if exact is not None:
-                if scout.needed(e) * ratio[0] > scout.limit:
-                    continue
-                if len(rejected) >= _MAX_EXACT_CHECKS:
-                    return None
-                x = budget.judge(exact(s, device))
-                if not x.fits:
-                    rejected.append(s)
-                    ratio[0] = max(ratio[0], budget.needed(x) / scout.needed(e))
-                    continue
-                e = x
-            e.plan = _describe(settings, s, rung_text, e)
-            return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
+    def taken(s: TrainSettings, rung_text: list[str], e: Estimate) -> Plan:
+        e.plan = _describe(settings, s, rung_text, e)
+        return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
+
+    def checked(s: TrainSettings, e: Estimate) -> Estimate | None:
+        """The exact estimate of ``s`` if it fits; else None, and the search learns how far off ``e`` was."""
+        x = budget.judge(exact(s, device))
+        if x.fits:
+            return x
+        rejected.append(s)
+        ratio[0] = max(ratio[0], budget.needed(x) / scout.needed(e))
         return None
+
+    def verified(found: list) -> Plan | None:
+        """The first of ``found`` that the exact estimate (when given) agrees fits. When the exact checks run out,
+        one last check of the most frugal plan left: a slower plan verified beats a device given up on."""
+        if exact is None:
+            return taken(*found[0][1:]) if found else None
+        for _, s, rung_text, e in found:
+            if scout.needed(e) * ratio[0] > scout.limit:  # the ratio learned so far says the trace would reject it
+                continue
+            if len(rejected) >= _MAX_EXACT_CHECKS:
+                break
+            if (x := checked(s, e)) is not None:
+                return taken(s, rung_text, x)
+        else:
+            return None
+        left = [f for f in found if f[1] not in rejected and scout.needed(f[3]) * ratio[0] <= scout.limit]
+        if not left:
+            return None
+        _, s, rung_text, e = min(left, key=lambda f: (scout.needed(f[3]), f[0]))
+        n = len(rejected)
+        if (x := checked(s, e)) is None:
+            return None
+        plan = taken(s, rung_text, x)
+        plan.changes.append(f"the exact estimate rejected {n} cheaper plan(s); this is the most frugal one, checked "
+                            "last: a cheaper plan between may fit too")
+        return plan
 
     rejected: list[TrainSettings] = []
     ratio = [1.0]  # exact / analytic need seen on rejected plans: plans that would be rejected alike are skipped

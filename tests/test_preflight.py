@@ -191,7 +191,7 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
     dev = resolve_device("A6000")
 
-    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its +31 % band
+    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its band's upper edge (+21 %)
     assert plain.settings.grad_checkpointing
     agreed_calls: list = []
     agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))
@@ -207,19 +207,24 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
 
 
 def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
-    """Without checkpointing the analytic figure can be ~20 % above the trace on CUDA: the search must still
-    trace the plan as configured (not skip to checkpointing, or to a burst), and take it when the trace fits."""
+    """The analytic figure can be above the trace on CUDA (by up to the analytic-vs-traced band's low edge): the
+    search must still trace the plan as configured (not skip to checkpointing, or to a burst), and take it when
+    the trace fits."""
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=16, batch=2, seq_len=2048)
     need = estimate(shape, s, resolve_device("A100-80GB")).reserved_peak_bytes
-    dev = resolve_device(f"cuda:{need * 0.92 / GiB:.3f}GiB")
+    lower = 1 + 0.8 * band_for("analytic-vs-traced", "cuda").low  # a trace that much under the analytic figure
+    assert lower < 0.97
+    ctx = resolve_device("cuda:1GiB").context_bytes
+    card = band_for("traced", "cuda").upper(int(need * lower)) / 0.97 / 0.995 + ctx
+    dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
     limit = int(dev.budget_bytes * 0.97)
-    assert band_for("analytic", "cuda").upper(need) > limit  # the analytic estimate alone: does not fit
-    assert band_for("traced", "cuda").upper(int(need * 0.85)) <= limit  # a trace 15 % lower: fits
+    assert need > limit  # the analytic estimate alone: does not fit, even before its band
+    assert band_for("traced", "cuda").upper(int(need * lower)) <= limit  # the lower trace: fits
     plain = plan_fit(shape, s, dev)
     assert plain.changes  # analytic alone: a rung down
     calls: list = []
-    p = plan_fit(shape, s, dev, exact=traced_like(shape, 0.85, calls))
+    p = plan_fit(shape, s, dev, exact=traced_like(shape, lower, calls))
     assert p.fits and p.changes == [] and p.settings == s and calls == [s]
     assert p.estimate.method == "traced" and p.needed_bytes <= p.limit_bytes
     # a trace as high as the analytic figure: the plan as configured is tried once, rejected, and the search

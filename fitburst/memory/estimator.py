@@ -3,9 +3,10 @@
 Everything here is arithmetic on the config: no torch, no weights. The activation terms follow what autograd
 saves op by op in the Hugging Face decoder layers (RMSNorm up-casts, projections, RoPE, attention kernel,
 gated MLP), with peft's fp32 LoRA path (an fp32 copy of each targeted module's input, dropout noise) and
-prepare_model_for_kbit_training's fp32 residual stream under k-bit quantization; the loss keeps fp32 copies
-of the logits. Each phase of the step (forward end, loss, backward, optimizer step, eval) is summed from
-components and the largest one is the peak. Constants that are measured rather than derived are named.
+prepare_model_for_kbit_training's fp32 residual stream under k-bit quantization (under autocast, the matmuls
+and adapters keep 16-bit copies of its tensors instead); the loss keeps fp32 copies of the logits. Each phase of
+the step (forward end, loss, backward, optimizer step, eval) is summed from components and the largest one is the
+peak. Constants that are measured rather than derived are named.
 """
 
 from __future__ import annotations
@@ -427,11 +428,10 @@ def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
             saved[in_key] = c.a * T * fan_in
         return True
     if name in c.targets and c.lora16:  # autocast: peft runs the adapter in 16 bits, no fp32 copy of its input
-        if c.drop:  # the dropout output (fp32 under k-bit's fp32 stream), then its 16-bit cast for lora_A
+        if c.drop:  # dropout keeps its mask; lora_A keeps the dropout output, or (k-bit's fp32 stream) its
+            # 16-bit cast, the fp32 output then freed
             saved[f"{name}.noise"] = c.mask_b * T * fan_in
-            saved[f"{name}.drop"] = c.a * T * fan_in
-            if c.a != c.lora16:
-                saved[f"{name}.drop16"] = c.lora16 * T * fan_in
+            saved[f"{name}.drop"] = c.lora16 * T * fan_in
         else:  # the input itself, or (k-bit's fp32 stream) a 16-bit copy made for this module's lora_A
             saved[in_key if c.a == c.lora16 else f"{name}.cast16"] = c.lora16 * T * fan_in
         saved[f"{name}.loraA"] = c.lora16 * T * c.rank
@@ -468,27 +468,28 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
     if shape.qk_norm and rg_att:
         sv["qnorm.f32"] = 4 * T * qd
         sv["knorm.f32"] = 4 * T * kvd
-    if rg_att:
+    if rg_att:  # attention's matmuls keep their inputs; under autocast, 16-bit copies (k-bit's fp32 q/k/v freed)
+        m = c.lora16 or a
         groups = shape.heads // shape.kv_heads
-        sv["q_rope"] = a * T * qd
+        sv["q_rope"] = m * T * qd
         repeat = (
             groups > 1
             and (c.attention != "flash" or c.padded or c.kv_expanded)
             and shape.head_dim <= 256
             or (groups > 1 and shape.head_dim > 256)
         )
-        kv_saved = a * T * (qd if repeat else kvd)
+        kv_saved = m * T * (qd if repeat else kvd)
         sv["k_rope"] = kv_saved
         sv["v"] = kv_saved
         if c.attention == "flash":
-            sv["attn_out"] = a * T * qd
+            sv["attn_out"] = m * T * qd
             sv["lse"] = 4 * T * shape.heads
             if c.padded:
-                sv["attn_bias"] = a * c.b * c.S * c.S
+                sv["attn_bias"] = m * c.b * c.S * c.S
         else:  # eager / math: the probabilities are kept (fp32 softmax output, plus its cast)
             sv["probs.f32"] = 4 * c.b * shape.heads * c.S * c.S
-            if a != 4:
-                sv["probs"] = a * c.b * shape.heads * c.S * c.S
+            if m != 4:
+                sv["probs"] = m * c.b * shape.heads * c.S * c.S
     o_name = shape.attn_linears()[-1].name
     rg_o = _linear(sv, o_name, "ctx", qd, rg_att, c)
     if shape.model_type == "t5" and decoder:  # cross attention: approximate like self attention
@@ -709,8 +710,9 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
     mlp += a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
-    else:
-        att = (8 + a) * c.b * shape.heads * c.S * c.S
+    else:  # the probabilities' grad and the softmax backward's output (fp32); under autocast also its 16-bit cast,
+        # the probabilities' own 16-bit copy then freed
+        att = (8 if c.lora16 else 8 + a) * c.b * shape.heads * c.S * c.S
     return max(mlp, att)
 
 

@@ -109,7 +109,7 @@ def _rungs(s: TrainSettings, device: Device, allow: dict[str, bool]) -> list[tup
                     "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"))
     if allow["dropout"] and s.method != "full" and s.dropout > 0:
         out.append(("dropout", lambda x: replace(x, dropout=0.0),
-                    f"lora dropout {s.dropout:g} -> 0: no fp32 dropout copy of each adapted input"))
+                    f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"))
     if allow["optimizer_8bit"] and s.optimizer == "adamw" and device.supports_bnb:
         out.append(("optimizer_8bit", lambda x: replace(x, optimizer="adamw8bit"),
                     "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"))

@@ -63,14 +63,16 @@ class ErrorBand:
 # analytic - 1 in -1.48 % .. +1.87 %, after the mixed-precision terms (master weights, 16-bit adapters under
 # autocast, autocast's weight copies) were set from traces of that grid; kept at -2 % .. +2 %. On CUDA
 # (benchmarks/analytic_vs_traced.py, reserved, full-size configurations of 10 models on T4 / L4 / A100), after the
-# autocast terms of k-bit runs were corrected (2026-11-25: attention's saved q/k/v and probabilities, LoRA dropout
-# outputs, the eager softmax backward; read from traces, no constant fitted): seed 1 (100 configurations, two of
-# which were read to find the terms) with checkpointing -4.9 % .. +9.9 % (median 1.9 %), without -6.3 % .. +6.4 %
-# (median 3.1 %; was -20.2 % .. +18.1 %); seed 2 (50 configurations never looked at) -5.4 % .. +4.4 % and
-# -4.8 % .. -0.4 % (allocated -2.4 % .. +1.3 %): the union is the CUDA band. The planner's search traces a plan
-# when the band's LOW edge (the most favourable trace the analytic figure allows) fits, so a plan the analytic
-# figure over-estimates is still tried, and the trace decides (it rejects any plan the analytic figure
-# under-estimated).
+# autocast terms were corrected (2026-11-25; read from traces, no constant fitted): k-bit runs keep 16-bit copies
+# (attention's q/k/v and probabilities, LoRA dropout outputs) and the eager softmax backward; CUDA autocast runs
+# layer_norm and gelu_new's pow in fp32 (phi): seed 1 (100 configurations, two of which were read to find the
+# k-bit terms) with checkpointing -5.0 % .. +9.9 % allocated -5.0 % .. +1.3 %, without -6.3 % .. +6.4 % (median
+# 3.2 %; was -20.2 % .. +18.1 %); seed 2 (50 configurations never looked at) with checkpointing -13.2 % .. +4.4 %
+# (phi-1.5 with checkpointing and eager attention: the analytic model counts a block's MLP tensors through its
+# attention backward, and gelu_new's fp32 tail makes them large), without -5.5 % .. -0.4 %: the union is the CUDA
+# band. The planner's search traces a plan when the band's LOW edge (the most favourable trace the analytic figure
+# allows) fits, so a plan the analytic figure over-estimates is still tried, and the trace decides (it rejects any
+# plan the analytic figure under-estimated).
 
 
 def _measured(low: float, high: float, source: str) -> ErrorBand:
@@ -81,7 +83,7 @@ def _measured(low: float, high: float, source: str) -> ErrorBand:
 _CUDA = _measured(-0.172, 0.105, "preflight_accuracy t4: analytic (no autocast, as the harness ran) vs T4 "
                                  "reserved + context, all 29 rows")
 _VS_TRACE = ErrorBand(-0.02, 0.02, "analytic vs traced step, grid of small llama/qwen2 configs (tests/test_trace.py)")
-_VS_TRACE_CUDA = ErrorBand(-0.063, 0.099, "benchmarks/analytic_vs_traced.py: traced / analytic - 1, reserved, 150 "
+_VS_TRACE_CUDA = ErrorBand(-0.132, 0.099, "benchmarks/analytic_vs_traced.py: traced / analytic - 1, reserved, 150 "
                                           "full-size configurations of 10 models on T4 / L4 / A100 (seeds 1, 2)")
 BANDS: dict[tuple[str, str], ErrorBand] = {
     ("analytic", "cuda"): _CUDA,

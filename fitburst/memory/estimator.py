@@ -395,6 +395,9 @@ class _Ctx:
     lora16: int = 0  # LoRA under autocast: bytes of the 16-bit dtype its adapters compute in (0: no autocast)
     master: bool = False  # full fine-tuning with fp32 master weights under autocast: fp32 residual stream, 16-bit
     # copies of each weight (autocast's cache) and of each norm output a linear reads (one per linear)
+    cuda_amp: bool = False  # CUDA autocast: pow, exp, rsqrt, ... run in fp32 (cuda_kernels.CUDA_FP32_MATH)
+    norm32: bool = False  # CUDA autocast runs native layer_norm in fp32 (a 16-bit stream's norms keep an fp32 copy
+    # of their input; their output is fp32, so each adapter reading it keeps a 16-bit cast of its own)
 
 
 def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
@@ -403,7 +406,10 @@ def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: Model
     style = shape.norm_style
     if style == "layernorm":
         if rg_in or c.full:
-            saved[in_key] = a * T * width
+            if c.norm32:
+                saved[key + ".f32"] = 4 * T * width
+            else:
+                saved[in_key] = a * T * width
     elif style == "gemma":
         if rg_in:
             saved[in_key if a == 4 else key + ".f32"] = 4 * T * width
@@ -432,8 +438,10 @@ def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
             # 16-bit cast, the fp32 output then freed
             saved[f"{name}.noise"] = c.mask_b * T * fan_in
             saved[f"{name}.drop"] = c.lora16 * T * fan_in
-        else:  # the input itself, or (k-bit's fp32 stream) a 16-bit copy made for this module's lora_A
-            saved[in_key if c.a == c.lora16 else f"{name}.cast16"] = c.lora16 * T * fan_in
+        else:  # the input itself, or (an fp32 input: k-bit's stream, a CUDA layer_norm's output) a 16-bit copy made
+            # for this module's lora_A
+            fp32_in = c.a != c.lora16 or (c.norm32 and in_key in ("n1", "n2"))
+            saved[f"{name}.cast16" if fp32_in else in_key] = c.lora16 * T * fan_in
         saved[f"{name}.loraA"] = c.lora16 * T * c.rank
         return True
     if name in c.targets:
@@ -513,14 +521,13 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         else:
             rg_g = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
             rg_u = _linear(sv, mlp[1].name, n2, h, rg_n2, c)
+        act = a
         if rg_g:
             sv["gate"] = a * T * i  # activation input
             if shape.act == "gelu_new":
-                sv["gelu.tanh"] = a * T * i
-                sv["gelu.half"] = a * T * i
-                sv["gelu.1pt"] = a * T * i
+                act = _gelu_new(sv, "gate", c, a, i)
         if rg_u:
-            sv["act"] = a * T * i
+            sv["act"] = act * T * i
         if rg_g:
             sv["up"] = a * T * i
         rg_p = rg_g or rg_u
@@ -530,10 +537,7 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         if rg_f:
             sv["fc1"] = a * T * i
             if shape.act == "gelu_new":
-                sv["gelu.pow"] = 0
-                sv["gelu.tanh"] = a * T * i
-                sv["gelu.half"] = a * T * i
-                sv["gelu.1pt"] = a * T * i
+                _gelu_new(sv, "fc1", c, a, i)
         rg_m = _linear(sv, mlp[-1].name, "p", i, rg_f, c)
     if shape.norms_per_layer > 2:
         _norm(sv, "ln_post_ff", "m", rg_m, c, shape, h)
@@ -629,6 +633,15 @@ def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool 
     return _t5_linear(sv, "o", "ctx", qd, rg_att, c, a)
 
 
+def _gelu_new(sv: dict, key: str, c: _Ctx, a: int, i: int) -> int:
+    """gelu_new's python formula keeps its input ``key`` (for pow), tanh, 0.5 x and 1 + tanh. Under CUDA autocast
+    pow runs in fp32, so a 16-bit input is kept as an fp32 copy and everything after it but 0.5 x is fp32. Returns
+    the bytes per element of its output."""
+    f = 4 if c.cuda_amp else a
+    sv.update({key: f * c.T * i, "gelu.tanh": f * c.T * i, "gelu.half": a * c.T * i, "gelu.1pt": f * c.T * i})
+    return f
+
+
 def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
     """T5's DenseReluDense: gated (gelu_new(wi_0 x) * wi_1 x, as FLAN-T5) or plain (relu(wi x)), dropout, wo (kept
     in fp32 by transformers: its input goes to fp32 and autocast makes a 16-bit copy of that)."""
@@ -637,10 +650,9 @@ def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bo
     if shape.mlp == "gated":
         rg_g = _t5_linear(sv, mlp[0].name, "n2", shape.hidden, rg_n, c, r)
         rg_u = _t5_linear(sv, mlp[1].name, "n2", shape.hidden, rg_n, c, r)
-        if rg_g:  # gelu_new's python formula keeps its input, tanh, 0.5x and 1 + tanh
-            sv.update({"gate": a * T * i, "gelu.tanh": a * T * i, "gelu.half": a * T * i, "gelu.1pt": a * T * i})
+        act = _gelu_new(sv, "gate", c, a, i) if rg_g else a
         if rg_u:
-            sv["act"] = a * T * i
+            sv["act"] = act * T * i
         if rg_g:
             sv["up"] = a * T * i
         rg_p = rg_g or rg_u
@@ -707,6 +719,8 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
         3 * a * T * i - down_saved,
         (((c.lora16 or 4) + a) * T * i if not c.full and down in c.targets else a * T * i),
     )
+    if shape.act == "gelu_new" and c.cuda_amp and a != 4:  # its fp32 tail (CUDA autocast) runs backward in fp32
+        mlp = max(mlp, (12 + a) * T * i - down_saved)
     mlp += a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
@@ -759,6 +773,8 @@ def estimate(
         merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
         master=s.master_weights,
         lora16=d if s.amp and not full else 0,
+        cuda_amp=device.kind == "cuda" and s.amp,
+        norm32=device.kind == "cuda" and s.amp and not full and not s.kbit and shape.norm_style == "layernorm",
     )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = [expanded_kv_note(device)] if kv_expanded else []

@@ -33,8 +33,10 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .devices import Device
@@ -62,13 +64,13 @@ CUDA_FP32_MATH = ("pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "exp",
                   "log10", "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv")
 
 
-def cuda_autocast_fp32_ops():
+@contextlib.contextmanager
+def cuda_autocast_fp32_ops() -> Iterator[None]:
     """A context in which, under CPU autocast, ``torch.nn.functional``'s layer_norm, group_norm, softmax and
     log_softmax and the aten ops of :data:`CUDA_FP32_MATH` behave as under CUDA autocast (its "fp32" policy,
     aten/src/ATen/autocast_mode.cpp): 16-bit floating arguments are cast to fp32 and the op runs in fp32 (output
     fp32); softmax / log_softmax without a dtype run with dtype=fp32. Outside autocast, or on fp32 arguments,
     nothing changes; on exit the registrations are removed."""
-    import contextlib
     import functools
     from unittest import mock
 
@@ -108,17 +110,17 @@ def cuda_autocast_fp32_ops():
                 return op(*args, **kwargs)
         return run
 
-    stack = contextlib.ExitStack()
-    for name in ("layer_norm", "group_norm"):
-        stack.enter_context(mock.patch.object(F, name, fp32_policy(getattr(F, name))))
-    for name in ("softmax", "log_softmax"):
-        stack.enter_context(mock.patch.object(F, name, fp32_dtype_policy(getattr(F, name))))
-    lib = torch.library.Library("aten", "IMPL")
-    stack.callback(lib._destroy)
-    for name in CUDA_FP32_MATH:
-        base, _, overload = name.partition(".")
-        lib.impl(name, fp32_kernel(getattr(getattr(torch.ops.aten, base), overload or "default")), "AutocastCPU")
-    return stack
+    with contextlib.ExitStack() as stack:  # nothing is patched or registered until the context is entered
+        for name in ("layer_norm", "group_norm"):
+            stack.enter_context(mock.patch.object(F, name, fp32_policy(getattr(F, name))))
+        for name in ("softmax", "log_softmax"):
+            stack.enter_context(mock.patch.object(F, name, fp32_dtype_policy(getattr(F, name))))
+        lib = torch.library.Library("aten", "IMPL")
+        stack.callback(lib._destroy)
+        for name in CUDA_FP32_MATH:
+            base, _, overload = name.partition(".")
+            lib.impl(name, fp32_kernel(getattr(getattr(torch.ops.aten, base), overload or "default")), "AutocastCPU")
+        yield
 
 
 def _sids(events, tag: str) -> set[int]:

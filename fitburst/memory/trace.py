@@ -478,9 +478,10 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         # autocast lowers the same ops as CUDA's on these models (linear, matmul, bmm, baddbmm, addmm, SDPA) and
         # caches the casts of fp32 leaf weights alike. CUDA autocast also runs some ops in fp32 that CPU's leaves
         # in 16 bits (layer_norm, softmax without dtype, pow, rsqrt, exp, sum): llama/qwen-style models upcast
-        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss); for a CUDA device layer_norm, group_norm
-        # and softmax / log_softmax run as CUDA autocast runs them (cuda_autocast; pow, rsqrt, exp, sum are not
-        # emulated). The GradScaler runs on fake tensors: its
+        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss); for a CUDA device layer_norm, group_norm,
+        # softmax / log_softmax and the elementwise math (pow, rsqrt, exp, ...) run as CUDA autocast runs them
+        # (cuda_autocast; sum, cumsum and prod without a dtype are not emulated). The GradScaler runs on fake
+        # tensors: its
         # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]

@@ -2,13 +2,20 @@
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from fitburst.memory import TrainSettings, resolve_device
 from fitburst.memory import cuda_kernels as ck
-from fitburst.memory.trace import Event, StepTrace, TraceUnsupported, live_peaks, trace_step, traced_estimate
+from fitburst.memory.trace import (
+    Event,
+    StepTrace,
+    TraceUnsupported,
+    config_dict,
+    live_peaks,
+    trace_step,
+    traced_estimate,
+)
 
 CFG = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, vocab_size=3000, tie_word_embeddings=True,
@@ -433,7 +440,7 @@ def test_analytic_estimate_follows_cuda_autocast_on_a_layernorm_gelu_new_model(t
     from fitburst.memory import estimate, load_shape
     from fitburst.memory.calibration import band_for
 
-    cfg = json.loads((Path(__file__).parents[1] / "fitburst/configs/phi-1.5.json").read_text())
+    cfg = config_dict("microsoft/phi-1_5")  # the bundled config, scaled down
     d = tmp_path / "phi"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": 512, "intermediate_size": 2048, "vocab_size": 512,

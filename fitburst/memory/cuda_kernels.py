@@ -71,7 +71,6 @@ def cuda_autocast_fp32_ops() -> Iterator[None]:
     aten/src/ATen/autocast_mode.cpp): 16-bit floating arguments are cast to fp32 and the op runs in fp32 (output
     fp32); softmax / log_softmax without a dtype run with dtype=fp32. Outside autocast, or on fp32 arguments,
     nothing changes; on exit the registrations are removed."""
-    import functools
     from unittest import mock
 
     import torch

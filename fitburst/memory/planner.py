@@ -4,9 +4,8 @@ It searches with the fast analytic estimate. Without an ``exact`` estimate funct
 with one (the traced estimate), the search only picks the plans worth checking, cheapest first (those the
 analytic figure leaves room for, given how far it may be from the trace: calibration's analytic-vs-traced band),
 and the first plan the exact estimate says fits is taken; after a few rejections, the plan that needs least is
-checked last. A plan fits when the upper edge of the estimate's error
-band (:mod:`fitburst.memory.calibration`) stays within the device budget less the extra headroom. Where to run
-(local, cloud, nowhere) is not decided here.
+checked last. A plan fits when the upper edge of the estimate's error band (:mod:`fitburst.memory.calibration`)
+stays within the device budget less the extra headroom. Where to run (local, cloud, nowhere) is not decided here.
 """
 
 from __future__ import annotations
@@ -221,13 +220,17 @@ def plan_fit(
         ratio[0] = max(ratio[0], budget.needed(x) / scout.needed(e))
         return None
 
+    def worth_tracing(e: Estimate) -> bool:
+        """Whether the exact/analytic ratio learned from rejected plans still leaves room for ``e``'s plan."""
+        return scout.needed(e) * ratio[0] <= scout.limit
+
     def verified(found: list) -> Plan | None:
         """The first of ``found`` that the exact estimate (when given) agrees fits. When the exact checks run out,
         one last check of the most frugal plan left: a slower plan verified beats a device given up on."""
         if exact is None:
             return taken(*found[0][1:]) if found else None
         for _, s, rung_text, e in found:
-            if scout.needed(e) * ratio[0] > scout.limit:  # the ratio learned so far says the trace would reject it
+            if not worth_tracing(e):
                 continue
             if len(rejected) >= _MAX_EXACT_CHECKS:
                 break
@@ -235,7 +238,7 @@ def plan_fit(
                 return taken(s, rung_text, x)
         else:
             return None
-        left = [f for f in found if f[1] not in rejected and scout.needed(f[3]) * ratio[0] <= scout.limit]
+        left = [f for f in found if f[1] not in rejected and worth_tracing(f[3])]
         if not left:
             return None
         _, s, rung_text, e = min(left, key=lambda f: (scout.needed(f[3]), f[0]))

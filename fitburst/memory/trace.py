@@ -481,8 +481,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss); for a CUDA device layer_norm, group_norm,
         # softmax / log_softmax and the elementwise math (pow, rsqrt, exp, ...) run as CUDA autocast runs them
         # (cuda_autocast; sum, cumsum and prod without a dtype are not emulated). The GradScaler runs on fake
-        # tensors: its
-        # found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
+        # tensors: its found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"

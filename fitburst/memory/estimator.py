@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import expanded_kv_note, expands_kv
+from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note, expands_kv
 from .devices import Device, GiB, MiB, auto_precision
 from .shapes import EXPERT_ALIASES, ModelShape
 
@@ -398,6 +398,7 @@ class _Ctx:
     cuda_amp: bool = False  # CUDA autocast: pow, exp, rsqrt, ... run in fp32 (cuda_kernels.CUDA_FP32_MATH)
     norm32: bool = False  # CUDA autocast runs native layer_norm in fp32 (a 16-bit stream's norms keep an fp32 copy
     # of their input; their output is fp32, so each adapter reading it keeps a 16-bit cast of its own)
+    half_to_float: bool = False  # CUDA's softmax of fp16 scores to fp32 (cuda_kernels.softmax_half_to_float)
 
 
 def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
@@ -438,10 +439,9 @@ def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
             # 16-bit cast, the fp32 output then freed
             saved[f"{name}.noise"] = c.mask_b * T * fan_in
             saved[f"{name}.drop"] = c.lora16 * T * fan_in
-        else:  # the input itself, or (an fp32 input: k-bit's stream, a CUDA layer_norm's output) a 16-bit copy made
-            # for this module's lora_A
-            fp32_in = c.a != c.lora16 or (c.norm32 and in_key in ("n1", "n2"))
-            saved[f"{name}.cast16" if fp32_in else in_key] = c.lora16 * T * fan_in
+        else:  # a 16-bit copy of its own: peft casts the input to the adapter's fp32 dtype (transient), autocast
+            # casts that back for lora_A
+            saved[f"{name}.cast16"] = c.lora16 * T * fan_in
         saved[f"{name}.loraA"] = c.lora16 * T * c.rank
         return True
     if name in c.targets:
@@ -456,8 +456,10 @@ def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
     return rg_in
 
 
-def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool]:
-    """Saved-for-backward tensors of one block (name -> bytes; shared tensors share a name)."""
+def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool, int]:
+    """Saved-for-backward tensors of one block (name -> bytes; shared tensors share a name), whether its output
+    needs grad, and the bytes of its top sub-layer (the MLP and its norm: their backward runs first and frees them
+    before the attention's backward runs)."""
     T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
     qd, kvd = shape.q_dim, shape.kv_dim
     sv: dict[str, int] = {}
@@ -504,6 +506,7 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         sub, _ = _attn_only(shape, c, rg_o)
         sv.update({f"x.{k}": v for k, v in sub.items()})
     rg_h1 = rg_in or rg_o
+    below = set(sv)  # the attention sub-layer's tensors (a parallel block's MLP reads its norm output too)
     if shape.parallel_block:
         rg_n2, n2 = rg_n1, "n1"
     else:
@@ -541,10 +544,10 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         rg_m = _linear(sv, mlp[-1].name, "p", i, rg_f, c)
     if shape.norms_per_layer > 2:
         _norm(sv, "ln_post_ff", "m", rg_m, c, shape, h)
-    return sv, rg_h1 or rg_m
+    return sv, rg_h1 or rg_m, sum(v for k, v in sv.items() if k not in below)
 
 
-def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool]:
+def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tuple[dict, bool, int]:
     """Saved-for-backward tensors of one T5 block: self-attention (and, in the decoder, cross-attention on the
     encoder's output), then the feed-forward, each behind a T5LayerNorm and closed by a residual dropout. The
     model's dropout (``shape.dropout``) keeps a mask wherever a gradient flows through it (CUDA: bool; elsewhere
@@ -564,7 +567,7 @@ def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> 
         sv.update({(key if key == "x" and k == 0 else f"{name}.{key}"): v for key, v in sub.items()})
     if c.master:  # autocast's 16-bit copies of this block's weights, kept for backward (as in _layer)
         sv["w16"] = c.a * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(decoder))
-    return sv, rg
+    return sv, rg, sum(v for k, v in sv.items() if k.startswith("ff."))
 
 
 def _t5_res(c: _Ctx) -> int:
@@ -703,9 +706,9 @@ def _attn_only(shape: ModelShape, c: _Ctx, rg_in: bool) -> tuple[dict, bool]:
     return sv, True
 
 
-def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
-    """Gradient tensors alive inside one block's backward beyond its saved tensors (the MLP's input grads
-    while its own saved inputs are released node by node; or the attention's grads)."""
+def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> tuple[int, int]:
+    """Gradient tensors alive inside one block's backward beyond its saved tensors: (during the MLP's backward, its
+    input grads while its own saved inputs are released node by node; during the attention's, its grads)."""
     T, a, h, i = c.T, c.a, shape.hidden, shape.intermediate
     down = shape.mlp_linears()[-1].name
     if c.full:
@@ -724,15 +727,24 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> int:
     mlp += a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
-    else:  # the probabilities' grad and the softmax backward's output (fp32); under autocast also its 16-bit cast,
-        # the probabilities' own 16-bit copy then freed
-        att = (8 if c.lora16 else 8 + a) * c.b * shape.heads * c.S * c.S
-    return max(mlp, att)
+    else:  # the probabilities' grad in fp32 and the softmax backward's output, the probabilities' 16-bit copy
+        # (if any) freed by then; CUDA's kernel adds an fp32 grad * output temporary, or (fp16 scores) writes
+        # the fp16 grad beside that temporary instead of an fp32 output (cuda_kernels.softmax_backward_temp and
+        # softmax_half_to_float)
+        m = c.lora16 or a
+        per_score = 8 + (4 if c.mask_b == 1 else 0) - (2 if c.half_to_float else 0) - (0 if m == 4 else m)
+        att = per_score * c.b * shape.heads * c.S * c.S
+    return mlp, att
 
 
 def _forward_transient(shape: ModelShape, c: _Ctx) -> int:
+    """Beyond everything the forward keeps: the last block's MLP intermediates, or its masked scores (the stream's
+    dtype) beside their softmax, and an fp32 copy of 16-bit scores where the softmax kernel makes one (not CUDA's
+    half-to-float kernel), before the probabilities' 16-bit copy exists."""
     T, a = c.T, c.a
-    att = 0 if c.attention == "flash" else (4 + a) * c.b * shape.heads * c.S * c.S
+    upcast = 4 if a != 4 and not c.half_to_float else 0
+    m = c.lora16 or a
+    att = 0 if c.attention == "flash" else max(0, a + upcast - (0 if m == 4 else m)) * c.b * shape.heads * c.S * c.S
     return max(2 * a * T * shape.intermediate, att)
 
 
@@ -775,6 +787,7 @@ def estimate(
         lora16=d if s.amp and not full else 0,
         cuda_amp=device.kind == "cuda" and s.amp,
         norm32=device.kind == "cuda" and s.amp and not full and not s.kbit and shape.norm_style == "layernorm",
+        half_to_float=device.kind == "cuda" and s.dtype == "fp16" and a == 2,
     )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = [expanded_kv_note(device)] if kv_expanded else []
@@ -783,6 +796,9 @@ def estimate(
     w = weight_bytes(shape, s)
     if shape.model_type == "t5" and d != 4 and not s.master_weights and not s.kbit:  # transformers keeps wo in fp32
         w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
+    if device.kind == "cuda":  # the cuBLAS workspaces the warm-up step left (never freed)
+        biased = any(lin.bias for _, dec in shape.blocks() for lin in shape.layer_linears(dec))
+        w["cuda_workspaces"] = cublas_workspace_bytes(device, biased, s.grad_checkpointing)
     if full:
         tensors = _full_tensors(shape, s.vision)
         pbytes = 4 if s.master_weights else d  # fp32 master weights: fp32 gradients and optimizer state
@@ -804,13 +820,15 @@ def estimate(
     rg0 = full or ckpt
     per_layer: list[int] = []
     per_layer_full: list[dict] = []
+    per_layer_mlp: list[int] = []
     rg = rg0
     layer = _t5_layer if shape.model_type == "t5" else _layer
     for count, dec in shape.blocks():
         for _ in range(count):
-            sv, rg_out = layer(shape, c, rg, dec)
+            sv, rg_out, mlp_bytes = layer(shape, c, rg, dec)
             per_layer.append(sum(sv.values()))
             per_layer_full.append(sv)
+            per_layer_mlp.append(mlp_bytes)
             rg = rg_out
         if shape.encoder_layers and not dec:
             rg = rg0
@@ -854,7 +872,7 @@ def estimate(
     if s.kbit:  # bnb dequantizes the largest weight for each matmul (compute dtype), plus input/output casts
         qtemp = 2 * shape.largest_linear() + 2 * T * (h + shape.intermediate)
     # forward end: everything saved, the last block's transient
-    fwd_t = _forward_transient(shape, c) + qtemp + (recompute[-1] if False else 0)
+    fwd_t = _forward_transient(shape, c) + qtemp
     phases["forward"] = _comp(w, lora_w, G_acc, OPT, A_all, 0, fwd_t)
     if vis_fwd:  # the vision tower runs first, before the language model keeps anything
         phases["vision"] = _comp(w, lora_w, G_acc, OPT, shared + vis_saved, 0, vis_fwd)
@@ -870,14 +888,21 @@ def estimate(
     # backward through the blocks, top to bottom
     head_grad = pbytes * V * h if full else 0
     g_so_far = G_acc + head_grad if full else G_acc
+    # eager attention's float mask is read by additions only: freed after the forward unless checkpointing keeps
+    # it as a block input
     remaining = sum(A_layers_kept) + shared + lora_cast + vis_saved
+    remaining -= mask_bytes if attention == "eager" and not ckpt else 0
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
-    bt = _layer_backward_transient(shape, c) + (2 * shape.largest_linear() if s.kbit else 0)
+    mlp_t, att_t = _layer_backward_transient(shape, c)
+    kq = 2 * shape.largest_linear() if s.kbit else 0  # bnb's dequantized weight (and its grad input's cast)
     for idx in range(L - 1, -1, -1):
-        tot = remaining + recompute[idx] + bt + g_so_far + kept_logits + d * T * h
-        if tot > sum(best_b):
-            best_b = (remaining + recompute[idx], g_so_far, bt + kept_logits + d * T * h)
+        # the block's MLP backward runs with all of the block's saved tensors, the attention's after it freed
+        # the MLP's
+        for acts, bt in ((remaining + recompute[idx], mlp_t), (remaining + recompute[idx] - per_layer_mlp[idx], att_t)):
+            tot = acts + bt + kq + g_so_far + kept_logits + d * T * h
+            if tot > sum(best_b):
+                best_b = (acts, g_so_far, bt + kq + kept_logits + d * T * h)
         remaining -= A_layers_kept[idx]
         if full:
             g_so_far += int(layer_params * pbytes)
@@ -893,8 +918,6 @@ def estimate(
     phases["backward"] = _comp(
         w, lora_w, best_b[1] if full else max(best_b[1], G_acc), OPT, best_b[0], 0, best_b[2]
     )
-    if not full:
-        phases["backward"]["gradients"] = max(phases["backward"].get("gradients", 0), int(G * 0))
     # optimizer step: all grads, states, the step's temporaries (logits still referenced by the loop)
     phases["optimizer_step"] = _comp(w, lora_w, G, OPT, 0, kept_logits, O_tmp)
     if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only

@@ -80,8 +80,9 @@ def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int
 
 def peak_components(events: list[Event], start: int) -> dict[str, int]:
     """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
-    ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``step_tensors`` (activations,
-    gradients and temporaries of the measured step). They sum to the peak of :func:`live_peaks`."""
+    ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``cuda_workspaces`` (cuBLAS's,
+    on CUDA), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum to the peak
+    of :func:`live_peaks`."""
     cur = peak = 0
     at = -1
     for i, e in enumerate(events):
@@ -92,6 +93,7 @@ def peak_components(events: list[Event], start: int) -> dict[str, int]:
     for e in events[: at + 1]:
         if e.kind == "alloc":
             kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
+                "cuda_workspaces" if e.tag == "workspace" else
                 "optimizer_states" if e.phase.startswith("warmup.") else "step_tensors")
             live[e.sid] = (e.size, kind)
         else:

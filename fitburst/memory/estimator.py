@@ -595,8 +595,8 @@ def _t5_norm(sv: dict, shape: ModelShape, c: _Ctx, rg_in: bool) -> bool:
 
 def _t5_linear(sv: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _Ctx, in_bytes: int) -> bool:
     """A T5 linear under autocast on an input of ``in_bytes`` per element: a trained weight keeps its input (its own
-    16-bit copy when the input is fp32 under 16-bit autocast); a LoRA adapter (no dropout) keeps the input as it is
-    in the activation dtype, plus lora_A's output."""
+    16-bit copy when the input is fp32 under 16-bit autocast); a LoRA adapter (no dropout) keeps its input in the
+    activation dtype (under autocast a copy of its own, as :func:`_linear`), plus lora_A's output."""
     T, a = c.T, c.a
     if c.full:
         if in_bytes != a:
@@ -605,7 +605,7 @@ def _t5_linear(sv: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
             sv[in_key] = a * T * fan_in
         return True
     if name in c.targets and not c.drop:
-        sv[in_key] = a * T * fan_in
+        sv[f"{name}.cast16" if c.lora16 else in_key] = a * T * fan_in  # under autocast, as in _linear
         sv[f"{name}.loraA"] = a * T * c.rank
         return True
     return _linear(sv, name, in_key, fan_in, rg_in, c)

@@ -397,7 +397,7 @@ class _Ctx:
     # copies of each weight (autocast's cache) and of each norm output a linear reads (one per linear)
     cuda_amp: bool = False  # CUDA autocast: pow, exp, rsqrt, ... run in fp32 (cuda_kernels.CUDA_FP32_MATH)
     norm32: bool = False  # CUDA autocast runs native layer_norm in fp32 (a 16-bit stream's norms keep an fp32 copy
-    # of their input; their output is fp32, so each adapter reading it keeps a 16-bit cast of its own)
+    # of their input)
     half_to_float: bool = False  # CUDA's softmax of fp16 scores to fp32 (cuda_kernels.softmax_half_to_float)
 
 

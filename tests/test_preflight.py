@@ -191,7 +191,7 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
     dev = resolve_device("A6000")
 
-    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its band's upper edge (+21 %)
+    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its band's upper edge
     assert plain.settings.grad_checkpointing
     agreed_calls: list = []
     agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))

@@ -59,9 +59,9 @@ class ErrorBand:
 # left is fragmentation the linear reserved term does not follow (eager attention's b*h*s*s blocks).
 # cpu: allocated vs the measured CPU steps of part a (--quick, 14 steps, 7 architectures, 11 the analytic path
 # models), after its mixed-precision terms were set from traces of tests/test_trace.py's grid and of
-# analytic_vs_traced configurations (not from these rows): -0.1 % .. +4.8 % (median 0.20 %; 2026-11-25, after each
-# adapter's own 16-bit input copy under autocast: -2.6 % .. +4.8 %, median 0.82 %, before; the worst is QLoRA
-# with checkpointing and AdamW8bit). mps: nothing measured, cuda's band.
+# analytic_vs_traced configurations (not from these rows): -0.1 % .. +4.8 %, median 0.20 % (2026-11-25, once
+# each adapter's own 16-bit input copy under autocast was counted; -2.6 % .. +4.8 %, median 0.82 %, before; the
+# worst is QLoRA with checkpointing and AdamW8bit). mps: nothing measured, cuda's band.
 # "analytic-vs-traced": the analytic estimate as a predictor of the trace (what the planner's search needs when
 # the trace verifies its choice): the grid of small llama/qwen2 configs in tests/test_trace.py (fp32, bf16 and fp16
 # LoRA, full fp32 and bf16 with fp32 master weights, QLoRA), traced through the loop's AMP step: trace /

@@ -53,12 +53,15 @@ def _is_sm90(device: Device) -> bool:
     return any(device.name.upper().startswith(n) for n in SM90)
 
 
+def _cublas_workspace(device: Device) -> int:
+    return CUBLAS_WORKSPACE["sm90" if _is_sm90(device) else "sm75"]
+
+
 def cublas_workspace_bytes(device: Device, biased: bool, recompute: bool) -> int:
     """What :func:`cublas_workspaces` leaves allocated after a step: one cuBLAS workspace per GEMM thread (forward
     and autograd), plus a cuBLASLt one per thread that runs a biased GEMM (the autograd thread only when
     checkpointing recomputes the forward)."""
-    ws = CUBLAS_WORKSPACE["sm90" if _is_sm90(device) else "sm75"]
-    return 2 * ws + (CUBLASLT_WORKSPACE * (2 if recompute else 1) if biased else 0)
+    return 2 * _cublas_workspace(device) + (CUBLASLT_WORKSPACE * (2 if recompute else 1) if biased else 0)
 
 
 def optimizer_foreach(device: Device) -> bool:
@@ -252,7 +255,7 @@ def cublas_workspaces(events, device: Device):
     backward thread (checkpointing's recomputation runs on the backward thread)."""
     from dataclasses import replace
 
-    ws = CUBLAS_WORKSPACE["sm90" if _is_sm90(device) else "sm75"]
+    ws = _cublas_workspace(device)
     out, nxt = [], max((e.sid for e in events), default=0) + 1
     seen: set[tuple[str, str]] = set()
     for e in events:

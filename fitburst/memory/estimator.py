@@ -890,8 +890,8 @@ def estimate(
     g_so_far = G_acc + head_grad if full else G_acc
     # eager attention's float mask is read by additions only: freed after the forward unless checkpointing keeps
     # it as a block input
-    remaining = sum(A_layers_kept) + shared + lora_cast + vis_saved
-    remaining -= mask_bytes if attention == "eager" and not ckpt else 0
+    shared_bwd = shared - (mask_bytes if attention == "eager" and not ckpt else 0)
+    remaining = sum(A_layers_kept) + shared_bwd + lora_cast + vis_saved
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
     mlp_t, att_t = _layer_backward_transient(shape, c)
@@ -908,10 +908,10 @@ def estimate(
             g_so_far += int(layer_params * pbytes)
     if full:  # embedding gradient (dense) arrives last
         emb_g = pbytes * V * h
-        tot = shared + g_so_far + emb_g + kept_logits
+        tot = shared_bwd + g_so_far + emb_g + kept_logits
         if tot > sum(best_b):
             best_b = (
-                shared,
+                shared_bwd,
                 g_so_far + emb_g - (emb_g if shape.tied else 0),
                 kept_logits + (emb_g if shape.tied else 0),
             )

@@ -138,8 +138,10 @@ def test_recorder_tags(eager16, model_dir):
     assert len([e for e in ev if e.tag == "adapter" and e.kind == "alloc"]) == 2 * 2 * L  # A and B of q, v
     assert len({e.sid for e in ev if e.tag == "step_counter"}) == 2 * 2 * L  # one per trainable tensor
     sd = trace_step(spec_for(model_dir), settings(), seq_len=S)
-    fwd = [e for e in sd.events if e.kind == "alloc" and e.tag == "sdpa_fwd"]
-    assert B * heads * S * 4 in {e.size for e in fwd}  # the logsumexp
+    lse = [e for e in sd.events if e.kind == "alloc" and e.tag.startswith("sdpa_lse:")]
+    assert {e.size for e in lse} == {B * heads * S * 4} and len(lse) == 2 * L  # (b, h, s) fp32, a call a layer
+    kv, d = CFG["num_key_value_heads"], CFG["head_dim"]
+    assert {e.tag for e in sd.events if e.tag.startswith("sdpa_bwd")} == {f"sdpa_bwd:{B}:{heads}:{S}:{d}:{kv}:{S}:4"}
 
 
 def test_foreach_runs_the_multi_tensor_optimizer(model_dir):
@@ -238,17 +240,35 @@ def test_feature_dropout_noise_is_not_taken_for_a_mask():
     assert tags.count("dropout_noise:4") == 1, tags
 
 
-def test_rule_sdpa_memory_efficient():
+def test_rule_sdpa_kernels():
+    """The CPU flash kernel's calls as the efficient kernel (lse rows padded to 32, delta and dq accumulator in the
+    backward) or as FlashAttention-2 (softmax_d and dq accumulator rounded to 128 rows, dk / dv expanded to every
+    query head for grouped-query k/v); a call traced through a CUDA kernel's own op keeps that kernel's. And the
+    kernel torch's CUDA dispatch runs for a call."""
     b, h, s, d = 2, 4, 40, 16
     lse = b * h * s * 4
-    ev = [A(1, b * s * h * d * 2, "sdpa_fwd"), A(2, lse, "sdpa_fwd"), F(2, lse),
-          A(3, 100, "sdpa_bwd", "backward"), A(4, 100, "sdpa_bwd", "backward"), F(3, 100)]
-    out = ck.sdpa_kernel(ev, "efficient", batch=b, heads=h, seq_len=s, head_dim=d)
+
+    def events(kv_heads=h, op=""):
+        tag = f"sdpa_bwd:{b}:{h}:{s}:{d}:{kv_heads}:{s}:2"
+        return [A(1, b * s * h * d * 2, "sdpa_fwd"), A(2, lse, f"sdpa_lse:{b * h * 64 * 4}"), F(2, lse),
+                A(3, 100, tag, "backward", op), A(4, 100, tag, "backward", op), F(3, 100)]
+
+    def temps(out):
+        return [(e.kind, e.size) for e in out if e.tag == "sdpa_tmp"]
+
+    out = ck.sdpa_kernel(events(), "efficient")
     assert out[1].size == b * h * 64 * 4 and out[2].size == b * h * 64 * 4  # logsumexp rows padded to 32
-    tmp = [e for e in out if e.tag == "sdpa_tmp"]
-    assert [(e.kind, e.size) for e in tmp] == [("alloc", b * h * s * 4), ("alloc", b * s * h * d * 4),
-                                               ("free", b * s * h * d * 4), ("free", b * h * s * 4)]
-    assert ck.sdpa_kernel(ev, "flash", batch=b, heads=h, seq_len=s, head_dim=d) == ev
+    assert temps(out) == [("alloc", b * h * s * 4), ("alloc", b * s * h * d * 4),
+                          ("free", b * s * h * d * 4), ("free", b * h * s * 4)]
+    assert out[3:5] == events()[3:5] and out[-1] == events()[-1]  # temporaries after the gradients, then theirs
+    flash = ck.sdpa_kernel(events(), "flash")
+    assert flash[:3] == events()[:3]
+    assert temps(flash) == [("alloc", b * h * 128 * 4), ("alloc", b * 128 * h * 32 * 4),
+                            ("free", b * 128 * h * 32 * 4), ("free", b * h * 128 * 4)]
+    gqa = temps(ck.sdpa_kernel(events(kv_heads=2), "flash"))
+    assert gqa[2:4] == [("alloc", b * s * h * d * 2)] * 2 and len(gqa) == 8
+    routed = ck.sdpa_kernel(events(op="_scaled_dot_product_efficient_attention_backward.default"), "flash")
+    assert temps(routed) == temps(out)
     t4, a100 = resolve_device("T4"), resolve_device("A100-80GB")
     # (device, dtype, padded, grouped-query heads reach SDPA) -> what torch's CUDA dispatch runs
     for dev, dtype, padded, gqa, kernel in [
@@ -264,6 +284,47 @@ def test_rule_sdpa_memory_efficient():
     assert not ck.expands_kv(resolve_device("cpu:8GiB"), "fp32", True, False)
     assert not ck.expands_kv(t4, "fp16", True, efficient_gqa=True)
 
+
+
+def test_a_trace_for_cuda_runs_sdpa_through_the_kernel_cuda_picks(model_dir, tmp_path):
+    """Traced for a CUDA device, SDPA runs the kernel CUDA picks through its own op. A masked (padded) call, which the
+    CPU runs with its flash kernel, goes through the memory-efficient op and gives the events, to the byte, that the
+    CPU trace gives through the efficient-kernel rule. GPT-2 training (attention dropout 0.1), which the CPU runs
+    with its math kernel (b*h*s*s probabilities and dropout noise), goes through FlashAttention-2 on an L4 and the
+    memory-efficient kernel on a T4."""
+    from fitburst.memory import allocator
+
+    t4, l4 = resolve_device("T4"), resolve_device("L4")
+    mha = tmp_path / "mha"
+    mha.mkdir()
+    (mha / "config.json").write_text(json.dumps({**CFG, "num_key_value_heads": CFG["num_attention_heads"]}))
+    s = settings(dtype="fp16", batch=2, padded=True)
+    runs = {}
+    for device in (t4, None):
+        tr = trace_step(spec_for(mha), s, seq_len=S, foreach=True, cuda_autocast=True, device=device)
+        events, start = ck.apply(tr, t4, s, S, device_map=True)
+        rep = allocator.replay(events, start=start)
+        runs[device] = ({e.op for e in tr.events if "scaled_dot" in e.op},
+                        (live_peaks(events, start), rep.peak_allocated, rep.peak_reserved))
+    assert runs[t4][0] == {"_scaled_dot_product_efficient_attention.default",
+                           "_scaled_dot_product_efficient_attention_backward.default"}
+    assert all("for_cpu" in op for op in runs[None][0])
+    assert runs[t4][1] == runs[None][1]
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=2,
+                                                      vocab_size=500, n_positions=256, attn_pdrop=0.1,
+                                                      bos_token_id=0, eos_token_id=0)))
+    g = settings(targets=["c_attn"], seq_len=128)
+    ops = {}
+    for name, device, dtype in (("cpu", None, "fp32"), ("T4", t4, "fp16"), ("L4", l4, "bf16")):
+        tr = trace_step(spec_for(gpt2), replace(g, dtype=dtype), seq_len=128, device=device)
+        ops[name] = {e.op.split(".")[0] for e in tr.events if "attention" in e.op or "softmax" in e.op}
+    assert "_safe_softmax" in ops["cpu"] and not any("scaled_dot" in op for op in ops["cpu"])
+    assert ops["T4"] >= {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"}
+    assert ops["L4"] >= {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+    assert "_safe_softmax" not in ops["T4"] | ops["L4"]
 
 
 def test_efficient_kernel_takes_grouped_query_heads_from_torch_2_14(monkeypatch):

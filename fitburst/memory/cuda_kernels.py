@@ -8,9 +8,13 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 - :func:`softmax_backward_temp`: CUDA's softmax backward holds a ``grad * output`` temporary beside its result.
 - :func:`dropout_bool_mask`: CUDA runs dropout (0 < p < 1) as one fused kernel that keeps a bool mask for the
   backward; the CPU draws a noise tensor of the input's dtype (4 bytes an element for an fp32 adapter input).
+- :func:`cuda_sdpa_dispatch` (while tracing for a CUDA device): SDPA runs the fused kernel CUDA picks, through
+  that kernel's own op, where the CPU would run its math kernel (dropout: T5, GPT-2) or its flash kernel for a
+  call CUDA runs with the memory-efficient one.
 - :func:`sdpa_kernel`: the CPU runs SDPA's flash kernel for CPU; a GPU runs the memory-efficient kernel (sm < 80,
   or with a mask) whose logsumexp is padded to 32 rows and whose backward holds a ``delta`` (b,h,s fp32) and an
-  fp32 dq accumulator; FlashAttention-2 (sm >= 80, no mask) matches the CPU kernel's outputs.
+  fp32 dq accumulator; FlashAttention-2 (sm >= 80, no mask) has the CPU kernel's outputs, and its backward holds
+  ``softmax_d``, an fp32 dq accumulator and, for grouped-query heads, dk and dv expanded to every query head.
 - :func:`cublas_workspaces`: one cuBLAS workspace per thread that runs a GEMM (the forward thread, autograd's
   device thread), allocated through the caching allocator at its first GEMM and never freed; cuBLASLt adds
   1 MiB per thread at its first biased GEMM.
@@ -133,6 +137,59 @@ def cuda_autocast_fp32_ops() -> Iterator[None]:
         yield
 
 
+MATH = 0  # sdp::SDPBackend::math, what torch._fused_sdp_choice answers for the math kernel
+
+
+@contextlib.contextmanager
+def cuda_sdpa_dispatch(flash: bool) -> Iterator[None]:
+    """A context in which SDPA runs the fused kernel a CUDA device picks (``flash``: it has FlashAttention-2, sm >= 80;
+    aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) through that kernel's own op, whose fake (meta) kernel
+    gives its outputs and whose autograd formula its backward. FlashAttention-2 for 16-bit inputs, head dims up to
+    256 and no mask; otherwise the memory-efficient kernel (head dims aligned to its GEMMs), its mask made as torch's
+    composite makes it (a bool mask becomes an additive one; a mask whose rows are not 8-element aligned is padded
+    and sliced back; expanded to (b, h, s_q, s_k)). The CPU runs calls with dropout (training T5, GPT-2) with its
+    math kernel: b*h*s*s scores, probabilities and a dropout mask per layer that CUDA never holds; a masked call it
+    runs with its flash kernel, whose lse and backward :func:`sdpa_kernel` would take for flash on an sm >= 80
+    device. Calls CUDA also runs with flash, with grouped-query heads or with the math kernel are left alone."""
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    orig = F.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def run(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        d, dv = query.shape[-1], value.shape[-1]
+        takes_flash = flash and dtype != torch.float32 and attn_mask is None and d == key.shape[-1] == dv <= 256
+        align = 8 if dtype != torch.float32 else 4 if flash else 1  # minimum_gemm_alignment
+        takes_efficient = d == key.shape[-1] and d % align == 0 and dv % align == 0
+        cpu_math = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                           enable_gqa=enable_gqa) == MATH
+        if query.shape[-3] != key.shape[-3] or (takes_flash and not cpu_math) or not (takes_flash or takes_efficient):
+            return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        q, k, v = (t.to(dtype) for t in (query, key, value))  # autocast's cast for SDPA
+        if takes_flash:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        mask = attn_mask
+        if mask is not None:
+            if mask.dtype == torch.bool:  # convert_boolean_attn_mask
+                mask = torch.where(mask, 0.0, torch.full((), float("-inf"), dtype=dtype))
+            mask = mask.to(dtype)
+            if mask.stride(-1) != 1 or any(st % 8 for st in mask.stride()[:-1]):  # preprocess_mask's pad_bias<8>
+                n = mask.shape[-1]
+                mask = F.pad(mask, (0, 8 - n % 8))[..., :n]
+            mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout_p, is_causal,
+                                                            scale=scale)[0]
+
+    with mock.patch.object(F, "scaled_dot_product_attention", run):
+        yield
+
+
 def _sids(events, tag: str) -> set[int]:
     return {e.sid for e in events if e.kind == "alloc" and e.tag == tag}
 
@@ -142,7 +199,7 @@ def _without(events, sids: set[int]):
 
 
 def drop_cpu_resident(events):
-    return _without(events, _sids(events, "step_counter"))
+    return _without(events, _sids(events, "step_counter") | _sids(events, "host"))
 
 
 def softmax_backward_temp(events):
@@ -209,39 +266,50 @@ def dropout_bool_mask(events):
     return out
 
 
-def sdpa_kernel(events, kernel: str, *, batch: int, heads: int, seq_len: int, head_dim: int):
-    """``kernel``: efficient | flash. Efficient: logsumexp (b, h, ceil(s/32)*32) fp32 instead of (b, h, s);
-    in backward, ``delta`` (b, h, s fp32) and an fp32 dq accumulator (b, s, h, d) live for the op's duration.
-    Flash allocates as the CPU's flash kernel does."""
-    if kernel == "flash":
-        return events
+def sdpa_backward_temps(tag: str, kernel: str) -> list[int]:
+    """The temporaries a CUDA SDPA backward allocates beside its gradients, from the call's shapes in the recorder's
+    ``sdpa_bwd:b:h:s_q:d:h_kv:s_kv:bytes`` tag. Memory-efficient kernel: ``delta`` (b, h, s_q) and a dq accumulator
+    (b, s_q, h, d), fp32. FlashAttention-2 (flash_api.cpp ``mha_bwd``): ``softmax_d`` (b, h, s_q rounded to 128)
+    and ``dq_accum`` (b, s_q rounded to 128, h, d rounded to 32, or 64 past 128), fp32; with fewer k/v heads, dk and
+    dv expanded to every query head (b, s_kv, h, d) in the inputs' dtype before they are summed per group."""
+    b, h, sq, d, hk, sk, n = (int(x) for x in tag.split(":")[1:])
+    if kernel == "efficient":
+        return [b * h * sq * 4, b * sq * h * d * 4]
+    sq128, dr = -(-sq // 128) * 128, -(-d // (32 if d <= 128 else 64)) * (32 if d <= 128 else 64)
+    return [b * h * sq128 * 4, b * sq128 * h * dr * 4] + ([b * sk * h * d * n] * 2 if hk != h else [])
+
+
+def sdpa_kernel(events, kernel: str):
+    """``kernel``: the kernel the CPU flash kernel's calls stand for, efficient | flash. The memory-efficient kernel's
+    logsumexp has its rows padded to 32 (fp32, (b, h, s) on the CPU: resized to the size its tag carries). Each
+    backward gets the temporaries of its kernel (:func:`sdpa_backward_temps`) for the op's duration; a call traced
+    through a CUDA kernel's own op (:func:`cuda_sdpa_dispatch`) gets that kernel's, whatever ``kernel`` is."""
     from dataclasses import replace
 
-    lse_cpu = batch * heads * seq_len * 4
-    lse_cuda = batch * heads * (-(-seq_len // 32) * 32) * 4
-    temps = (batch * heads * seq_len * 4, batch * seq_len * heads * head_dim * 4)
     out, nxt = [], max((e.sid for e in events), default=0) + 1
-    resized: set[int] = set()
+    resized: dict[int, int] = {}
     i = 0
     while i < len(events):
         e = events[i]
-        if e.kind == "alloc" and e.tag == "sdpa_fwd" and e.size == lse_cpu:
-            out.append(replace(e, size=lse_cuda))
-            resized.add(e.sid)
+        if kernel == "efficient" and e.kind == "alloc" and e.tag.startswith("sdpa_lse:"):
+            resized[e.sid] = int(e.tag.split(":")[1])
+            out.append(replace(e, size=resized[e.sid]))
         elif e.kind == "free" and e.sid in resized:
-            out.append(replace(e, size=lse_cuda))
-        elif e.kind == "alloc" and e.tag == "sdpa_bwd":
+            out.append(replace(e, size=resized.pop(e.sid)))
+        elif e.kind == "alloc" and e.tag.startswith("sdpa_bwd:"):
             j = i
-            while j < len(events) and events[j].kind == "alloc" and events[j].tag == "sdpa_bwd":
+            while j < len(events) and events[j].kind == "alloc" and events[j].tag == e.tag:
                 j += 1
             out.extend(events[i:j])
-            ids = []
-            for t in temps:
-                out.append(replace(e, sid=nxt, size=t, op="efficient_attention_backward", tag="sdpa_tmp"))
-                ids.append(nxt)
-                nxt += 1
-            for sid, t in zip(ids[::-1], temps[::-1], strict=True):
-                out.append(replace(e, kind="free", sid=sid, size=t, op="", tag="sdpa_tmp"))
+            own = ("efficient" if e.op.startswith("_scaled_dot_product_efficient") else
+                   "flash" if e.op.startswith("_scaled_dot_product_flash_attention_backward") else kernel)
+            temps = sdpa_backward_temps(e.tag, own)
+            ids = list(range(nxt, nxt + len(temps)))
+            nxt += len(temps)
+            out.extend(replace(e, sid=sid, size=t, op=f"{own}_attention_backward", tag="sdpa_tmp")
+                       for sid, t in zip(ids, temps, strict=True))
+            out.extend(replace(e, kind="free", sid=sid, size=t, op="", tag="sdpa_tmp")
+                       for sid, t in zip(ids[::-1], temps[::-1], strict=True))
             i = j
             continue
         else:
@@ -434,12 +502,10 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     events = softmax_half_to_float(events, s.dtype)
     events = softmax_backward_temp(events)
     kernel = sdpa or sdpa_kernel_of(trace, device, s)
-    if kernel is not None:
-        if kernel == "math":
-            raise ValueError(f"on {device.name} fitburst expands grouped-query k/v before SDPA: trace for this device "
-                             "(trace_step(device=...))")
-        events = sdpa_kernel(events, kernel, batch=s.batch, heads=trace.heads, seq_len=seq_len,
-                             head_dim=trace.head_dim)
+    if kernel == "math":
+        raise ValueError(f"on {device.name} fitburst expands grouped-query k/v before SDPA: trace for this device "
+                         "(trace_step(device=...))")
+    events = sdpa_kernel(events, kernel or "flash")
     events = cublas_workspaces(events, device)
     events = kbit_prepare_upcast(events, empty_cache)
     events = peft_adapter_upcast(events, s.dtype)

@@ -122,6 +122,8 @@ def _recorder_cls():
     gemm_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
     gemm_4bit = gemm_4bit.default if gemm_4bit is not None else None
     matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    efficient = aten._scaled_dot_product_efficient_attention.default
 
     class Recorder(TorchDispatchMode):
         """Records every new output storage (alloc) and its deallocation (free) in order."""
@@ -194,16 +196,24 @@ def _recorder_cls():
                 self._retag(args[0], f"dropout_noise:{args[0].element_size()}", op="empty_like.default")
             elif func is aten._softmax_backward_data.default:
                 tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
-            elif "scaled_dot_product" in name:
-                tag = "sdpa_bwd" if "backward" in name else "sdpa_fwd"
+            elif "scaled_dot_product" in name:  # the shapes the CUDA kernels size their temporaries by
+                q, k = args[1:3] if "backward" in name else args[:2]
+                b, h, sq, d = q.shape
+                tag = (f"sdpa_bwd:{b}:{h}:{sq}:{d}:{k.shape[1]}:{k.shape[2]}:{q.element_size()}"
+                       if "backward" in name else "sdpa_fwd")
             elif func is gemm_4bit:  # rows M and the bytes of the weight dequantized to the input's dtype
                 a, (n, k) = args[0], args[2]
                 tag = f"gemm_4bit:{a.numel() // a.shape[-1]}:{n * k * a.element_size()}"
             leaves = tree_leaves(out)
             if func is quantize_4bit:  # its CUDA kernel allocates absmax before the packed weight it returns first
                 leaves = leaves[::-1]
-            for t in leaves:
-                self.track(t, name, tag)
+            tags = [tag] * len(leaves)
+            if func is cpu_flash:  # its logsumexp (b, h, s) fp32; the efficient kernel's has rows padded to 32
+                tags[1] = f"sdpa_lse:{b * h * -(-sq // 32) * 32 * 4}"
+            elif func is efficient:  # the philox seed and offset are host tensors on CUDA
+                tags[2:] = ["host"] * (len(leaves) - 2)
+            for t, t_tag in zip(leaves, tags, strict=True):
+                self.track(t, name, t_tag)
             if h2f:  # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
                 self.h2f.add(self.sid_of(out))
             # CPU's softmax(fp16 x, dtype=fp32) is x.to(fp32) then _softmax: remember such a copy
@@ -239,6 +249,10 @@ def gpu_like_masking(padded: bool):
         stack.enter_context(mock.patch.object(masking_utils, "is_tracing", lambda *a, **k: False))
         stack.enter_context(mock.patch.object(masking_utils, "fast_all", lambda t: not padded))
         stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda p: None))
+        stack.enter_context(mock.patch.object(  # an encoder's mask (T5), where .all() reads the values
+            masking_utils, "_ignore_bidirectional_mask_sdpa",
+            lambda padding_mask, kv_length, local_attention_size=None: not padded and (
+                local_attention_size is None or kv_length < local_attention_size)))
         yield
 
 
@@ -433,7 +447,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
     ``cuda_autocast``: run the ops CUDA autocast keeps in fp32 that way
     (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`). ``device``: the device the model is loaded for,
-    whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`)."""
+    whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`); on a CUDA device
+    SDPA runs the fused kernel that device picks (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
@@ -465,7 +480,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     rec = _recorder_cls()()
     prefix = ["warmup."]
     fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops:
+    cuda = device is not None and device.kind == "cuda"
+    sdpa = cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if cuda else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops, sdpa:
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -566,15 +583,15 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
     tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
     (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
-    trace depends on the device only through the optimizer's foreach path, CUDA autocast's fp32 ops and whether
-    the loader expands grouped-query k/v there)."""
+    trace depends on the device only through the optimizer's foreach path, CUDA autocast's fp32 ops, the SDPA
+    kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
     from . import allocator, cuda_kernels
 
     s = settings
     foreach = device.kind == "cuda"
     # whether this device would expand a grouped-query model's k/v (the trace records whether this model's were)
     expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype, gqa=True)
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expands)
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expands, foreach and device.supports_bf16)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
         trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, device=device)

@@ -165,19 +165,56 @@ def test_trace_builds_the_t5_a_flan_checkpoint_loads(t5_config_dir, tmp_path):
     dict(method="lora", targets="all-linear", batch=2, seq_len=96, dtype="fp32"),
     dict(method="lora", targets=["q", "v"], batch=2, seq_len=96, dtype="bf16", grad_checkpointing=True),
     dict(method="full", batch=2, seq_len=64, dtype="bf16"),
+    dict(method="lora", targets=["q", "v"], batch=1, seq_len=512, dtype="fp16", device="T4"),
+    dict(method="lora", targets="all-linear", batch=2, seq_len=512, dtype="bf16", device="L4"),
 ])
 def test_analytic_t5_terms_match_the_traced_step(t5_config_dir, kw):
     """The analytic T5 terms (encoder and decoder stacks, cross-attention, dropout masks, the position-bias masks
-    checkpointing keeps, fp32 master weights) against the traced real step on CPU: within 6 %."""
+    checkpointing keeps, fp32 master weights; on CUDA the memory-efficient kernel and the bias each of its calls
+    keeps) against the traced real step: within 6 %."""
     from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory.trace import traced_estimate
+    from fitburst.spec import PipelineSpec
+
+    kw = dict(kw)
+    device = resolve_device(kw.pop("device", "cpu:8GiB"))
+    s = TrainSettings(rank=8, dropout=0.0, attention="sdpa", keep_logits=False, **kw)
+    spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
+    traced = traced_estimate(spec, s, device, seq_len=s.seq_len).allocated_peak_bytes
+    analytic = estimate(load_shape(str(t5_config_dir)), s, device, calibrate=False)
+    assert analytic.allocated_peak_bytes == pytest.approx(traced, rel=0.06)
+
+
+def test_t5_traced_for_cuda_keeps_each_attention_bias_not_its_scores(t5_config_dir):
+    """T5 trains with dropout 0.1 in attention and its position bias as the mask: the CPU runs that with SDPA's math
+    kernel (b*h*s*s scores, probabilities and dropout noise per layer), a CUDA device with the memory-efficient
+    kernel, which keeps only each call's bias for its backward. Torch's composite pads a bias whose rows are not
+    contiguous (the permuted relative-position bias of each self-attention) and keeps the padded copy. Traced for a
+    T4: one efficient call per attention, no score-sized fp32 tensor, one padded bias per self-attention layer, and
+    a peak below the CPU trace's by more than one fp32 score tensor per layer."""
+    from fitburst.memory import TrainSettings, resolve_device
     from fitburst.memory.trace import trace_step
     from fitburst.spec import PipelineSpec
 
-    s = TrainSettings(rank=8, dropout=0.0, attention="sdpa", keep_logits=False, **kw)
+    S, h = 256, T5_CFG["num_heads"]
+    s = TrainSettings(method="lora", rank=8, batch=1, seq_len=S, dtype="fp16", attention="sdpa", dropout=0.0,
+                      targets=["q", "v"], keep_logits=False)
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
-    traced = trace_step(spec, s, seq_len=s.seq_len).live_peaks()[0]
-    analytic = estimate(load_shape(str(t5_config_dir)), s, resolve_device("cpu:8GiB"), calibrate=False)
-    assert analytic.allocated_peak_bytes == pytest.approx(traced, rel=0.06)
+    cuda = trace_step(spec, s, seq_len=S, foreach=True, cuda_autocast=True, device=resolve_device("T4"))
+    cpu = trace_step(spec, s, seq_len=S)
+    step = cuda.events[cuda.measured_start:]
+    calls = [e for e in step if e.kind == "alloc" and e.op == "_scaled_dot_product_efficient_attention.default"
+             and e.size == S * h * T5_CFG["d_kv"] * 2]
+    layers = T5_CFG["num_layers"] + T5_CFG["num_decoder_layers"]
+    assert len(calls) == layers + T5_CFG["num_decoder_layers"]  # encoder self, decoder self and cross
+    def scores32(events):  # fp32 (1, h, s, s) tensors made in a forward: scores, probabilities, dropout noise
+        return [e for e in events if e.kind == "alloc" and e.phase.endswith("forward") and e.size == h * S * S * 4]
+
+    assert not scores32(cuda.events) and len(scores32(cpu.events)) >= 2 * 3 * (layers + T5_CFG["num_decoder_layers"])
+    assert len([e for e in step if e.kind == "alloc" and e.op == "constant_pad_nd.default"
+                and e.size == h * S * (S + 8) * 2]) == layers
+    assert any(e.op.startswith("_safe_softmax") for e in cpu.events)
+    assert cuda.live_peaks()[0] < cpu.live_peaks()[0] - layers * h * S * S * 4
 
 
 def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_file, monkeypatch):

@@ -559,7 +559,7 @@ def _t5_layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> 
     for k, (name, fn) in enumerate(subs):
         sub: dict[str, int] = {}
         rg_n = _t5_norm(sub, shape, c, rg)
-        rg_out = fn(sub, shape, c, rg_n, cross=name == "ca")
+        rg_out = fn(sub, shape, c, rg_n, cross=name == "ca", decoder=decoder)
         if rg_out and shape.dropout:
             sub["res.drop"] = _t5_drop_bytes(c, c.a) * c.T * shape.hidden
         rg = rg or rg_out
@@ -611,11 +611,15 @@ def _t5_linear(sv: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
     return _linear(sv, name, in_key, fan_in, rg_in, c)
 
 
-def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False,
+                  decoder: bool = False) -> bool:
     """T5 attention (scores + position bias as a float mask); cross-attention takes k and v from the encoder's
     output (which needs grad: the encoder trains). Outside CUDA, SDPA with dropout takes its math path, which
     upcasts 16-bit inputs to fp32: q, k, v, the probabilities, the dropout noise and the dropped probabilities are
-    kept in fp32. On CUDA the memory-efficient kernel keeps q, k, v, its output and the log-sum-exp."""
+    kept in fp32. On CUDA the memory-efficient kernel keeps q, k, v, its output, the log-sum-exp and its own bias,
+    made per call: a self-attention's from the permuted relative-position bias (with the encoder's padding mask
+    folded in: b rows), which torch's composite pads to 8-element rows; a cross-attention's is the shared zero
+    bias (counted once, in ``estimate``) unless a padding mask makes one per call (b rows)."""
     T, a, h, qd, r = c.T, c.a, shape.hidden, shape.q_dim, _t5_res(c)
     kv_in, rg_kv_in = ("enc", True) if cross else ("n1", rg_n)
     rg_q = _t5_linear(sv, "q", "n1", h, rg_n, c, r)
@@ -627,6 +631,10 @@ def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool 
         if c.attention == "flash" and (c.mask_b == 1 or not shape.dropout):  # efficient / flash kernel
             sv.update({"att.q": a * T * qd, "att.k": a * T * qd, "att.v": a * T * qd, "att.out": a * T * qd,
                        "att.lse": 4 * c.b * shape.heads * c.S})
+            if c.mask_b == 1:
+                rows = c.b if c.padded and not (decoder and not cross) else 1
+                width = c.S if cross else c.S + 8 - c.S % 8
+                sv["att.bias"] = a * rows * shape.heads * c.S * width if rows > 1 or not cross else 0
         else:
             ab = 4 if c.mask_b != 1 else a
             sv.update({"att.q": ab * T * qd, "att.k": ab * T * qd, "att.v": ab * T * qd, "att.probs": ab * sq})
@@ -645,7 +653,8 @@ def _gelu_new(sv: dict, key: str, c: _Ctx, a: int, i: int) -> int:
     return f
 
 
-def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False) -> bool:
+def _t5_feed_forward(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool = False,
+                     decoder: bool = False) -> bool:
     """T5's DenseReluDense: gated (gelu_new(wi_0 x) * wi_1 x, as FLAN-T5) or plain (relu(wi x)), dropout, wo (kept
     in fp32 by transformers: its input goes to fp32 and autocast makes a 16-bit copy of that)."""
     T, a, i, r = c.T, c.a, shape.intermediate, _t5_res(c)
@@ -843,9 +852,15 @@ def estimate(
         mask_bytes = a * c.b * c.S * c.S  # eager always gets an additive float mask
     rope = 2 * a * T * shape.head_dim
     shared = rope + mask_bytes + 16 * T  # cos/sin, mask, ids/labels
-    if shape.model_type == "t5" and (ckpt or c.mask_b == 1):
+    if shape.model_type == "t5" and c.mask_b == 1:
+        # CUDA: each attention call keeps its own bias (_t5_attention); every cross-attention keeps the one zero
+        # bias when no padding mask makes one per call; checkpointed blocks keep the encoder's and the decoder's
+        # relative-position biases (1 x heads x S x S, the weights' dtype) and that zero bias as inputs
+        shared += (0 if padded else a * shape.heads * c.S * c.S) + (
+            2 * shape.heads * c.S * c.S * (4 if s.master_weights or s.dtype == "fp32" else d) if ckpt else 0)
+    elif shape.model_type == "t5" and ckpt:
         # T5's position-bias masks (encoder self, decoder self and cross: b x heads x S x S in the weights' dtype)
-        # are inputs every checkpointed block keeps; on CUDA each attention kernel saves its bias too
+        # are inputs every checkpointed block keeps
         shared += 3 * c.b * shape.heads * c.S * c.S * (4 if s.master_weights or s.dtype == "fp32" else d)
     logits = a_lm * T * V
     L = len(per_layer)

@@ -291,7 +291,7 @@ def test_a_trace_for_cuda_runs_sdpa_through_the_kernel_cuda_picks(model_dir, tmp
     CPU runs with its flash kernel, goes through the memory-efficient op and gives the events, to the byte, that the
     CPU trace gives through the efficient-kernel rule. GPT-2 training (attention dropout 0.1), which the CPU runs
     with its math kernel (b*h*s*s probabilities and dropout noise), goes through FlashAttention-2 on an L4 and the
-    memory-efficient kernel on a T4."""
+    memory-efficient kernel on a T4. A call other than 4-D is left to the CPU's kernels."""
     from fitburst.memory import allocator
 
     t4, l4 = resolve_device("T4"), resolve_device("L4")
@@ -325,6 +325,13 @@ def test_a_trace_for_cuda_runs_sdpa_through_the_kernel_cuda_picks(model_dir, tmp
     assert ops["T4"] >= {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"}
     assert ops["L4"] >= {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
     assert "_safe_softmax" not in ops["T4"] | ops["L4"]
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), ck.cuda_sdpa_dispatch(flash=False):  # a 3-D call: no fused kernel takes it, left alone
+        q = torch.empty(4, 64, 16, requires_grad=True)
+        assert torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1).shape == q.shape
 
 
 def test_efficient_kernel_takes_grouped_query_heads_from_torch_2_14(monkeypatch):

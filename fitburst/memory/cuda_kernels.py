@@ -150,7 +150,8 @@ def cuda_sdpa_dispatch(flash: bool) -> Iterator[None]:
     and sliced back; expanded to (b, h, s_q, s_k)). The CPU runs calls with dropout (training T5, GPT-2) with its
     math kernel: b*h*s*s scores, probabilities and a dropout mask per layer that CUDA never holds; a masked call it
     runs with its flash kernel, whose lse and backward :func:`sdpa_kernel` would take for flash on an sm >= 80
-    device. Calls CUDA also runs with flash, with grouped-query heads or with the math kernel are left alone."""
+    device. Calls CUDA also runs with flash, with grouped-query heads, other than 4-D or with the math kernel are
+    left alone."""
     from unittest import mock
 
     import torch
@@ -167,7 +168,8 @@ def cuda_sdpa_dispatch(flash: bool) -> Iterator[None]:
         takes_efficient = d == key.shape[-1] and d % align == 0 and dv % align == 0
         cpu_math = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                            enable_gqa=enable_gqa) == MATH
-        if query.shape[-3] != key.shape[-3] or (takes_flash and not cpu_math) or not (takes_flash or takes_efficient):
+        if (query.dim() != 4 or query.shape[1] != key.shape[1] or (takes_flash and not cpu_math)
+                or not (takes_flash or takes_efficient)):  # the fused kernels take 4-D (b, h, s, d) inputs
             return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
         q, k, v = (t.to(dtype) for t in (query, key, value))  # autocast's cast for SDPA

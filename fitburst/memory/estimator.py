@@ -631,10 +631,10 @@ def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool 
         if c.attention == "flash" and (c.mask_b == 1 or not shape.dropout):  # efficient / flash kernel
             sv.update({"att.q": a * T * qd, "att.k": a * T * qd, "att.v": a * T * qd, "att.out": a * T * qd,
                        "att.lse": 4 * c.b * shape.heads * c.S})
-            if c.mask_b == 1:
-                rows = c.b if c.padded and not (decoder and not cross) else 1
-                width = c.S if cross else c.S + 8 - c.S % 8
-                sv["att.bias"] = a * rows * shape.heads * c.S * width if rows > 1 or not cross else 0
+            rows = c.b if c.padded and not (decoder and not cross) else 1
+            if c.mask_b == 1 and (rows > 1 or not cross):
+                width = c.S if cross else c.S + 8 - c.S % 8  # a self-attention's bias is padded
+                sv["att.bias"] = a * rows * shape.heads * c.S * width
         else:
             ab = 4 if c.mask_b != 1 else a
             sv.update({"att.q": ab * T * qd, "att.k": ab * T * qd, "att.v": ab * T * qd, "att.probs": ab * sq})

@@ -50,7 +50,6 @@ class StepTrace:
     seconds: float
     dtype_bytes: int
     heads: int = 0
-    head_dim: int = 0
     notes: list[str] = field(default_factory=list)
     load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
     kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
@@ -473,7 +472,6 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16, device)
     text = model.config.get_text_config()
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    head_dim = int(getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0))
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
     padded = s.batch > 1 if s.padded is None else s.padded
@@ -523,7 +521,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
-                     heads=heads, head_dim=head_dim, load_bytes=load_bytes, kv_heads=kv_heads,
+                     heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV)
 
 

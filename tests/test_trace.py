@@ -301,7 +301,7 @@ def test_a_trace_for_cuda_runs_sdpa_through_the_kernel_cuda_picks(model_dir, tmp
     s = settings(dtype="fp16", batch=2, padded=True)
     runs = {}
     for device in (t4, None):
-        tr = trace_step(spec_for(mha), s, seq_len=S, foreach=True, cuda_autocast=True, device=device)
+        tr = trace_step(spec_for(mha), s, seq_len=S, foreach=True, autocast_of="cuda", device=device)
         events, start = ck.apply(tr, t4, s, S, device_map=True)
         rep = allocator.replay(events, start=start)
         runs[device] = ({e.op for e in tr.events if "scaled_dot" in e.op},
@@ -552,6 +552,32 @@ def test_analytic_estimate_follows_eager_attention_through_backward(tmp_path):
     assert all(band.low <= e <= band.high for e in errs.values()), errs
 
 
+def test_analytic_estimate_follows_mps_sdpa(tmp_path):
+    """On MPS, SDPA's math composite keeps fp32 q, k, v, scores and probabilities: the analytic estimate stays within
+    its MPS band of the trace, padded or not, with and without checkpointing, and on a LayerNorm / gelu_new model
+    (phi: MPS autocast runs both in fp32). Before, the MPS trace ran the CPU's flash kernel: up to 81 % below the
+    analytic figure on this kind of grid."""
+    from fitburst.memory import estimate, load_shape
+    from fitburst.memory.calibration import band_for
+
+    gqa = {**CFG, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 4096}
+    phi = {**config_dict("microsoft/phi-1_5"), "hidden_size": 256, "intermediate_size": 1024, "vocab_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8}
+    dev, band = resolve_device("mps:16GiB"), band_for("analytic-vs-traced", "mps")
+    errs = {}
+    for name, cfg in (("gqa", gqa), ("phi", phi)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        for b, ckpt in ((1, False), (2, False), (2, True)):
+            s = TrainSettings(method="lora", rank=8, batch=b, seq_len=1024, dtype="bf16", attention="sdpa",
+                              targets="all-linear", dropout=0.0, grad_checkpointing=ckpt, keep_logits=False)
+            traced = traced_estimate(spec_for(d), s, dev, seq_len=s.seq_len).reserved_peak_bytes
+            analytic = estimate(load_shape(str(d)), s, dev, calibrate=False).reserved_peak_bytes
+            errs[(name, b, ckpt)] = traced / analytic - 1
+    assert all(band.low <= e <= band.high for e in errs.values()), errs
+
+
 def test_cli_exact_prints_the_same_keys_plus_an_error_band(model_dir, capsys):
     from fitburst.memory.cli import main
 
@@ -614,31 +640,68 @@ def test_peak_components_sum_to_the_peak_by_origin(model_dir):
     assert c["lora_weights"] == lora and c["optimizer_states"] >= 2 * lora  # AdamW's exp_avg and exp_avg_sq
 
 
-def test_rule_cuda_autocast_runs_norms_softmax_and_math_in_fp32(tmp_path):
+def _autocast_calls(x, i):
+    """One call per op of the autocast policy's tables (and ops both autocasts leave alone), on ``x`` (4 x 8)."""
     import torch
     import torch.nn.functional as F
 
-    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
-    w = torch.ones(16, dtype=torch.bfloat16)
-    with ck.cuda_autocast_fp32_ops():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert F.layer_norm(x, (16,), w).dtype == torch.float32  # CUDA autocast's fp32 policy
-            assert F.softmax(x, dim=-1).dtype == torch.float32
-            assert F.softmax(x, dim=-1, dtype=torch.bfloat16).dtype == torch.bfloat16  # an explicit dtype stands
-        assert F.layer_norm(x, (16,), w).dtype == torch.bfloat16  # outside autocast: as it was
-        # the elementwise math CUDA autocast runs in fp32, in every spelling; tanh is not among them
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert {(x ** 3).dtype, x.pow(3).dtype, torch.pow(x, 3).dtype, torch.exp(x).dtype} == {torch.float32}
-            assert torch.tanh(x).dtype == torch.bfloat16
-        assert (x ** 3).dtype == torch.bfloat16
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert F.layer_norm(x, (16,), w).dtype == torch.bfloat16  # CPU autocast itself leaves it in 16 bits
-        assert (x ** 3).dtype == torch.bfloat16  # and its registration is gone once the context exits
-    # on a traced LoRA step: a LayerNorm model (gpt_neox) holds fp32 norm inputs for backward; RMSNorm models
-    # (llama: already fp32 inside the norm) trace the same
+    w = torch.ones(8, dtype=x.dtype, device=x.device)
+    return {
+        "layer_norm": lambda: F.layer_norm(x, (8,), w), "group_norm": lambda: F.group_norm(x, 2),
+        "rms_norm": lambda: F.rms_norm(x, (8,), w), "softmax": lambda: F.softmax(x, -1),
+        "softmax(dtype)": lambda: F.softmax(x, -1, dtype=x.dtype), "log_softmax": lambda: x.log_softmax(-1),
+        "x ** 3": lambda: x ** 3, "pow(x, x)": lambda: torch.pow(x, x), "exp": lambda: x.exp(),
+        "log1p": lambda: x.log1p(), "rsqrt": lambda: x.rsqrt(), "reciprocal": lambda: x.reciprocal(),
+        "softplus": lambda: F.softplus(x), "sum": lambda: x.sum(), "sum(dim)": lambda: x.sum(-1),
+        "sum(dtype)": lambda: x.sum(-1, dtype=x.dtype), "cumsum": lambda: x.cumsum(-1),
+        "cumprod": lambda: x.cumprod(-1), "prod": lambda: x.prod(-1), "norm": lambda: x.norm(dim=-1),
+        "vector_norm": lambda: torch.linalg.vector_norm(x, dim=-1), "logsumexp": lambda: x.logsumexp(-1),
+        "cosine_similarity": lambda: F.cosine_similarity(x, x), "cross_entropy": lambda: F.cross_entropy(x, i),
+        "mean": lambda: x.mean(-1), "tanh": lambda: x.tanh(), "silu": lambda: F.silu(x), "gelu": lambda: F.gelu(x),
+        "matmul": lambda: x.float() @ x.float().T, "einsum": lambda: torch.einsum("ij,kj->ik", x, x.float()),
+    }
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps"])
+def test_rule_device_autocast_matches_torchs_own_autocast_kernels(kind):
+    """torch registers AutocastCUDA and AutocastMPS in every build and runs them on fake CUDA / MPS tensors: each op
+    under CPU autocast with the policy gives the dtype the device's own autocast gives, in fp16 and bf16 (with the
+    previous CUDA-only rule, 10 of these 30 calls differed on CUDA, ``x.log_softmax`` among them, and 19 on MPS)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitburst.memory.autocast_policy import device_autocast
+
+    def dtypes(device: str, policy: str, dt) -> dict:
+        x = torch.empty(4, 8, device=device, dtype=dt)
+        i = torch.zeros(4, dtype=torch.long, device=device)
+        torch.set_autocast_enabled(device, True)  # torch.autocast() refuses a device this build cannot run
+        torch.set_autocast_dtype(device, dt)
+        try:
+            with device_autocast(policy):
+                return {k: f().dtype for k, f in _autocast_calls(x, i).items()}
+        finally:
+            torch.set_autocast_enabled(device, False)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for dt in (torch.float16, torch.bfloat16):
+            own, traced, cpu = dtypes(kind, "cpu", dt), dtypes("cpu", kind, dt), dtypes("cpu", "cpu", dt)
+            assert traced == own, {k: (own[k], traced[k]) for k in own if own[k] != traced[k]}
+            assert {k for k in own if own[k] != cpu[k]} >= {"layer_norm", "softmax", "x ** 3", "sum", "cumsum"}
+            assert (own["rms_norm"] == torch.float32) == (kind == "cuda")  # in CUDA's list, not in MPS's
+            x = torch.empty(4, 8, dtype=dt)
+            with device_autocast(kind):  # outside autocast nothing changes
+                assert x.sum().dtype == x.softmax(-1).dtype == dt
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # and the registrations are gone once the context exits
+        assert torch.ones(4, dtype=torch.bfloat16).sum().dtype == torch.bfloat16
+
+
+def test_rule_device_autocast_on_a_traced_step(tmp_path):
+    """A LayerNorm model (gpt_neox) holds fp32 norm inputs for backward under a GPU's autocast, gelu_new keeps its
+    tail in fp32; RMSNorm models (llama: already fp32 inside the norm) trace the same."""
     neox = dict(model_type="gpt_neox", hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=3000, max_position_embeddings=1024)
-    gelu_new = {**CFG, "hidden_act": "gelu_new"}  # pow(x, 3) in fp32: the activation's tail is kept in fp32
+    gelu_new = {**CFG, "hidden_act": "gelu_new"}
     peaks = {}
     for name, cfg, targets in (("gpt_neox", neox, ["query_key_value"]), ("llama", CFG, ["q_proj", "v_proj"]),
                                ("gelu_new", gelu_new, ["q_proj", "v_proj"])):
@@ -646,10 +709,33 @@ def test_rule_cuda_autocast_runs_norms_softmax_and_math_in_fp32(tmp_path):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(cfg))
         s = settings(dtype="bf16", targets=targets)
-        peaks[name] = [trace_step(spec_for(d), s, seq_len=S, cuda_autocast=c).live_peaks()[0] for c in (False, True)]
-    assert peaks["gpt_neox"][1] > peaks["gpt_neox"][0]
-    assert peaks["llama"][1] == peaks["llama"][0]
-    assert peaks["gelu_new"][1] > peaks["gelu_new"][0]
+        peaks[name] = [trace_step(spec_for(d), s, seq_len=S, autocast_of=k).live_peaks()[0]
+                       for k in ("cpu", "cuda", "mps")]
+    assert peaks["gpt_neox"][1] == peaks["gpt_neox"][2] > peaks["gpt_neox"][0]
+    assert peaks["llama"][0] == peaks["llama"][1] == peaks["llama"][2]
+    assert peaks["gelu_new"][1] == peaks["gelu_new"][2] > peaks["gelu_new"][0]
+
+
+def test_rule_mps_sdpa_runs_the_math_composite(model_dir):
+    """A training step's SDPA on MPS is torch's math composite: the MPS trace equals a real CPU step made to run the
+    math kernel (the same composite) and keeps fp32 scores and probabilities per layer, which the CPU's flash
+    kernel (what the MPS trace ran before) does not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s = settings(dtype="bf16")
+    mps = trace_step(spec_for(model_dir), s, seq_len=S, autocast_of="mps", device=resolve_device("mps:16GiB"))
+    cpu = trace_step(spec_for(model_dir), s, seq_len=S)
+    with sdpa_kernel(SDPBackend.MATH):
+        real, _ = real_cpu_peak(model_dir, s)
+    assert abs(mps.live_peaks()[0] / real - 1) < 0.005, (mps.live_peaks()[0], real)
+    probs = B * CFG["num_attention_heads"] * S * S * 4
+
+    def forward_probs(tr):
+        return [e for e in tr.events[tr.measured_start:] if e.kind == "alloc" and e.size == probs
+                and e.phase == "forward"]
+
+    assert len(forward_probs(mps)) >= 2 * CFG["num_hidden_layers"] and not forward_probs(cpu)
+    assert mps.live_peaks()[0] > cpu.live_peaks()[0] + CFG["num_hidden_layers"] * probs
 
 
 def test_mixture_of_experts_traces_in_fp32(tmp_path):

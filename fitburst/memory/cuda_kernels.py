@@ -29,10 +29,7 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   ``caching_allocator_warmup``): one segment that the loading, and later the step, carve up.
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
-- :func:`cuda_autocast_fp32_ops`: CUDA autocast runs layer_norm, group_norm, softmax / log_softmax (no dtype
-  given) and its elementwise math ops (pow, exp, log, rsqrt, reciprocal, softplus, ...) in fp32 where CPU autocast
-  leaves them in 16 bits; the trace runs them that way itself (fp32 input copies saved for backward, fp32 outputs
-  that each 16-bit consumer casts again; gelu_new's ``pow(x, 3)`` makes its whole tail fp32).
+- CUDA autocast's fp32 ops: :mod:`fitburst.memory.autocast_policy` (MPS shares them).
 """
 
 from __future__ import annotations
@@ -70,71 +67,6 @@ def cublas_workspace_bytes(device: Device, biased: bool, recompute: bool) -> int
 
 def optimizer_foreach(device: Device) -> bool:
     return device.kind == "cuda"
-
-
-# CUDA autocast's "fp32" elementwise math ops (torch's autocast op reference, "CUDA Ops that can autocast to
-# float32") that CPU autocast leaves alone: registered for the AutocastCPU key while tracing, so ``x ** 3``,
-# ``x.pow(3)`` and ``torch.pow(x, 3)`` all go through it
-CUDA_FP32_MATH = ("pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "exp", "expm1", "log", "log1p", "log2",
-                  "log10", "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh", "sinh", "tan", "erfinv")
-
-
-@contextlib.contextmanager
-def cuda_autocast_fp32_ops() -> Iterator[None]:
-    """A context in which, under CPU autocast, ``torch.nn.functional``'s layer_norm, group_norm, softmax and
-    log_softmax and the aten ops of :data:`CUDA_FP32_MATH` behave as under CUDA autocast (its "fp32" policy,
-    aten/src/ATen/autocast_mode.cpp): 16-bit floating arguments are cast to fp32 and the op runs in fp32 (output
-    fp32); softmax / log_softmax without a dtype run with dtype=fp32. Outside autocast, or on fp32 arguments,
-    nothing changes; on exit the registrations are removed."""
-    from unittest import mock
-
-    import torch
-    import torch.nn.functional as F
-
-    low = (torch.float16, torch.bfloat16)
-
-    def up(t):
-        return t.float() if isinstance(t, torch.Tensor) and t.dtype in low else t
-
-    def fp32_policy(orig):
-        @functools.wraps(orig)
-        def run(*args, **kwargs):
-            if not torch.is_autocast_enabled("cpu") or not any(
-                    isinstance(a, torch.Tensor) and a.dtype in low for a in (*args, *kwargs.values())):
-                return orig(*args, **kwargs)
-            with torch.autocast("cpu", enabled=False):
-                return orig(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
-        return run
-
-    def fp32_dtype_policy(orig):
-        @functools.wraps(orig)
-        def run(input, dim=None, _stacklevel=3, dtype=None):
-            if dtype is None and torch.is_autocast_enabled("cpu") and input.dtype in low:
-                dtype = torch.float32
-            return orig(input, dim, _stacklevel, dtype)
-        return run
-
-    below_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-
-    def fp32_kernel(op):
-        def run(*args, **kwargs):  # only reached with CPU autocast on (its key is in the dispatch set)
-            with torch._C._ExcludeDispatchKeyGuard(below_autocast):
-                if any(isinstance(a, torch.Tensor) and a.dtype in low for a in args):
-                    args = tuple(up(a) for a in args)
-                return op(*args, **kwargs)
-        return run
-
-    with contextlib.ExitStack() as stack:  # nothing is patched or registered until the context is entered
-        for name in ("layer_norm", "group_norm"):
-            stack.enter_context(mock.patch.object(F, name, fp32_policy(getattr(F, name))))
-        for name in ("softmax", "log_softmax"):
-            stack.enter_context(mock.patch.object(F, name, fp32_dtype_policy(getattr(F, name))))
-        lib = torch.library.Library("aten", "IMPL")
-        stack.callback(lib._destroy)
-        for name in CUDA_FP32_MATH:
-            base, _, overload = name.partition(".")
-            lib.impl(name, fp32_kernel(getattr(getattr(torch.ops.aten, base), overload or "default")), "AutocastCPU")
-        yield
 
 
 MATH = 0  # sdp::SDPBackend::math, what torch._fused_sdp_choice answers for the math kernel

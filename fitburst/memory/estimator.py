@@ -395,9 +395,9 @@ class _Ctx:
     lora16: int = 0  # LoRA under autocast: bytes of the 16-bit dtype its adapters compute in (0: no autocast)
     master: bool = False  # full fine-tuning with fp32 master weights under autocast: fp32 residual stream, 16-bit
     # copies of each weight (autocast's cache) and of each norm output a linear reads (one per linear)
-    cuda_amp: bool = False  # CUDA autocast: pow, exp, rsqrt, ... run in fp32 (cuda_kernels.CUDA_FP32_MATH)
-    norm32: bool = False  # CUDA autocast runs native layer_norm in fp32 (a 16-bit stream's norms keep an fp32 copy
-    # of their input)
+    gpu_amp: bool = False  # CUDA's and MPS's autocast: pow, exp, rsqrt, ... run in fp32 (autocast_policy)
+    norm32: bool = False  # CUDA's and MPS's autocast run native layer_norm in fp32 (a 16-bit stream's norms keep an
+    # fp32 copy of their input)
     half_to_float: bool = False  # CUDA's softmax of fp16 scores to fp32 (cuda_kernels.softmax_half_to_float)
 
 
@@ -479,7 +479,7 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
         sv["qnorm.f32"] = 4 * T * qd
         sv["knorm.f32"] = 4 * T * kvd
     if rg_att:  # attention's matmuls keep their inputs; under autocast, 16-bit copies (k-bit's fp32 q/k/v freed)
-        m = c.lora16 or a
+        m = _attention_bytes(c)
         groups = shape.heads // shape.kv_heads
         sv["q_rope"] = m * T * qd
         repeat = (
@@ -496,7 +496,7 @@ def _layer(shape: ModelShape, c: _Ctx, rg_in: bool, decoder: bool = True) -> tup
             sv["lse"] = 4 * T * shape.heads
             if c.padded:
                 sv["attn_bias"] = m * c.b * c.S * c.S
-        else:  # eager / math: the probabilities are kept (fp32 softmax output, plus its cast)
+        else:  # eager / math: the probabilities are kept (fp32 softmax output, plus eager's 16-bit cast)
             sv["probs.f32"] = 4 * c.b * shape.heads * c.S * c.S
             if m != 4:
                 sv["probs"] = m * c.b * shape.heads * c.S * c.S
@@ -645,10 +645,10 @@ def _t5_attention(sv: dict, shape: ModelShape, c: _Ctx, rg_n: bool, cross: bool 
 
 
 def _gelu_new(sv: dict, key: str, c: _Ctx, a: int, i: int) -> int:
-    """gelu_new's python formula keeps its input ``key`` (for pow), tanh, 0.5 x and 1 + tanh. Under CUDA autocast
+    """gelu_new's python formula keeps its input ``key`` (for pow), tanh, 0.5 x and 1 + tanh. Under a GPU's autocast
     pow runs in fp32, so a 16-bit input is kept as an fp32 copy and everything after it but 0.5 x is fp32. Returns
     the bytes per element of its output."""
-    f = 4 if c.cuda_amp else a
+    f = 4 if c.gpu_amp else a
     sv.update({key: f * c.T * i, "gelu.tanh": f * c.T * i, "gelu.half": a * c.T * i, "gelu.1pt": f * c.T * i})
     return f
 
@@ -731,7 +731,7 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> tuple[int, int]:
         3 * a * T * i - down_saved,
         (((c.lora16 or 4) + a) * T * i if not c.full and down in c.targets else a * T * i),
     )
-    if shape.act == "gelu_new" and c.cuda_amp and a != 4:  # its fp32 tail (CUDA autocast) runs backward in fp32
+    if shape.act == "gelu_new" and c.gpu_amp and a != 4:  # its fp32 tail (CUDA or MPS autocast) runs backward in fp32
         mlp = max(mlp, (12 + a) * T * i - down_saved)
     mlp += a * T * h
     if c.attention == "flash":
@@ -740,7 +740,7 @@ def _layer_backward_transient(shape: ModelShape, c: _Ctx) -> tuple[int, int]:
         # (if any) freed by then; CUDA's kernel adds an fp32 grad * output temporary, or (fp16 scores) writes
         # the fp16 grad beside that temporary instead of an fp32 output (cuda_kernels.softmax_backward_temp and
         # softmax_half_to_float)
-        m = c.lora16 or a
+        m = _attention_bytes(c)
         per_score = 8 + (4 if c.mask_b == 1 else 0) - (2 if c.half_to_float else 0) - (0 if m == 4 else m)
         att = per_score * c.b * shape.heads * c.S * c.S
     return mlp, att
@@ -753,8 +753,15 @@ def _forward_transient(shape: ModelShape, c: _Ctx) -> int:
     T, a = c.T, c.a
     upcast = 4 if a != 4 and not c.half_to_float else 0
     m = c.lora16 or a
-    att = 0 if c.attention == "flash" else max(0, a + upcast - (0 if m == 4 else m)) * c.b * shape.heads * c.S * c.S
-    return max(2 * a * T * shape.intermediate, att)
+    att = {"flash": 0, "math": 4}.get(c.attention, max(0, a + upcast - (0 if m == 4 else m)))
+    return max(2 * a * T * shape.intermediate, att * c.b * shape.heads * c.S * c.S)
+
+
+def _attention_bytes(c: _Ctx) -> int:
+    """Bytes an element of what attention keeps (q, k, v, probabilities): the math composite (SDPA on MPS) upcasts
+    16-bit q, k and v to fp32 and computes in fp32; eager and the fused kernels keep the stream's dtype (under
+    autocast, its 16-bit copies)."""
+    return 4 if c.attention == "math" else c.lora16 or c.a
 
 
 def estimate(
@@ -794,8 +801,8 @@ def estimate(
         merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
         master=s.master_weights,
         lora16=d if s.amp and not full else 0,
-        cuda_amp=device.kind == "cuda" and s.amp,
-        norm32=device.kind == "cuda" and s.amp and not full and not s.kbit and shape.norm_style == "layernorm",
+        gpu_amp=device.kind in ("cuda", "mps") and s.amp,
+        norm32=device.kind in ("cuda", "mps") and s.amp and not full and not s.kbit and shape.norm_style == "layernorm",
         half_to_float=device.kind == "cuda" and s.dtype == "fp16" and a == 2,
     )
     V, h = shape.vocab, shape.hidden

@@ -19,11 +19,10 @@ from dataclasses import asdict, dataclass, field
 from fitburst.errors import UserError
 
 from .devices import Device, MiB
-from .estimator import Estimate, TrainSettings
+from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
-MPS_RESERVED_FACTOR = 1.15  # MPS heaps are coarser than tensors (estimator.RESERVED_FACTOR["mps"])
 
 
 class TraceUnsupported(UserError, ValueError):
@@ -436,7 +435,7 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str]):
 
 
 def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
-               kbit_read_ahead: int = 0, cuda_autocast: bool = False, device: Device | None = None) -> StepTrace:
+               kbit_read_ahead: int = 0, autocast_of: str = "cpu", device: Device | None = None) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
@@ -444,10 +443,11 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     whose measurements came from another loop passes that loop's step). ``kbit_read_ahead``: tensors a
     quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
     transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
-    ``cuda_autocast``: run the ops CUDA autocast keeps in fp32 that way
-    (:func:`fitburst.memory.cuda_kernels.cuda_autocast_fp32_ops`). ``device``: the device the model is loaded for,
+    ``autocast_of``: the device kind ("cuda", "mps", "cpu") whose autocast the loop's AMP follows
+    (:func:`fitburst.memory.autocast_policy.device_autocast`). ``device``: the device the model is loaded for,
     whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`); on a CUDA device
-    SDPA runs the fused kernel that device picks (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`)."""
+    SDPA runs the fused kernel that device picks (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`), on MPS
+    its math composite (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
@@ -458,7 +458,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     from fitburst.models import EXPANDED_KV
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
-    from . import cuda_kernels
+    from . import cuda_kernels, mps_kernels
+    from .autocast_policy import device_autocast
 
     s = settings
     if s.quant == "int8":
@@ -477,10 +478,11 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     padded = s.batch > 1 if s.padded is None else s.padded
     rec = _recorder_cls()()
     prefix = ["warmup."]
-    fp32_ops = cuda_kernels.cuda_autocast_fp32_ops() if cuda_autocast else contextlib.nullcontext()
-    cuda = device is not None and device.kind == "cuda"
-    sdpa = cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if cuda else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), fp32_ops, sdpa:
+    kind = device.kind if device is not None else "cpu"
+    sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if kind == "cuda"
+            else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
+    with (FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), device_autocast(autocast_of),
+          sdpa):
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -492,13 +494,11 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                 g["foreach"] = True
         hooks = _phase_hooks(model, opt, rec, prefix)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
-        # autocast lowers the same ops as CUDA's on these models (linear, matmul, bmm, baddbmm, addmm, SDPA) and
-        # caches the casts of fp32 leaf weights alike. CUDA autocast also runs some ops in fp32 that CPU's leaves
-        # in 16 bits (layer_norm, softmax without dtype, pow, rsqrt, exp, sum): llama/qwen-style models upcast
-        # explicitly there (RMSNorm, eager softmax(dtype=fp32), the loss); for a CUDA device layer_norm, group_norm,
-        # softmax / log_softmax and the elementwise math (pow, rsqrt, exp, ...) run as CUDA autocast runs them
-        # (cuda_autocast; sum, cumsum and prod without a dtype are not emulated). The GradScaler runs on fake
-        # tensors: its found-inf .item() reads 0 (the recorder), so the traced step is always taken, never skipped.
+        # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
+        # SDPA) and caches the casts of fp32 leaf weights alike; the ops those run in fp32 and CPU's does not
+        # (norms, softmax, sum, pow, rsqrt, ...) run as the device's autocast runs them (autocast_of). The
+        # GradScaler runs on fake tensors: its found-inf .item() reads 0 (the recorder), so the traced step is
+        # always taken, never skipped.
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
@@ -579,20 +579,21 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
                     cache: dict | None = None) -> Estimate:
     """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
-    tensor peak plus the runtime floor; on MPS the tensor peak times the MPS heap factor. ``method`` is "traced"
-    (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by settings across calls (the
-    trace depends on the device only through the optimizer's foreach path, CUDA autocast's fp32 ops, the SDPA
-    kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
+    tensor peak plus the runtime floor; on MPS the tensor peak with the analytic estimate's MPS heap terms.
+    ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by
+    settings across calls (a trace depends on the device through its kind: the optimizer's foreach path, its
+    autocast, MPS's SDPA; the SDPA kernels a CUDA device picks and whether the loader expands grouped-query k/v
+    there)."""
     from . import allocator, cuda_kernels
 
     s = settings
     foreach = device.kind == "cuda"
     # whether this device would expand a grouped-query model's k/v (the trace records whether this model's were)
     expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype, gqa=True)
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, foreach, expands, foreach and device.supports_bf16)
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, device.kind, expands, foreach and device.supports_bf16)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
-        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, cuda_autocast=foreach, device=device)
+        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, autocast_of=device.kind, device=device)
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
@@ -616,7 +617,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         components = peak_components(events, trace.measured_start)
         alloc = peak
         if device.kind == "mps":
-            reserved = int(peak * MPS_RESERVED_FACTOR)
+            reserved = int(peak * RESERVED_FACTOR["mps"]) + RESERVED_FLOOR["mps"]  # as the analytic estimate
             total = reserved
         else:
             reserved = peak + CPU_RUNTIME_FLOOR

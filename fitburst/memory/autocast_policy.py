@@ -1,0 +1,78 @@
+"""The device's autocast, on the CPU tensors the trace runs: the loop's AMP runs CPU autocast there, and CUDA's and
+MPS's autocast run more ops in fp32 (torch's ``aten/src/ATen/autocast_mode.cpp``). :func:`device_autocast` makes
+those ops behave under CPU autocast as under the device's: 16-bit floating arguments cast to fp32 (the "fp32"
+policy), or an unset ``dtype`` set to fp32 ("fp32_set_opt_dtype"). A 16-bit consumer of an fp32 output casts it
+again (autocast's own rule), so a LayerNorm model keeps fp32 norm copies and gelu_new's ``pow(x, 3)`` makes its
+whole tail fp32, as on the GPU.
+
+torch registers its AutocastCUDA and AutocastMPS kernels in every build and runs them on fake CUDA and MPS tensors:
+``tests/test_trace.py`` checks each op below against them, op by op, in fp16 and bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+# "fp32" on both devices: floating 16-bit arguments cast to fp32
+FP32 = ("layer_norm", "native_layer_norm", "group_norm", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar",
+        "exp", "expm1", "log", "log1p", "log2", "log10", "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh",
+        "sinh", "tan", "erfinv", "logsumexp", "cosine_similarity", "linalg_vector_norm")
+FP32_ONLY = {"cuda": ("rms_norm",), "mps": ()}  # CUDA's list has rms_norm, MPS's does not
+# "fp32_set_opt_dtype": with no dtype given, a floating input runs with dtype=fp32 (CPU autocast already runs prod
+# in fp32)
+SET_DTYPE = ("softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "cumsum", "cumprod")
+KINDS = ("cuda", "mps")
+
+
+def fp32_ops(kind: str) -> tuple[str, ...]:
+    """The aten ops (``name`` or ``name.overload``) that ``kind``'s autocast runs in fp32 and CPU autocast does not."""
+    return FP32 + FP32_ONLY[kind]
+
+
+@contextlib.contextmanager
+def device_autocast(kind: str) -> Iterator[None]:
+    """Under CPU autocast, the ops of :func:`fp32_ops` and :data:`SET_DTYPE` behave as under ``kind``'s autocast
+    ("cpu": nothing changes). Outside autocast, on fp32 arguments, or with a dtype given, nothing changes; on exit
+    the registrations are gone."""
+    if kind not in KINDS:
+        yield
+        return
+    import torch
+
+    low = (torch.float16, torch.bfloat16)
+    below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def up(a):
+        return a.float() if isinstance(a, torch.Tensor) and a.dtype in low else a
+
+    def fp32(op):
+        def run(*args, **kwargs):  # reached only with CPU autocast on (its key is then in the dispatch set)
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                return op(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+        return run
+
+    def set_dtype(op):
+        at = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
+
+        def run(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                given = args[at] if len(args) > at else kwargs.get("dtype")
+                if given is None and args[0].is_floating_point():
+                    args, kwargs = args[:at], {**kwargs, "dtype": torch.float32}
+                return op(*args, **kwargs)
+        return run
+
+    def overload(name: str):
+        base, _, ov = name.partition(".")
+        return getattr(getattr(torch.ops.aten, base), ov or "default")
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        for name in fp32_ops(kind):
+            lib.impl(name, fp32(overload(name)), "AutocastCPU")
+        for name in SET_DTYPE:
+            lib.impl(name, set_dtype(overload(name)), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()

@@ -240,6 +240,35 @@ def test_feature_dropout_noise_is_not_taken_for_a_mask():
     assert tags.count("dropout_noise:4") == 1, tags
 
 
+def test_rules_match_torchs_own_routing_on_fake_cuda_and_mps_tensors():
+    """torch picks CUDA's fused paths by the tensor's device inside its own composites, and runs them on fake CUDA
+    tensors in a CPU build (forward only: autograd needs a CUDA build): softmax(fp16, dtype=fp32) is one
+    half-to-float kernel and dropout one native_dropout with a bool mask. The CPU trace's allocations through
+    softmax_half_to_float and dropout_bool_mask are what the same calls allocate on CUDA tensors; on MPS tensors
+    torch takes the CPU's paths, as mps_kernels says (no rule)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitburst.memory.trace import _recorder_cls
+
+    def allocated(device: str, rule=lambda ev: ev) -> list[int]:
+        rec = _recorder_cls()()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x16 = torch.empty(2, 4, 8, 8, device=device, dtype=torch.float16)
+            x32 = torch.empty(2, 64, device=device)
+            with rec:
+                kept = [F.softmax(x16, -1, dtype=torch.float32), F.dropout(x32, 0.1, True)]
+        assert len(kept) == 2
+        return sorted(e.size for e in rule(rec.events) if e.kind == "alloc")
+
+    cuda = allocated("cuda")
+    assert cuda == sorted([2 * 4 * 8 * 8 * 4, 2 * 64 * 4, 2 * 64])  # fp32 probabilities; dropout output, bool mask
+    assert allocated("cpu", lambda ev: ck.dropout_bool_mask(ck.softmax_half_to_float(ev, "fp16"))) == cuda
+    assert allocated("cpu") != cuda
+    assert allocated("mps") == allocated("cpu")
+
+
 def test_rule_sdpa_kernels():
     """The CPU flash kernel's calls as the efficient kernel (lse rows padded to 32, delta and dq accumulator in the
     backward) or as FlashAttention-2 (softmax_d and dq accumulator rounded to 128 rows, dk / dv expanded to every

@@ -185,6 +185,31 @@ def test_analytic_t5_terms_match_the_traced_step(t5_config_dir, kw):
     assert analytic.allocated_peak_bytes == pytest.approx(traced, rel=0.06)
 
 
+@pytest.mark.parametrize("device", ["T4", "mps:16GiB"])
+def test_t5_loss_on_a_gpu_keeps_16_bit_log_probabilities(tmp_path, device):
+    """T5 takes cross_entropy of its 16-bit logits with no upcast first. CPU autocast runs the whole loss in fp32
+    (an fp32 copy of the logits, fp32 log-probabilities); a GPU's autocast runs log_softmax in 16 bits and copies
+    only its output to fp32 for nll_loss. With FLAN-T5's vocabulary the loss is most of the peak: the trace for a
+    GPU makes 16-bit log-probabilities, and the analytic estimate follows it within 2 % (it followed CPU autocast
+    there: +14 % on a T4 before)."""
+    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory.trace import traced_estimate
+    from fitburst.spec import PipelineSpec
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(T5_CFG, vocab_size=32128)))
+    S, dev = 512, resolve_device(device)
+    s = TrainSettings(method="lora", rank=8, batch=2, seq_len=S, dtype="fp16" if device == "T4" else "bf16",
+                      attention="sdpa", dropout=0.0, targets=["q", "v"], keep_logits=False)
+    spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(tmp_path)}, data={"path": "x.jsonl"}))
+    cache: dict = {}
+    traced = traced_estimate(spec, s, dev, seq_len=S, cache=cache).allocated_peak_bytes
+    (tr,) = cache.values()
+    log_probs = [e.size for e in tr.events[tr.measured_start:] if e.kind == "alloc" and e.op == "_log_softmax.default"]
+    assert log_probs == [2 * S * 2 * 32128]  # b x s x vocab, 16 bits
+    analytic = estimate(load_shape(str(tmp_path)), s, dev, calibrate=False).allocated_peak_bytes
+    assert analytic == pytest.approx(traced, rel=0.02)
+
+
 def test_t5_traced_for_cuda_keeps_each_attention_bias_not_its_scores(t5_config_dir):
     """T5 trains with dropout 0.1 in attention and its position bias as the mask: the CPU runs that with SDPA's math
     kernel (b*h*s*s scores, probabilities and dropout noise per layer), a CUDA device with the memory-efficient

@@ -582,7 +582,7 @@ def test_analytic_estimate_follows_eager_attention_through_backward(tmp_path):
 
 
 def test_analytic_estimate_follows_mps_sdpa(tmp_path):
-    """On MPS, SDPA's math composite keeps fp32 q, k, v, scores and probabilities: the analytic estimate stays within
+    """On MPS, SDPA's math composite keeps fp32 q, k, v and probabilities: the analytic estimate stays within
     its MPS band of the trace, padded or not, with and without checkpointing, and on a LayerNorm / gelu_new model
     (phi: MPS autocast runs both in fp32). Before, the MPS trace ran the CPU's flash kernel: up to 81 % below the
     analytic figure on this kind of grid."""
@@ -693,31 +693,63 @@ def _autocast_calls(x, i):
 
 @pytest.mark.parametrize("kind", ["cuda", "mps"])
 def test_rule_device_autocast_matches_torchs_own_autocast_kernels(kind):
-    """torch registers AutocastCUDA and AutocastMPS in every build and runs them on fake CUDA / MPS tensors: each op
-    under CPU autocast with the policy gives the dtype the device's own autocast gives, in fp16 and bf16 (with the
-    previous CUDA-only rule, 10 of these 30 calls differed on CUDA, ``x.log_softmax`` among them, and 19 on MPS)."""
+    """torch registers AutocastCUDA and AutocastMPS in every build and runs them on fake CUDA / MPS tensors: each call
+    under CPU autocast with the policy dispatches the ops the device's own autocast dispatches (views aside), with the
+    same input dtypes and ``dtype`` argument, so it allocates the same tensors, in fp16 and bf16. Before, only output
+    dtypes were compared: CUDA's vector norms and prod copied their input to fp32 (CUDA passes a dtype), MPS's sums
+    and softmax took a dtype (MPS copies), cross_entropy copied its 16-bit input to fp32 (CPU autocast's own rule;
+    a GPU's makes 16-bit log-probabilities, then an fp32 copy for nll_loss) and fp64 sums were cast down."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fitburst.memory.autocast_policy import device_autocast
 
-    def dtypes(device: str, policy: str, dt) -> dict:
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if not func.is_view and func.__name__ not in ("device.default", "detach.default"):
+                dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+                name = {"norm.ScalarOpt_dim": "linalg_vector_norm.default"}.get(func.__name__, func.__name__)
+                self.seen.append((name, dtypes, kwargs.get("dtype")))  # (MPS keeps x.norm's name; same output)
+            return func(*args, **kwargs)
+
+    def dispatched(device: str, policy: str, dt) -> dict:
         x = torch.empty(4, 8, device=device, dtype=dt)
         i = torch.zeros(4, dtype=torch.long, device=device)
+        calls = {**_autocast_calls(x, i), "sum(fp64)": lambda: x.double().sum(),
+                 "batch_norm": lambda: torch.nn.functional.batch_norm(x, None, None, training=True)}
+        before = torch.get_autocast_dtype(device)
         torch.set_autocast_enabled(device, True)  # torch.autocast() refuses a device this build cannot run
         torch.set_autocast_dtype(device, dt)
+        out = {}
         try:
             with device_autocast(policy):
-                return {k: f().dtype for k, f in _autocast_calls(x, i).items()}
+                for k, f in calls.items():
+                    with Ops() as ops:
+                        y = f()
+                    out[k] = (y.dtype, ops.seen)
         finally:
             torch.set_autocast_enabled(device, False)
+            torch.set_autocast_dtype(device, before)
+        return out
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         for dt in (torch.float16, torch.bfloat16):
-            own, traced, cpu = dtypes(kind, "cpu", dt), dtypes("cpu", kind, dt), dtypes("cpu", "cpu", dt)
+            own, traced, cpu = dispatched(kind, "cpu", dt), dispatched("cpu", kind, dt), dispatched("cpu", "cpu", dt)
+            if kind == "cuda" and dt == torch.float16:  # CUDA's half-to-float softmax kernels read the fp16 input:
+                for k in ("softmax", "log_softmax"):  # cuda_kernels.softmax_half_to_float drops the trace's copy
+                    (copy, *rest), kernel = traced[k][1], own[k][1][0][0]
+                    assert copy[0] == "_to_copy.default" and rest == [(kernel, (torch.float32,), None)]
+                    traced[k] = own[k]
             assert traced == own, {k: (own[k], traced[k]) for k in own if own[k] != traced[k]}
-            assert {k for k in own if own[k] != cpu[k]} >= {"layer_norm", "softmax", "x ** 3", "sum", "cumsum"}
-            assert (own["rms_norm"] == torch.float32) == (kind == "cuda")  # in CUDA's list, not in MPS's
+            assert {k for k in own if own[k][0] != cpu[k][0]} >= {"layer_norm", "softmax", "x ** 3", "sum", "cumsum"}
+            assert own["cross_entropy"] != cpu["cross_entropy"]  # what CPU autocast alone would have traced
+            assert (own["rms_norm"][0] == torch.float32) == (kind == "cuda")  # in CUDA's list, not in MPS's
             x = torch.empty(4, 8, dtype=dt)
             with device_autocast(kind):  # outside autocast nothing changes
                 assert x.sum().dtype == x.softmax(-1).dtype == dt
@@ -747,7 +779,7 @@ def test_rule_device_autocast_on_a_traced_step(tmp_path):
 
 def test_rule_mps_sdpa_runs_the_math_composite(model_dir):
     """A training step's SDPA on MPS is torch's math composite: the MPS trace equals a real CPU step made to run the
-    math kernel (the same composite) and keeps fp32 scores and probabilities per layer, which the CPU's flash
+    math kernel (the same composite) and keeps fp32 probabilities per layer, which the CPU's flash
     kernel (what the MPS trace ran before) does not."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

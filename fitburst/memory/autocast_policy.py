@@ -1,12 +1,15 @@
 """The device's autocast, on the CPU tensors the trace runs: the loop's AMP runs CPU autocast there, and CUDA's and
-MPS's autocast run more ops in fp32 (torch's ``aten/src/ATen/autocast_mode.cpp``). :func:`device_autocast` makes
-those ops behave under CPU autocast as under the device's: 16-bit floating arguments cast to fp32 (the "fp32"
-policy), or an unset ``dtype`` set to fp32 ("fp32_set_opt_dtype"). A 16-bit consumer of an fp32 output casts it
-again (autocast's own rule), so a LayerNorm model keeps fp32 norm copies and gelu_new's ``pow(x, 3)`` makes its
-whole tail fp32, as on the GPU.
+MPS's autocast treat some ops differently (torch's ``aten/src/ATen/autocast_mode.cpp``). :func:`device_autocast`
+makes those ops behave under CPU autocast as under the device's: 16-bit floating arguments cast to fp32 (the "fp32"
+policy), an unset ``dtype`` set to fp32 ("fp32_set_opt_dtype": no fp32 copy of the input), or, for ops CPU
+autocast runs in fp32 and the GPU's does not (``cross_entropy_loss``), no cast at the op itself (its inner ops are
+still autocast). A 16-bit consumer of an fp32 output casts it again (autocast's own rule), so a LayerNorm model
+keeps fp32 norm copies and gelu_new's ``pow(x, 3)`` makes its whole tail fp32, as on the GPU.
 
 torch registers its AutocastCUDA and AutocastMPS kernels in every build and runs them on fake CUDA and MPS tensors:
-``tests/test_trace.py`` checks each op below against them, op by op, in fp16 and bf16.
+``tests/test_trace.py`` checks each op below against them, in fp16 and bf16: the ops each call dispatches, their
+input dtypes and their ``dtype`` argument. The registrations are process-wide while the context is open (a trace
+holds it): CPU autocast in another thread of the process would follow them too.
 """
 
 from __future__ import annotations
@@ -17,24 +20,24 @@ from collections.abc import Iterator
 # "fp32" on both devices: floating 16-bit arguments cast to fp32
 FP32 = ("layer_norm", "native_layer_norm", "group_norm", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar",
         "exp", "expm1", "log", "log1p", "log2", "log10", "rsqrt", "reciprocal", "softplus", "acos", "asin", "cosh",
-        "sinh", "tan", "erfinv", "logsumexp", "cosine_similarity", "linalg_vector_norm")
-FP32_ONLY = {"cuda": ("rms_norm",), "mps": ()}  # CUDA's list has rms_norm, MPS's does not
-# "fp32_set_opt_dtype": with no dtype given, a floating input runs with dtype=fp32 (CPU autocast already runs prod
-# in fp32)
-SET_DTYPE = ("softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "cumsum", "cumprod")
-KINDS = ("cuda", "mps")
-
-
-def fp32_ops(kind: str) -> tuple[str, ...]:
-    """The aten ops (``name`` or ``name.overload``) that ``kind``'s autocast runs in fp32 and CPU autocast does not."""
-    return FP32 + FP32_ONLY[kind]
+        "sinh", "tan", "erfinv", "logsumexp", "cosine_similarity", "nll_loss")
+# reductions and softmax: CUDA sets their dtype to fp32 ("fp32_set_opt_dtype", CPU autocast copied prod's input),
+# MPS casts their input to fp32 even when a dtype is given
+REDUCTIONS = ("softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "cumsum", "cumprod", "prod",
+              "prod.dim_int", "linalg_vector_norm")
+POLICY = {
+    "cuda": {"fp32": FP32 + ("rms_norm",), "set_dtype": REDUCTIONS},
+    "mps": {"fp32": FP32 + ("batch_norm",) + REDUCTIONS, "set_dtype": ()},
+}
+NOT_AUTOCAST = ("cross_entropy_loss",)  # fp32 under CPU autocast; on both GPUs only its inner ops are autocast
+KINDS = tuple(POLICY)
 
 
 @contextlib.contextmanager
 def device_autocast(kind: str) -> Iterator[None]:
-    """Under CPU autocast, the ops of :func:`fp32_ops` and :data:`SET_DTYPE` behave as under ``kind``'s autocast
-    ("cpu": nothing changes). Outside autocast, on fp32 arguments, or with a dtype given, nothing changes; on exit
-    the registrations are gone."""
+    """Under CPU autocast, the ops of :data:`POLICY` and :data:`NOT_AUTOCAST` behave as under ``kind``'s autocast
+    ("cpu": nothing changes). Outside autocast, on fp32 or fp64 arguments, or with a dtype given (set_dtype ops),
+    nothing changes; on exit the registrations are gone."""
     if kind not in KINDS:
         yield
         return
@@ -58,7 +61,7 @@ def device_autocast(kind: str) -> Iterator[None]:
         def run(*args, **kwargs):
             with torch._C._ExcludeDispatchKeyGuard(below):
                 given = args[at] if len(args) > at else kwargs.get("dtype")
-                if given is None and args[0].is_floating_point():
+                if given is None and args[0].is_floating_point() and args[0].dtype != torch.float64:
                     args, kwargs = args[:at], {**kwargs, "dtype": torch.float32}
                 return op(*args, **kwargs)
         return run
@@ -69,10 +72,12 @@ def device_autocast(kind: str) -> Iterator[None]:
 
     lib = torch.library.Library("aten", "IMPL")
     try:
-        for name in fp32_ops(kind):
+        for name in POLICY[kind]["fp32"]:
             lib.impl(name, fp32(overload(name)), "AutocastCPU")
-        for name in SET_DTYPE:
+        for name in POLICY[kind]["set_dtype"]:
             lib.impl(name, set_dtype(overload(name)), "AutocastCPU")
+        for name in NOT_AUTOCAST:  # its composite, with autocast still on for the ops inside
+            lib.impl(name, overload(name).decompose, "AutocastCPU")
         yield
     finally:
         lib._destroy()

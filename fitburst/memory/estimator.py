@@ -904,6 +904,12 @@ def estimate(
     # neither the cast nor log_softmax saves its input).
     loss_fwd = logits + (4 * T * V if a_lm != 4 else 0) + 4 * T * V
     loss_bwd = kept_logits + 12 * T * V
+    if shape.model_type == "t5" and c.gpu_amp and a_lm != 4:
+        # T5 takes cross_entropy of its 16-bit logits (no upcast first): a GPU's autocast runs log_softmax in 16
+        # bits and copies its output to fp32 for nll_loss, which keeps that copy; nll_loss's backward adds its fp32
+        # grad (CPU autocast: an fp32 log_softmax, counted above)
+        loss_fwd = logits + (a_lm + 4) * T * V
+        loss_bwd = kept_logits + (a_lm + 8) * T * V
     # autocast's 16-bit copy of an fp32 head (master weights, k-bit's fp32 head), kept for its backward
     head16 = d * V * h if s.master_weights or (s.kbit and s.amp) else 0
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)

@@ -2,8 +2,9 @@
 
 - :func:`mps_sdpa_math`: a training step's SDPA on MPS runs torch's math composite
   (``_scaled_dot_product_attention_math``): MPS has no fused attention with a backward (its fused kernels, where a
-  torch has them, refuse inputs that require grad), so 16-bit q, k and v are upcast to fp32 and the b*h*s*s fp32
-  scores and probabilities are kept for backward. The CPU runs its flash kernel, which keeps none of them.
+  torch has them, refuse inputs that require grad), so 16-bit q, k and v are upcast to fp32 (kept for backward, q
+  and k scaled), and the b*h*s*s fp32 probabilities are kept beside them (the scores they come from are transient).
+  The CPU runs its flash kernel, which keeps none of them.
 - autocast: MPS's autocast runs norms, softmax, reductions and elementwise math in fp32 as CUDA's does
   (:func:`fitburst.memory.autocast_policy.device_autocast`, ``"mps"``).
 - Same as the CPU, so no rule: ``softmax(x16, dtype=fp32)`` makes an fp32 copy of ``x16`` first (only CUDA's fp16

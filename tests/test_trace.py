@@ -688,6 +688,7 @@ def _autocast_calls(x, i):
         "cosine_similarity": lambda: F.cosine_similarity(x, x), "cross_entropy": lambda: F.cross_entropy(x, i),
         "mean": lambda: x.mean(-1), "tanh": lambda: x.tanh(), "silu": lambda: F.silu(x), "gelu": lambda: F.gelu(x),
         "matmul": lambda: x.float() @ x.float().T, "einsum": lambda: torch.einsum("ij,kj->ik", x, x.float()),
+        "cat": lambda: torch.cat([x, x.float()]),
     }
 
 
@@ -698,7 +699,8 @@ def test_rule_device_autocast_matches_torchs_own_autocast_kernels(kind):
     same input dtypes and ``dtype`` argument, so it allocates the same tensors, in fp16 and bf16. Before, only output
     dtypes were compared: CUDA's vector norms and prod copied their input to fp32 (CUDA passes a dtype), MPS's sums
     and softmax took a dtype (MPS copies), cross_entropy copied its 16-bit input to fp32 (CPU autocast's own rule;
-    a GPU's makes 16-bit log-probabilities, then an fp32 copy for nll_loss) and fp64 sums were cast down."""
+    a GPU's makes 16-bit log-probabilities, then an fp32 copy for nll_loss), so did cat of mixed 16-bit and fp32
+    inputs (a GPU's cat promotes as it writes), and fp64 sums were cast down."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -748,7 +750,7 @@ def test_rule_device_autocast_matches_torchs_own_autocast_kernels(kind):
                     traced[k] = own[k]
             assert traced == own, {k: (own[k], traced[k]) for k in own if own[k] != traced[k]}
             assert {k for k in own if own[k][0] != cpu[k][0]} >= {"layer_norm", "softmax", "x ** 3", "sum", "cumsum"}
-            assert own["cross_entropy"] != cpu["cross_entropy"]  # what CPU autocast alone would have traced
+            assert own["cross_entropy"] != cpu["cross_entropy"] and own["cat"] != cpu["cat"]  # CPU autocast's own
             assert (own["rms_norm"][0] == torch.float32) == (kind == "cuda")  # in CUDA's list, not in MPS's
             x = torch.empty(4, 8, dtype=dt)
             with device_autocast(kind):  # outside autocast nothing changes

@@ -2,9 +2,9 @@
 MPS's autocast treat some ops differently (torch's ``aten/src/ATen/autocast_mode.cpp``). :func:`device_autocast`
 makes those ops behave under CPU autocast as under the device's: 16-bit floating arguments cast to fp32 (the "fp32"
 policy), an unset ``dtype`` set to fp32 ("fp32_set_opt_dtype": no fp32 copy of the input), or, for ops CPU
-autocast runs in fp32 and the GPU's does not (``cross_entropy_loss``), no cast at the op itself (its inner ops are
-still autocast). A 16-bit consumer of an fp32 output casts it again (autocast's own rule), so a LayerNorm model
-keeps fp32 norm copies and gelu_new's ``pow(x, 3)`` makes its whole tail fp32, as on the GPU.
+autocast casts and the GPU's does not (``cross_entropy_loss``, ``cat``), no cast at the op itself (a composite's
+inner ops are still autocast). A 16-bit consumer of an fp32 output casts it again (autocast's own rule), so a
+LayerNorm model keeps fp32 norm copies and gelu_new's ``pow(x, 3)`` makes its whole tail fp32, as on the GPU.
 
 torch registers its AutocastCUDA and AutocastMPS kernels in every build and runs them on fake CUDA and MPS tensors:
 ``tests/test_trace.py`` checks each op below against them, in fp16 and bf16: the ops each call dispatches, their
@@ -29,7 +29,9 @@ POLICY = {
     "cuda": {"fp32": FP32 + ("rms_norm",), "set_dtype": REDUCTIONS},
     "mps": {"fp32": FP32 + ("batch_norm",) + REDUCTIONS, "set_dtype": ()},
 }
-NOT_AUTOCAST = ("cross_entropy_loss",)  # fp32 under CPU autocast; on both GPUs only its inner ops are autocast
+# CPU autocast only: cross_entropy_loss in fp32 (on a GPU only its inner ops are autocast), cat's promotion of
+# mixed 16-bit / fp32 inputs to fp32 copies (a GPU's cat kernel promotes as it writes)
+NOT_AUTOCAST = ("cross_entropy_loss", "cat")
 KINDS = tuple(POLICY)
 
 
@@ -66,6 +68,14 @@ def device_autocast(kind: str) -> Iterator[None]:
                 return op(*args, **kwargs)
         return run
 
+    def as_is(op):
+        def run(*args, **kwargs):  # a composite runs with autocast still on for the ops inside
+            if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+                return op.decompose(*args, **kwargs)
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                return op(*args, **kwargs)
+        return run
+
     def overload(name: str):
         base, _, ov = name.partition(".")
         return getattr(getattr(torch.ops.aten, base), ov or "default")
@@ -76,8 +86,8 @@ def device_autocast(kind: str) -> Iterator[None]:
             lib.impl(name, fp32(overload(name)), "AutocastCPU")
         for name in POLICY[kind]["set_dtype"]:
             lib.impl(name, set_dtype(overload(name)), "AutocastCPU")
-        for name in NOT_AUTOCAST:  # its composite, with autocast still on for the ops inside
-            lib.impl(name, overload(name).decompose, "AutocastCPU")
+        for name in NOT_AUTOCAST:
+            lib.impl(name, as_is(overload(name)), "AutocastCPU")
         yield
     finally:
         lib._destroy()

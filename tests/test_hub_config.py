@@ -88,6 +88,7 @@ def test_estimate_of_an_unbundled_hub_model_offline_says_how_to_fix_it(env, tmp_
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "cannot fetch config.json of 'Qwen/Qwen3-8B'" in r.stderr
     assert "local folder or config.json" in r.stderr and "hf download Qwen/Qwen3-8B config.json" in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr  # one message: none of huggingface_hub's retry warnings
 
 
 def test_unsupported_and_mixture_of_experts_configs_are_refused():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -472,6 +473,9 @@ def _from_hub(ref: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings: the one message below says it all
     try:
         return Path(hf_hub_download(ref, "config.json", revision=revision))
     # RuntimeError: huggingface_hub 1.16 retries a refused connection on a client it has already closed
@@ -488,6 +492,8 @@ def _from_hub(ref: str, revision: str | None) -> Path:
             f"cannot fetch config.json of {ref!r}{at} from the Hugging Face Hub: {why}. Offline, point "
             f"model.name (or --model) at a local folder or config.json of that model, or fetch it once online: "
             f"`hf download {ref} config.json{' --revision ' + revision if revision else ''}`") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 def load_shape(ref: str, revision: str | None = None) -> ModelShape:

@@ -15,6 +15,7 @@ holds it): CPU autocast in another thread of the process would follow them too.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 # "fp32" on both devices: floating 16-bit arguments cast to fp32
@@ -82,12 +83,14 @@ def device_autocast(kind: str) -> Iterator[None]:
 
     lib = torch.library.Library("aten", "IMPL")
     try:
-        for name in POLICY[kind]["fp32"]:
-            lib.impl(name, fp32(overload(name)), "AutocastCPU")
-        for name in POLICY[kind]["set_dtype"]:
-            lib.impl(name, set_dtype(overload(name)), "AutocastCPU")
-        for name in NOT_AUTOCAST:
-            lib.impl(name, as_is(overload(name)), "AutocastCPU")
+        with warnings.catch_warnings():  # replacing CPU autocast's own kernels (nll_loss, prod, cat, ...) is the point
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for name in POLICY[kind]["fp32"]:
+                lib.impl(name, fp32(overload(name)), "AutocastCPU")
+            for name in POLICY[kind]["set_dtype"]:
+                lib.impl(name, set_dtype(overload(name)), "AutocastCPU")
+            for name in NOT_AUTOCAST:
+                lib.impl(name, as_is(overload(name)), "AutocastCPU")
         yield
     finally:
         lib._destroy()

@@ -29,7 +29,8 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   ``caching_allocator_warmup``): one segment that the loading, and later the step, carve up.
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
-- CUDA autocast's fp32 ops: :mod:`fitburst.memory.autocast_policy` (MPS shares them).
+- CUDA autocast's policy (fp32 ops, reductions given an fp32 dtype, a 16-bit-logit cross_entropy):
+  :mod:`fitburst.memory.autocast_policy`, MPS's beside it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
   torch has them, refuse inputs that require grad), so 16-bit q, k and v are upcast to fp32 (kept for backward, q
   and k scaled), and the b*h*s*s fp32 probabilities are kept beside them (the scores they come from are transient).
   The CPU runs its flash kernel, which keeps none of them.
-- autocast: MPS's autocast runs norms, softmax, reductions and elementwise math in fp32 as CUDA's does
+- autocast: MPS's autocast runs layer norms and elementwise math in fp32 as CUDA's does (not rms_norm), and copies
+  the input of reductions and softmax to fp32 where CUDA sets their dtype
   (:func:`fitburst.memory.autocast_policy.device_autocast`, ``"mps"``).
 - Same as the CPU, so no rule: ``softmax(x16, dtype=fp32)`` makes an fp32 copy of ``x16`` first (only CUDA's fp16
   kernel converts on the fly), dropout draws a noise tensor (the fused kernel that keeps a bool mask is CUDA's),

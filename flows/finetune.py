@@ -98,7 +98,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         if not dry_run:
             gpu.enter_context(local_gpu_slot())
         report: PreflightReport = preflight_task(spec, prepared, tracker)
-        if report.verdict != "local":
+        if report.verdict.placement != "local":
             gpu.close()  # a burst or a refusal does not keep the local GPU
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
                    "verdict": report.verdict.placement, "reason": report.reason, "device": report.device.name,

@@ -159,7 +159,7 @@ def cmd_train(args) -> int:
         for change in changes:
             print(f"plan for this device: {change}")
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate, indent=2))
+        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
         tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run

@@ -44,11 +44,11 @@ def select_device(pref: str = "auto") -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
-    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.memory.auto_precision`
+    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.runconfig.auto_precision`
     (the estimate's rule)."""
     import torch
 
-    from fitburst.memory import auto_precision
+    from fitburst.runconfig import auto_precision
 
     # native bf16 only (sm >= 80): torch's default also says yes where it merely emulates it (a T4), which would
     # train in slow emulated bf16 while the preflight planned fp16 (memory.probe_local: capability >= 8.0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fitburst.data import IGNORE_INDEX, PreparedData, collate, load_split
 from fitburst.device import Amp, make_amp
+from fitburst.runconfig import EVAL_CHUNK_TOKENS
 from fitburst.spec import PipelineSpec
 
 
@@ -37,8 +38,6 @@ class EvalResult:
         return cls(**json.loads(Path(run_dir, "eval.json").read_text()))
 
 
-# Label positions whose full-vocabulary fp32 logits exist at once: the eval never holds (batch x seq x vocab) logits.
-EVAL_CHUNK_TOKENS = 1024
 
 
 def _decoder_and_head(model):

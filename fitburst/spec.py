@@ -99,6 +99,12 @@ class DataSpec(Strict):
         return self
 
 
+def resolve_quant(method: str, quant: str | None) -> str:
+    """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
+    spec and :class:`fitburst.runconfig.TrainSettings` share)."""
+    return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
+
+
 class MethodSpec(Strict):
     type: Literal["lora", "qlora", "full"] = "lora"
     rank: int = Field(default=8, ge=1, le=4096)
@@ -116,10 +122,9 @@ class MethodSpec(Strict):
 
     @model_validator(mode="after")
     def _quant_matches_type(self) -> MethodSpec:
-        if self.quant is None:
-            object.__setattr__(self, "quant", "nf4" if self.type == "qlora" else "none")
         if self.type == "qlora" and self.quant == "none":
             raise ValueError("qlora needs a quantized base: set quant to nf4, fp4 or int8 (or use type: lora)")
+        object.__setattr__(self, "quant", resolve_quant(self.type, self.quant))
         if self.type == "full" and self.quant != "none":
             raise ValueError("full fine-tuning cannot train quantized weights: set quant: none or use qlora")
         return self
@@ -179,9 +184,16 @@ class AllowSpec(Strict):
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
 
 
+# What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
+# error, this covers what no estimate sees (another process on the GPU, a driver update, fragmentation after a long
+# run). 3 % of the budget is ~1.4 GiB of a 48 GB card.
+SAFETY_MARGIN = 0.03
+
+
 class PreflightSpec(Strict):
     device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
-    safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.calibration)
+    safety_margin: float = Field(default=SAFETY_MARGIN, ge=0.0, lt=0.9,
+                                 description="headroom kept on top of the estimate's error band (fraction of budget)")
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
     exact: bool = Field(default=True, description="verify the chosen plan with the traced estimate (the real step "
@@ -432,6 +444,10 @@ class PipelineSpec(Strict):
         """A short hash of what decides the result (not tags, schedule or tracking)."""
         d = self.model_dump(include={"model", "data", "method", "training"})
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    def with_overrides(self, overrides: dict) -> PipelineSpec:
+        """This spec with ``overrides`` (dotted or nested keys, as ``load_pipeline`` takes them) validated again."""
+        return PipelineSpec.model_validate(_deep_merge(self.model_dump(), expand_dotted(overrides)))
 
     def to_yaml(self) -> str:
         """The resolved spec as YAML; ${ENV} references stay references."""

@@ -18,9 +18,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitburst import __version__
 from fitburst.spec import PipelineSpec, resolve_env
+
+if TYPE_CHECKING:  # the training side (torch) stays out of tracking's imports
+    from fitburst.memory import Estimate
+    from fitburst.oom import StepDown
 
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
 RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
@@ -172,15 +177,15 @@ class Tracker:
             self.outbox = Outbox(Path(run_dir) / OUTBOX_FILE, self.uri)
         return self.outbox
 
-    def log_stepdown(self, record: dict) -> None:
+    def log_stepdown(self, record: StepDown) -> None:
         """An OOM step-down: tags ``oom.stepdowns`` (count) and ``oom.stepdown.<n>`` (the change), the event as
         ``oom/stepdown-<n>.json``, the measured peak as metric ``oom.measured_peak_bytes`` at its step. Never
         raises (training goes on while MLflow is down; the metric waits in the outbox)."""
         self.stepdowns += 1
-        self.log_metrics({"oom.measured_peak_bytes": record.get("measured_peak_bytes")}, step=record.get("step"))
+        self.log_metrics({"oom.measured_peak_bytes": record.measured_peak_bytes}, step=record.step)
         try:
-            self.set_tags({"oom.stepdowns": self.stepdowns, f"oom.stepdown.{self.stepdowns}": record.get("change")})
-            self.log_dict(record, f"oom/stepdown-{self.stepdowns}.json")
+            self.set_tags({"oom.stepdowns": self.stepdowns, f"oom.stepdown.{self.stepdowns}": record.change})
+            self.log_dict(record.to_dict(), f"oom/stepdown-{self.stepdowns}.json")
         except Exception as e:  # noqa: BLE001
             log.warning("could not record the step-down in MLflow (%s)", redact(str(e))[:200])
 
@@ -236,12 +241,10 @@ class Tracker:
         rep = report.to_dict()  # the report leaves the process here
         est = rep["estimate"]
         self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"]})
-        from fitburst.memory.estimator import measured_counterpart
-
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
-                          "memory.estimated_comparable_bytes": measured_counterpart(est, rep["device"]["kind"]),
+                          "memory.estimated_comparable_bytes": report.estimate.comparable_bytes(report.device.kind),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
                           "memory.budget_bytes": est["budget_bytes"]})
         self.log_dict(rep, "preflight/report.json")
@@ -250,7 +253,7 @@ class Tracker:
             from fitburst.plots import memory_bar_chart
 
             title = f"{rep['pipeline']} on {rep['device']['name']}"
-            memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=title)
+            memory_bar_chart(report.estimate, Path(d) / "memory_breakdown.png", title=title)
             self.log_artifacts(Path(d) / "memory_breakdown.png", "preflight")
 
     def log_train(self, result, path: str = "local") -> None:
@@ -271,12 +274,11 @@ class Tracker:
             self.log_artifacts(metrics, "train")
             self.log_loss_curve(result.run_dir)
 
-    def log_memory_comparison(self, estimate: dict, result) -> None:
-        from fitburst.memory.estimator import measured_counterpart
+    def log_memory_comparison(self, estimate: Estimate, result) -> None:
         from fitburst.plots import memory_comparison
 
         measured, kind = result.peak.get("allocated_bytes"), result.peak.get("kind") or result.device
-        comparable = measured_counterpart(estimate, kind)
+        comparable = estimate.comparable_bytes(kind)
         self.log_metrics({"memory.estimated_comparable_bytes": comparable,
                           "memory.measured_over_estimated": measured / comparable if measured and comparable else None})
 

@@ -20,8 +20,8 @@ from fitburst.cloud import (
 )
 from fitburst.hours import estimate_hours, throughput
 from fitburst.memory import resolve_device
-from fitburst.memory.estimator import TrainSettings, settings_from_spec
 from fitburst.memory.shapes import load_shape
+from fitburst.runconfig import TrainSettings, settings_from_spec
 from fitburst.spec import SpecError, load_all, load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]

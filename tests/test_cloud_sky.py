@@ -683,7 +683,7 @@ def _oom_from_step(monkeypatch, step: int) -> None:
         return real(*a, **k)
 
     monkeypatch.setattr(fitburst.train, "optimizer_step", step_or_oom)
-    monkeypatch.setattr(fitburst.oom, "next_rung", lambda spec, device: None)
+    monkeypatch.setattr(fitburst.oom, "next_rung", lambda *a, **kw: None)
 
 
 def _node(tmp_path, fake):

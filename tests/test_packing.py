@@ -85,9 +85,9 @@ def test_training_loop_runs_packed(demo_spec, demo_prepared, tmp_path):
 def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
     from dataclasses import replace
 
+    from fitburst.memory import Budget, plan_fit
     from fitburst.memory.devices import GiB, resolve_device
     from fitburst.memory.estimator import TrainSettings, estimate
-    from fitburst.memory.planner import Budget, plan_fit
     from fitburst.memory.shapes import load_shape
 
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")

@@ -249,12 +249,12 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
 
     import fitburst.train as train_mod
     from fitburst.data import prepare_pipeline
-    from fitburst.oom import STEPDOWN_FILE, apply, train_stepping_down
+    from fitburst.oom import STEPDOWN_FILE, train_stepping_down
     from fitburst.spec import load_pipeline
 
-    spec = apply(load_pipeline(pipelines_file, "t5-demo"), {
+    spec = load_pipeline(pipelines_file, "t5-demo").with_overrides({
         "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
-        "training.checkpoint_every": 2, "training.log_every": 1})
+        "training.checkpoint_every": 2, "training.log_every": 1, "preflight.allow.optimizer_8bit": False})
     calls, checkpointing = {"n": 0}, []
     real = train_mod.optimizer_step
 
@@ -267,7 +267,7 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
 
     monkeypatch.setattr(train_mod, "optimizer_step", step)
     result = train_stepping_down(spec, prepare_pipeline(spec), tmp_path, device="cpu", progress=False)
-    assert json.loads((tmp_path / STEPDOWN_FILE).read_text())["fields"] == {"training.gradient_checkpointing": True}
+    assert json.loads((tmp_path / STEPDOWN_FILE).read_text())["rungs"] == ["gradient_checkpointing"]
     assert result.steps == 6 and result.resumed_from == 3
     assert checkpointing[0] is False and checkpointing[-1] is True
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

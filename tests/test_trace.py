@@ -54,14 +54,14 @@ def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = No
 
     from fitburst.data import collate
     from fitburst.device import make_amp, weight_dtype
-    from fitburst.memory.trace import spec_with
     from fitburst.probe import TensorTracker
+    from fitburst.runconfig import spec_with_settings
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     torch.manual_seed(0)
     cfg = dict(cfg)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    sp = spec_with(spec_for(path), s)
+    sp = spec_with_settings(spec_for(path), s)
     base = AutoModelForCausalLM.from_config(config, attn_implementation=attn or s.attention,
                                             dtype=weight_dtype(s.dtype, sp.method.type))  # as load_pipeline_model
     model = prepare_for_training(base, sp)

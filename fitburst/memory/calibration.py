@@ -117,11 +117,6 @@ BANDS: dict[tuple[str, str], ErrorBand] = {
                                                           "analytic - 1, reserved, 70 full-size configurations "
                                                           "of 10 models (seeds 3, 4)"),
 }
-# What the user's safety_margin adds on top of the band by default: the band covers the estimate's own error,
-# so the margin only has to cover what no estimate sees (other processes on the device, run-to-run jitter of
-# the allocator). 3 % of the budget is ~1.4 GiB of a 48 GB card. Mirrored by PreflightSpec.safety_margin.
-DEFAULT_HEADROOM = 0.03
-
 
 def band_for(method: str, kind: str, kbit: bool = False) -> ErrorBand:
     """The band of estimates made by ``method`` (analytic | traced | analytic-vs-traced) on a ``kind`` (cuda | mps |

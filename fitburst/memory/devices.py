@@ -90,14 +90,6 @@ CPU_RESERVE = 2 * GiB  # OS + python + torch runtime outside tensors
 CPU_CONTEXT = 600 * MiB  # torch + transformers imported, measured RSS before the model
 
 
-def auto_precision(kind: str, supports_bf16: bool) -> str:
-    """What ``precision: auto`` trains in: bf16 where the device has it (fp16 on CUDA cards without, e.g. T4;
-    bf16 on MPS), fp32 on CPU. The train step and the estimate both use this rule."""
-    if kind == "cpu":
-        return "fp32"
-    return "bf16" if supports_bf16 or kind == "mps" else "fp16"
-
-
 def known_devices() -> list[str]:
     return sorted(_NAMED) + sorted(_APPLE)
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fitburst.errors import UserError
+from fitburst.runconfig import spec_with_settings
 
 from .devices import Device, MiB
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
@@ -264,17 +265,6 @@ def config_dict(ref: str) -> dict:
     return json.loads(config_path(ref)[0].read_text())
 
 
-def spec_with(spec, s: TrainSettings):
-    """``spec`` with the settings written into it (what the loop would run)."""
-    method = spec.method.model_copy(update={
-        "type": "qlora" if s.quant != "none" else s.method, "quant": s.quant, "double_quant": s.double_quant,
-        "rank": s.rank, "alpha": s.alpha, "dropout": s.dropout, "target_modules": s.targets})
-    training = spec.training.model_copy(update={
-        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention, "pure_bf16": s.pure_bf16})
-    return spec.model_copy(update={"method": method, "training": training})
-
-
 def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False,
                 device: Device | None = None):
     import torch
@@ -468,7 +458,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
     t0 = time.perf_counter()
     step = step or optimizer_step
-    sp = spec_with(spec, s)
+    sp = spec_with_settings(spec, s)
     cfg = config_dict(sp.model.name)
     model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16, device)
     text = model.config.get_text_config()
@@ -622,11 +612,10 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         else:
             reserved = peak + CPU_RUNTIME_FLOOR
             total = reserved + device.context_bytes
-    fits = reserved <= device.budget_bytes
     return Estimate(
         allocated_peak_bytes=int(alloc), reserved_peak_bytes=int(reserved), device_total_bytes=int(total),
         components=components, peak_phase=peak_phase, device=device.name,
-        budget_bytes=device.budget_bytes, fits=fits,
+        budget_bytes=device.budget_bytes,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
         phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")

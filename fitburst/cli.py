@@ -52,7 +52,7 @@ def _device_arg(value: str) -> str:
     """argparse type for --device: a name the memory model knows (checked before any compute)."""
     if value.lower() in ("auto", "cpu", "cuda", "mps"):
         return value
-    from fitburst.memory.devices import resolve_device
+    from fitburst.hardware import resolve_device
 
     try:
         resolve_device(value)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitburst.errors import UserError
+from fitburst.hardware import auto_precision
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,9 @@ def select_device(pref: str = "auto") -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
-    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.memory.auto_precision`
+    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.hardware.auto_precision`
     (the estimate's rule)."""
     import torch
-
-    from fitburst.memory import auto_precision
 
     # native bf16 only (sm >= 80): torch's default also says yes where it merely emulates it (a T4), which would
     # train in slow emulated bf16 while the preflight planned fp16 (memory.probe_local: capability >= 8.0)

@@ -142,7 +142,8 @@ def _duration(hours: float) -> str:
 
 def model_ref(spec: PipelineSpec) -> str:
     """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
-    from fitburst.models import LOCAL_MODELS, resolve_model_ref
+    from fitburst.demo_models import LOCAL_MODELS
+    from fitburst.models import resolve_model_ref
 
     return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
 

@@ -12,12 +12,12 @@ from fitburst.cloud import (
     BudgetError,
     BurstError,
     Candidate,
-    canonical_gpu,
     check_budget,
     dry_run_report,
     offers,
     rank_candidates,
 )
+from fitburst.hardware import canonical_gpu
 from fitburst.hours import estimate_hours, throughput
 from fitburst.memory import resolve_device
 from fitburst.memory.estimator import TrainSettings, settings_from_spec

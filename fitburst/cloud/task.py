@@ -13,9 +13,10 @@ from typing import Any
 
 import yaml
 
-from fitburst.cloud.gpus import SKY_CLOUD
+import fitburst
 from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
+from fitburst.hardware import SKY_CLOUD, SKY_NAMES
 from fitburst.spec import ENV_REF
 
 TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml")))  # package data: works from pip
@@ -216,8 +217,6 @@ def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = N
     """A workdir holding a copy of the ``fitburst`` package (``package``: the installed one) and nothing else
     (the node runs it with PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or
     run folder is uploaded."""
-    import fitburst
-
     dest = Path(dest)
     shutil.copytree(package or Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
     return dest
@@ -303,8 +302,6 @@ def dry_run_report(
             f"  {c.label():<34} {_yn(c.fits):<5} {_num(c.hourly_usd):>7} {_num(c.est_hours):>7} "
             f"{_num(c.est_total_usd):>8}  {notes}"
         )
-    from fitburst.cloud.gpus import SKY_NAMES
-
     offered = {c.gpu for c in candidates}
     for gpu in spec.burst.gpus:
         if gpu not in offered and gpu in SKY_NAMES:

@@ -4,8 +4,9 @@ planner for one device.
 Pure Python (json + math): importing it never imports torch or transformers.
 """
 
+from fitburst.hardware import Device, auto_precision, known_devices, resolve_device
+
 from .calibration import ErrorBand, band_for
-from .devices import Device, auto_precision, known_devices, resolve_device
 from .estimator import Estimate, TrainSettings, estimate, settings_from_spec
 from .planner import Budget, EstimateFn, Plan, plan_fit
 from .shapes import ModelConfigError, ModelShape, load_shape

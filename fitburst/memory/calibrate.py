@@ -20,6 +20,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from fitburst.hardware import resolve_device
+
 from .calibration import OOM_HISTORY_FILE, calibration_path, gpu_key
 from .estimator import MEASURED_COUNTERPART
 
@@ -41,8 +43,6 @@ def _kind(device: str) -> str | None:
         if d.startswith(k):
             return k
     try:
-        from .devices import resolve_device
-
         return resolve_device(device).kind if device else None
     except ValueError:
         return None

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from fitburst.hardware import GiB
+
 from .calibration import DEFAULT_HEADROOM
-from .devices import GiB
 
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:

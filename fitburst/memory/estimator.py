@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from fitburst.hardware import Device, GiB, MiB, auto_precision, expands_kv
+
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note, expands_kv
-from .devices import Device, GiB, MiB, auto_precision
+from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
 from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -14,8 +14,9 @@ import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+from fitburst.hardware import Device, GiB
+
 from .calibration import DEFAULT_HEADROOM, band_for
-from .devices import Device, GiB
 from .estimator import Estimate, TrainSettings, estimate
 from .shapes import ModelShape
 

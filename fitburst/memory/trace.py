@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fitburst.errors import UserError
+from fitburst.hardware import Device, MiB
 
-from .devices import Device, MiB
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypedDict
 
 from fitburst import __version__
 from fitburst.spec import PipelineSpec, resolve_env
@@ -51,6 +52,31 @@ def tracking_uri(spec: PipelineSpec | None = None) -> str:
     if spec is not None and spec.tracking.uri:
         return spec.tracking.uri
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+class RunRecord(TypedDict):
+    """One MLflow run as plain data: its id, metrics and tags."""
+
+    run_id: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+
+
+def memory_runs(uri: str, experiment: str | None = None) -> list[RunRecord]:
+    """The runs in the store at ``uri`` (one ``experiment``, or all) that measured a peak
+    (``memory.measured_peak_bytes`` > 0): what ``fitburst calibrate`` fits from."""
+    from mlflow.tracking import MlflowClient  # mlflow: heavy, loaded only when the store is read
+
+    client = MlflowClient(tracking_uri=uri)
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        ids = [exp.experiment_id] if exp else []
+    else:
+        ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return []
+    found = client.search_runs(ids, "metrics.`memory.measured_peak_bytes` > 0", max_results=50000)
+    return [RunRecord(run_id=r.info.run_id, metrics=dict(r.data.metrics), tags=dict(r.data.tags)) for r in found]
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fitburst.train as train_mod
-from fitburst.memory.calibrate import collect_ooms
+from fitburst.calibrate import collect_ooms
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.oom import (
     STEPDOWN_FILE,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fitburst.memory.estimator import MEASURED_COUNTERPART
+
 GIB = 1024**3
 
 
 def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported at first plot (heavy: kept off the tracker's import path)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,8 +72,6 @@ def comparable_pairs(estimate: dict, peak: dict) -> list[tuple[str, int, int]]:
     - CUDA: allocator reserved vs ``max_memory_reserved``;
     - CPU: device total (runtime floor included) vs the process high-water mark (VmHWM).
     """
-    from fitburst.memory.estimator import MEASURED_COUNTERPART
-
     kind = peak.get("kind") or "cpu"
     pairs = []
     label = {"cuda": "tensor peak (allocated)", "cpu": "run's added memory", "mps": "driver-allocated peak"}

@@ -170,7 +170,7 @@ def build_task(
     :func:`bucket_url` of it, mounted MOUNT_CACHED. ``checkpoints``: a local checkpoints folder (of a run that
     failed or was pulled home) to mount into RUN_DIR, so the node resumes from it.
     """
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     ok = check_budget(spec, candidates)
     task = sky.Task.from_yaml(str(task_yaml))
@@ -247,7 +247,7 @@ def _task_name(spec: Any) -> str:
 
 def task_yaml(task) -> str:
     """The task as SkyPilot YAML with secret values redacted (what dry-run prints and MLflow may store)."""
-    from sky.task import redact_task_yaml_dict
+    from sky.task import redact_task_yaml_dict  # sky: heavy, only the burst path loads it
 
     config = task.to_yaml_config()
     config.pop("_user_specified_yaml", None)  # the raw sky/train.yaml, already shown as setup/run

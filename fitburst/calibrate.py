@@ -21,11 +21,14 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path, gpu_key
 from fitburst.memory.estimator import MEASURED_COUNTERPART
-from fitburst.tracking import RunRecord, memory_runs, tracking_uri
+
+if TYPE_CHECKING:
+    from fitburst.tracking import RunRecord
 
 KINDS = ("cuda", "mps", "cpu")
 _FALLBACK = {k: "memory.estimated_" + v.split("_")[0] + "_bytes" for k, v in MEASURED_COUNTERPART.items()}
@@ -143,6 +146,10 @@ def fit(records: list[dict], min_runs: int = 3, ooms: list[dict] | None = None) 
 
 
 def main(args) -> int:
+    # tracking (and the data and model modules it imports) stays off CLI startup: cli.py imports this module
+    # to build its parser
+    from fitburst.tracking import memory_runs, tracking_uri
+
     uri = getattr(args, "tracking_uri", None) or tracking_uri()
     records = collect(memory_runs(uri, getattr(args, "experiment", None)))
     ooms = collect_ooms()

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from fitburst.data import PreparedData, images_per_record
 from fitburst.device import select_device
+from fitburst.hardware import resolve_device
 from fitburst.memory import Device, ModelShape, estimate, load_shape
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
-from fitburst.memory.devices import resolve_device
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import resolve_model_ref

@@ -12,6 +12,7 @@ GIB = 1024**3
 
 
 def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported at first plot (heavy: kept off the tracker's import path)."""
     import matplotlib
 
     matplotlib.use("Agg")

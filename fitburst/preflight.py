@@ -18,9 +18,9 @@ from typing import Literal
 from fitburst.cloud.rank import Candidate, rank_candidates
 from fitburst.data import count_records, images_per_record
 from fitburst.errors import UserError
+from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, load_shape, plan_fit
-from fitburst.memory.devices import resolve_device
 from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 
@@ -134,7 +134,8 @@ def _duration(hours: float) -> str:
 
 def model_ref(spec: PipelineSpec) -> str:
     """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
-    from fitburst.models import LOCAL_MODELS, resolve_model_ref
+    from fitburst.demo_models import LOCAL_MODELS
+    from fitburst.models import resolve_model_ref
 
     return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
 

@@ -33,7 +33,7 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
 
     Returns a dict with ``measured_peak_bytes`` (CUDA max_memory_allocated, MPS sampled driver memory, CPU live
     tensor bytes counted by a dispatch tracker), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
-    :func:`fitburst.memory.estimator.measured_counterpart`), their ``ratio`` (measured / estimated), the batch
+    :meth:`fitburst.memory.Estimate.comparable_bytes`), their ``ratio`` (measured / estimated), the batch
     shape, seconds, and the meter's record. ``estimate`` (an ``Estimate.to_dict()``) defaults to a fresh estimate
     of ``spec`` at the probe batch's length.
     """

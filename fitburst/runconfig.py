@@ -8,12 +8,9 @@ step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from fitburst.hardware import Device, auto_precision
 from fitburst.spec import PipelineSpec, resolve_quant
-
-if TYPE_CHECKING:
-    from fitburst.memory.devices import Device
 
 # Label positions whose full-vocabulary fp32 logits exist at once in the eval's loss (fitburst.evaluate): the eval
 # never holds batch x seq x vocab logits, and the estimate's eval phase counts one chunk.
@@ -27,14 +24,6 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTIONS = ("eager", "sdpa", "flash")
 VISION = ("frozen", "projector", "tower")
-
-
-def auto_precision(kind: str, supports_bf16: bool) -> str:
-    """What ``precision: auto`` trains in: bf16 where the device has it (fp16 on CUDA cards without, e.g. T4;
-    bf16 on MPS), fp32 on CPU. The train step and the estimate both use this rule."""
-    if kind == "cpu":
-        return "fp32"
-    return "bf16" if supports_bf16 or kind == "mps" else "fp16"
 
 
 @dataclass

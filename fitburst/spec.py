@@ -20,7 +20,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fitburst.errors import UserError
+from fitburst.hardware import SKY_NAMES, canonical_gpu, resolve_device
 
+# What ``data.template: chatml`` renders a conversation with (and the demo tokenizer's own template)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 DEFAULT_PIPELINES_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
@@ -204,8 +212,6 @@ class PreflightSpec(Strict):
     def _known_device(cls, v: str) -> str:
         if v.lower() in ("auto", "cpu", "cuda", "mps"):
             return v
-        from fitburst.memory.devices import resolve_device
-
         resolve_device(v)  # a ValueError here lists the known names and the kind:SIZE form
         return v
 
@@ -231,8 +237,6 @@ class BurstSpec(Strict):
     @field_validator("gpus")
     @classmethod
     def _known_gpus(cls, v: list[str]) -> list[str]:
-        from fitburst.cloud.gpus import canonical_gpu
-
         if not v:
             raise ValueError("list at least one GPU, e.g. [A6000, T4]")
         return list(dict.fromkeys(canonical_gpu(g) for g in v))
@@ -258,8 +262,6 @@ class BurstSpec(Strict):
         if self.spot and self.bucket is None:
             raise ValueError("a spot node can be reclaimed mid-run and its disk goes with it: set burst.bucket "
                              "(s3://... or gs://...) so checkpoints survive and the restart resumes, or spot: false")
-        from fitburst.cloud.gpus import SKY_NAMES
-
         if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):
             sellers = {g: ", ".join(SKY_NAMES[g]) for g in self.gpus}
             raise ValueError(
@@ -572,8 +574,6 @@ def _check_defaults(doc: dict, lines: dict) -> list[str]:
 
 def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
     """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
-    from fitburst.memory.devices import resolve_device
-
     out: list[tuple[tuple, str]] = []
     device = spec.preflight.device
     named = None if device.lower() in ("auto", "cpu", "cuda", "mps") else resolve_device(device)

@@ -59,8 +59,8 @@ def demo_tokenizer(demo_spec):
 
 @pytest.fixture(scope="session")
 def demo_prepared(demo_spec, demo_tokenizer):
+    from fitburst.cache import cache_root
     from fitburst.data import prepare
-    from fitburst.models import cache_root
 
     return prepare(demo_spec.data, demo_spec.data_path(), demo_tokenizer, cache_root() / "data")
 

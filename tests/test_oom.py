@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fitburst.train as train_mod
-from fitburst.memory.calibrate import collect_ooms
+from fitburst.calibrate import collect_ooms
+from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
-from fitburst.memory.devices import resolve_device
 from fitburst.memory.ladder import next_rung
 from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, oom_kind, train_stepping_down
 from fitburst.runconfig import settings_from_spec

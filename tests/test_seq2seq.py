@@ -13,7 +13,8 @@ from fitburst.spec import DataSpec
 
 @pytest.fixture(scope="module")
 def t5_tokenizer():
-    from fitburst.models import T5_MODEL, load_tokenizer
+    from fitburst.demo_models import T5_MODEL
+    from fitburst.models import load_tokenizer
 
     return load_tokenizer(T5_MODEL)
 
@@ -299,7 +300,8 @@ def test_merge_folds_a_t5_adapter_into_its_base(t5_run, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
     from fitburst.cli import main
-    from fitburst.models import T5_MODEL, load_model
+    from fitburst.demo_models import T5_MODEL
+    from fitburst.models import load_model
 
     assert main(["merge", t5_run["run_dir"], "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "merged").eval()

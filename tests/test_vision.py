@@ -27,8 +27,9 @@ def test_tiny_vl_loads_through_from_pretrained(vl_spec):
     saved folder; the tokenizer's ids survive the reload."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from fitburst.demo_models import VL_SPECIAL_TOKENS
     from fitburst.models import resolve_model_ref
-    from fitburst.vision import VL_SPECIAL_TOKENS, load_image_processor
+    from fitburst.vision import load_image_processor
 
     ref = resolve_model_ref(vl_spec.model.name)
     model = AutoModelForImageTextToText.from_pretrained(ref)
@@ -45,7 +46,7 @@ def test_shipped_images_are_the_generator_output(tmp_path):
     """The shipped set is what the seeded generator writes (records byte for byte, images pixel for pixel)."""
     from PIL import Image, ImageChops
 
-    from fitburst.vision import VL_DATA, write_shapes_demo
+    from fitburst.demo_models import VL_DATA, write_shapes_demo
 
     out = write_shapes_demo(tmp_path)
     assert out.read_text() == VL_DATA.read_text()

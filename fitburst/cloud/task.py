@@ -13,9 +13,10 @@ from typing import Any
 
 import yaml
 
-from fitburst.cloud.gpus import SKY_CLOUD
+import fitburst
 from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
+from fitburst.hardware import SKY_CLOUD, SKY_NAMES
 from fitburst.spec import ENV_REF
 
 TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml")))  # package data: works from pip
@@ -169,7 +170,7 @@ def build_task(
     :func:`bucket_url` of it, mounted MOUNT_CACHED. ``checkpoints``: a local checkpoints folder (of a run that
     failed or was pulled home) to mount into RUN_DIR, so the node resumes from it.
     """
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     ok = check_budget(spec, candidates)
     task = sky.Task.from_yaml(str(task_yaml))
@@ -216,8 +217,6 @@ def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = N
     """A workdir holding a copy of the ``fitburst`` package (``package``: the installed one) and nothing else
     (the node runs it with PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or
     run folder is uploaded."""
-    import fitburst
-
     dest = Path(dest)
     shutil.copytree(package or Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
     return dest
@@ -248,7 +247,7 @@ def _task_name(spec: Any) -> str:
 
 def task_yaml(task) -> str:
     """The task as SkyPilot YAML with secret values redacted (what dry-run prints and MLflow may store)."""
-    from sky.task import redact_task_yaml_dict
+    from sky.task import redact_task_yaml_dict  # sky: heavy, only the burst path loads it
 
     config = task.to_yaml_config()
     config.pop("_user_specified_yaml", None)  # the raw sky/train.yaml, already shown as setup/run
@@ -303,8 +302,6 @@ def dry_run_report(
             f"  {c.label():<34} {_yn(c.fits):<5} {_num(c.hourly_usd):>7} {_num(c.est_hours):>7} "
             f"{_num(c.est_total_usd):>8}  {notes}"
         )
-    from fitburst.cloud.gpus import SKY_NAMES
-
     offered = {c.gpu for c in candidates}
     for gpu in spec.burst.gpus:
         if gpu not in offered and gpu in SKY_NAMES:

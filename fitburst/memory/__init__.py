@@ -4,11 +4,11 @@ planner for one device.
 Pure Python (json + math): importing it never imports torch or transformers.
 """
 
+from fitburst.hardware import Device, known_devices, resolve_device
 from fitburst.runconfig import TrainSettings
 
 from .budget import Budget
 from .calibration import ErrorBand, band_for
-from .devices import Device, known_devices, resolve_device
 from .estimator import Estimate, estimate
 from .planner import EstimateFn, Plan, plan_fit
 from .shapes import ModelConfigError, ModelShape, load_shape

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitburst.hardware import Device
 from fitburst.spec import SAFETY_MARGIN
 
 from .calibration import band_for
-from .devices import Device
 from .estimator import Estimate
 
 

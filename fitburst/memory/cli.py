@@ -8,11 +8,11 @@ import sys
 
 from pydantic import ValidationError
 
+from fitburst.hardware import Device, GiB, resolve_device
 from fitburst.runconfig import settings_from_spec
 from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
-from .devices import Device, GiB, resolve_device
 from .estimator import estimate
 from .planner import plan_fit
 from .shapes import load_shape

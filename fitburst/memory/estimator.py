@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from fitburst.hardware import Device, GiB, MiB, expands_kv
 from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note, expands_kv
-from .devices import Device, GiB, MiB
+from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
 from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from fitburst.hardware import Device
 from fitburst.runconfig import TrainSettings
-
-from .devices import Device
 
 Check = Callable[[TrainSettings, Device], bool]
 Step = Callable[[TrainSettings, Device], TrainSettings]

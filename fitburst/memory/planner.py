@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 
+from fitburst.hardware import Device, GiB
 from fitburst.spec import SAFETY_MARGIN
 
 from .budget import Budget
-from .devices import Device, GiB
 from .estimator import Estimate, TrainSettings, estimate
 from .ladder import EVAL_HALVING_COST, LADDER, RUNGS, Rung, smaller_batch
 from .shapes import ModelShape

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fitburst.errors import UserError
+from fitburst.hardware import Device, MiB
 from fitburst.runconfig import spec_with_settings
 
-from .devices import Device, MiB
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")

@@ -43,6 +43,7 @@ from fitburst.cloud.task import (
     stage_workdir,
     write_node_spec,
 )
+from fitburst.spec import PipelineSpec
 from fitburst.tracking import redact
 
 CREDENTIAL_HINTS = {
@@ -130,7 +131,7 @@ class LogStream(io.TextIOBase):
             self._buf = ""
 
 
-def cluster_name(spec: Any) -> str:
+def cluster_name(spec: PipelineSpec) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", spec.name.lower()).strip("-")[:20].rstrip("-") or "run"
     return f"fitburst-{base}-{uuid.uuid4().hex[:6]}"
 
@@ -203,7 +204,7 @@ def _record(run_dir: Path, on_ids: Callable[[dict], Any] | None, **fields: Any) 
 
 
 def burst_train(
-    spec: Any,
+    spec: PipelineSpec,
     prepared_dir: str | os.PathLike,
     run_dir: str | os.PathLike,
     candidates: list[Candidate],
@@ -428,17 +429,12 @@ def _quiet(fn, log) -> None:
         log(f"(ignored) {type(e).__name__}: {e}")
 
 
-def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, record: dict | None,
+def _managed_job(spec: PipelineSpec, task, ok, run_dir: Path, log, remote: bool, base: dict, record: dict | None,
                  on_ids) -> BurstResult:
+    """A spot run as a SkyPilot managed job with RUN_DIR mounted from ``burst.bucket`` (BurstSpec refuses spot
+    without a bucket, before any compute)."""
     import sky  # sky: heavy, only the burst path loads it
 
-    bucket = spec.burst.bucket
-    if not bucket:
-        raise BurstError(
-            "spot runs use SkyPilot managed jobs: a preempted node is replaced and the job restarts, so its "
-            "checkpoints must outlive the node: set burst.bucket (s3://... or gs://...; RUN_DIR is mounted from it "
-            "MOUNT_CACHED) and a provider that mounts buckets (aws, gcp, azure)"
-        )
     task.set_resources(
         type(task.resources)(
             r.copy(job_recovery={"strategy": "FAILOVER", "max_restarts_on_errors": 1}) for r in task.resources

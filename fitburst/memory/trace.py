@@ -570,10 +570,25 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
     tensor peak plus the runtime floor; on MPS the tensor peak with the analytic estimate's MPS heap terms.
-    ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by
-    settings across calls (a trace depends on the device through its kind: the optimizer's foreach path, its
-    autocast, MPS's SDPA; the SDPA kernels a CUDA device picks and whether the loader expands grouped-query k/v
-    there)."""
+    ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). Each estimate is kept on disk
+    (:mod:`fitburst.memory.trace_cache`); ``cache`` keeps traces by settings across calls in this process (a trace
+    depends on the device through its kind: the optimizer's foreach path, its autocast, MPS's SDPA; the SDPA
+    kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
+    from . import allocator, trace_cache
+
+    k = trace_cache.key(config_dict(spec.model.name), settings, seq_len, device, model=spec.model.name,
+                        trust_remote_code=spec.model.trust_remote_code, max_grad_norm=spec.training.max_grad_norm,
+                        expandable_segments=allocator.expandable_from_env())
+    if (kept := trace_cache.load(k)) is not None:
+        kept.notes.append("from the trace cache (same config, settings, device, libraries and tracing code)")
+        return kept
+    est = _traced_estimate(spec, settings, device, seq_len=seq_len, cache=cache)
+    trace_cache.store(k, est)
+    return est
+
+
+def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+                     cache: dict | None) -> Estimate:
     from . import allocator, cuda_kernels
 
     s = settings

@@ -114,6 +114,32 @@ def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
+def test_pipeline_with_probe_measures_real_steps_before_training(prefect_server, pipelines_file, tmp_path):
+    """``preflight.probe: true`` in a pipeline: the preflight node runs real optimizer steps of the planned run on
+    the longest batch, records the measured peak beside the estimate in the run, and times the run from them."""
+    import mlflow
+
+    from flows.finetune import finetune
+
+    out = finetune(pipeline="demo", pipelines_file=str(pipelines_file),
+                   overrides={"preflight.probe": True, "preflight.device": "cpu", "training.max_steps": 4,
+                              "training.log_every": 2, "eval.samples": 1, "eval.max_new_tokens": 4,
+                              "eval.max_batches": 1})
+    run = client().get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and out["verdict"] == "local"
+    m, t = run.data.metrics, run.data.tags
+    assert t["probe.device"] == "cpu" and m["memory.probe_replanned"] == 0.0
+    assert m["memory.probe_peak_bytes"] > 0 and m["memory.probe_tokens_per_s"] > 0
+    # measured by the probe's tensor tracker on real steps vs the estimate: a real measurement, not a copy
+    assert 0.9 < m["memory.probe_peak_bytes"] / m["memory.probe_estimated_bytes"] < 1.1, m
+    probe = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path),
+                                                                artifact_path="preflight/probe.json")).read_text())
+    assert probe["steps"] == 2 and probe["seq_len"] == m["memory.probe_seq_len"]
+    report = json.loads(Path(mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, dst_path=str(tmp_path), artifact_path="preflight/report.json")).read_text())
+    assert report["local_hours_source"].startswith("probe: "), report["local_hours_source"]  # timed by the probe
+
+
 def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):
     from fitburst.spec import SpecError
     from flows.finetune import finetune

@@ -8,7 +8,11 @@ import pytest
 
 from fitburst.preflight import preflight
 
-pytest.importorskip("torch")
+
+@pytest.fixture(scope="module")
+def demo_spec(demo_spec):
+    """The demo pinned to a 1 GiB CPU: the probe runs where the report planned, on any host (a CUDA one too)."""
+    return demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"device": "cpu:1GiB"})})
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +74,51 @@ def test_probe_under_budget_or_impossible(demo_spec, demo_report):
     new = replan(demo_spec, demo_report, huge)
     assert new.verdict.placement == "fail"  # the demo's burst.policy is never
     assert "nothing allowed fits" in new.reason
+
+
+def _oom_in_step(monkeypatch, make_error):
+    """The probe's training step (fitburst.train.optimizer_step) fails with ``make_error()`` on its first call."""
+    import fitburst.train
+
+    def step(*args, **kwargs):
+        raise make_error()
+
+    monkeypatch.setattr(fitburst.train, "optimizer_step", step)
+
+
+def _real_cpu_allocator_error() -> RuntimeError:
+    """What torch's own CPU allocator raises when an allocation cannot be served (no message typed here)."""
+    import torch
+
+    try:
+        torch.empty(1 << 60, dtype=torch.uint8)
+    except RuntimeError as e:
+        return e
+    raise AssertionError("a 1 EiB allocation succeeded")
+
+
+@pytest.mark.parametrize("kind, make_error", [
+    ("mps", lambda: RuntimeError("MPS backend out of memory (MPS allocated: 17.80 GB, other allocations: 1.20 GB, "
+                                 "max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool.")),
+    ("cpu", _real_cpu_allocator_error),
+])
+def test_an_out_of_memory_probe_is_a_measurement_not_a_crash(monkeypatch, demo_spec, demo_prepared, demo_report,
+                                                            kind, make_error):
+    """A probe that runs out of memory on MPS or CPU (a RuntimeError, not torch.OutOfMemoryError) says the run
+    needs at least the whole device: the preflight re-plans for a smaller budget instead of crashing."""
+    from fitburst.probe import probe_and_replan
+
+    _oom_in_step(monkeypatch, make_error)
+    report, res = probe_and_replan(demo_spec, demo_prepared, demo_report)
+    assert res["oom"] == kind
+    assert res["measured_peak_bytes"] == demo_report.device.total_bytes
+    assert report is not demo_report and report.device.budget_bytes < demo_report.device.budget_bytes
+    assert any(c.startswith("probe measured") for c in report.changes) or "probe measured" in report.reason
+
+
+def test_a_probe_error_that_is_not_out_of_memory_is_raised(monkeypatch, demo_spec, demo_prepared, demo_report):
+    from fitburst.probe import probe_and_replan
+
+    _oom_in_step(monkeypatch, lambda: RuntimeError("expected scalar type Float but found Half"))
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        probe_and_replan(demo_spec, demo_prepared, demo_report)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import csv
 import time
-from pathlib import Path
 from unittest import mock
+
+from _shared import shared_file
 
 from fitburst.memory import TrainSettings, allocator, cuda_kernels, resolve_device
 from fitburst.memory.trace import live_peaks, trace_step
 from fitburst.spec import PipelineSpec
 
-CSV = Path("/work/shared/memory/t4_dev.csv")
 MiB = 1 << 20
 # How the harness's loader and peft behaved (transformers 5.0-5.17, peft 0.19-0.20: both changed in that range).
 # Swept on the SmolLM2 fit rows (4-bit reserved + context, median / worst |error|): read-ahead of the
@@ -49,7 +49,8 @@ SESSION_EMPTIES_CACHE = {"t4-sweep-2026-09-15": True, "t4-phase3-2026-09-16": Fa
 
 
 def rows() -> list[dict]:
-    return list(csv.DictReader(open(CSV)))
+    with open(shared_file("memory/t4_dev.csv")) as f:
+        return list(csv.DictReader(f))
 
 
 def spec_of(r: dict) -> PipelineSpec:

@@ -408,9 +408,9 @@ TARGETS = {
 
 
 def part_b() -> list[dict]:
-    path = ROOT.parent / "shared" / "memory" / "calibration.csv"
-    if not path.exists():
-        path = Path("/work/shared/memory/calibration.csv")
+    from _shared import shared_file
+
+    path = shared_file("memory/calibration.csv")
     rows = []
     for r in csv.DictReader(open(path)):
         method = r["method"]
@@ -537,7 +537,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="half of the CPU cases")
     ap.add_argument("--parts", default="a,t4,c,7b", help="which parts: a (CPU), t4, c (calibration.csv), 7b")
     ap.add_argument("--json", help="write rows and summaries here")
+    ap.add_argument("--shared", help="folder holding memory/t4_dev.csv and memory/calibration.csv "
+                                     "(default: ../shared beside the repository)")
     args = ap.parse_args()
+    if args.shared:
+        os.environ["FITBURST_SHARED"] = args.shared  # read by benchmarks/_shared.py
     parts = set(args.parts.split(","))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     out: dict = {}

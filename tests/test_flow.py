@@ -26,6 +26,13 @@ def monkeypatch_module():
         yield mp
 
 
+def host_device() -> str:
+    """Where the demo trains on this host with ``preflight.device: auto``: the README's own run."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
 def client():
     from mlflow.tracking import MlflowClient
 
@@ -38,7 +45,7 @@ def test_demo_run_is_recorded_in_mlflow(demo_run):
     p, m, t = run.data.params, run.data.metrics, run.data.tags
     assert p["model.name"] == "fitburst/tiny-demo" and p["method.type"] == "lora"
     assert p["training.max_steps"] == "150" and "data.content_hash" in p
-    assert t["pipeline"] == "demo" and t["path"] == "local" and t["device"] == "cpu"
+    assert t["pipeline"] == "demo" and t["path"] == "local" and t["device"] == host_device()
     assert t["verdict"] == "local" and t["fitburst.version"]
     for key in ("memory.estimated_peak_bytes", "memory.measured_peak_bytes", "eval.base_loss", "eval.tuned_loss"):
         assert m[key] > 0, key
@@ -61,8 +68,11 @@ def test_adapter_from_mlflow_reproduces_the_logged_eval_loss(demo_run, demo_spec
 
     run_id = demo_run["mlflow_run_id"]
     adapter = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="adapter", dst_path=str(tmp_path))
-    ev = evaluate(demo_spec, demo_prepared, adapter, device="cpu", precision="fp32")
-    logged = client().get_run(run_id).data.metrics
+    run = client().get_run(run_id)
+    # evaluated again where and how the run evaluated (a GPU host trains and evaluates there, in its precision)
+    ev = evaluate(demo_spec, demo_prepared, adapter, device=run.data.tags["device"],
+                  precision=run.data.tags["precision"])
+    logged = run.data.metrics
     assert ev.tuned_loss == pytest.approx(logged["eval.tuned_loss"], rel=1e-4)
     assert ev.base_loss == pytest.approx(logged["eval.base_loss"], rel=1e-4)
 

@@ -1,7 +1,7 @@
 """T4 rows of ../shared/memory/t4_dev.csv: traced + CUDA rules + allocator replay against the measured allocated
-and reserved figures. The SmolLM2 rows (``fit``) were used to choose the allocator's placement rule, the
-loader's read-ahead and k-bit preparation's cache emptying below; the TinyLlama rows are held out (their errors
-had been seen under earlier models, see the comments). The harness is replayed as it ran: its step, SDPA pinned to
+and reserved figures. The SmolLM2 rows (fit) were used to choose the allocator's placement rule, the loader's
+read-ahead and k-bit preparation's cache emptying below; the TinyLlama 4-bit rows were seen while choosing the
+read-ahead (looked-at); the TinyLlama 16-bit rows are held out (:func:`role`). The harness is replayed as it ran: its step, SDPA pinned to
 the memory-efficient kernel with k/v expanded first (:func:`harness_gqa_shim`), and each session's peft."""
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ EMPTY_CACHE = True
 # ahead depends on timing, which that session's own figures show (allocated after loading, identical loads of
 # TinyLlama: 1071.6 .. 1078.1 MiB); the replay keeps READ_AHEAD for them too.
 SESSION_EMPTIES_CACHE = {"t4-sweep-2026-09-15": True, "t4-phase3-2026-09-16": False}
+
+
+def role(r: dict) -> str:
+    """fit, looked-at or held-out (see fitburst/memory/calibration.py): the SmolLM2 rows chose the allocator's
+    placement, the read-ahead and the cache emptying (fit); the TinyLlama 4-bit rows were seen when READ_AHEAD
+    was chosen, and three of them (0-based 8, 20, 21) were read while building the warm-up rule (looked-at); the
+    TinyLlama 16-bit rows chose nothing (held-out)."""
+    if r["model_id"].startswith("HuggingFaceTB/SmolLM2"):
+        return "fit"
+    return "looked-at" if r["quant"] != "none" else "held-out"
 
 
 def rows() -> list[dict]:

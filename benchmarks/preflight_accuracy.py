@@ -6,8 +6,9 @@
     dispatch-level storage tracker (exact live tensor bytes), against the traced estimate
     (fitburst.memory.trace.trace_step: the same functions under FakeTensorMode) and the analytic one;
 (t4) ../shared/memory/t4_dev.csv: the harness's step traced at full size, CUDA-kernel rules, caching-allocator
-    replay, against measured max_memory_allocated and max_memory_reserved + context. The SmolLM2-135M rows were
-    used to choose the allocator's driver-placement rule ("fit row"); the TinyLlama rows are held out;
+    replay, against measured max_memory_allocated and max_memory_reserved + context. Each row is marked fit (the
+    SmolLM2-135M rows chose the allocator's rules), looked-at (TinyLlama 4-bit: seen while choosing the loader's
+    rules) or held-out (TinyLlama 16-bit);
 (c) published peaks in ../shared/memory/calibration.csv (LitGPT and torchtune code paths, not ours) against
     the analytic estimate for the same settings on the GPU they ran on;
 (7b) the time to trace Qwen2.5-7B LoRA (batch 1 x 1024, two steps).
@@ -294,8 +295,8 @@ def part_a(quick: bool) -> list[dict]:
 
 def part_t4() -> list[dict]:
     """t4_dev.csv: traced step (the harness's step) + CUDA rules + allocator replay vs measured allocated and
-    reserved + context. The SmolLM2-135M rows chose the allocator's placement rule (fit); the rest are held out."""
-    from _t4 import predict, settings_of
+    reserved + context; each row marked fit, looked-at or held-out (``_t4.role``)."""
+    from _t4 import predict, role, settings_of
     from _t4 import rows as t4_rows
 
     from fitburst.memory.trace import TraceUnsupported
@@ -304,7 +305,7 @@ def part_t4() -> list[dict]:
     for r in t4_rows():
         ctx = float(r["cuda_context_mib"])
         row = dict(case=f"{r['model_id'].split('/')[1]} {r['quant']} {r['attention'][:5]} b{r['batch_size']} "
-                        f"s{r['seq_len']}", fit=r["model_id"].startswith("HuggingFaceTB/SmolLM2"),
+                        f"s{r['seq_len']}", role=role(r),
                    measured_alloc=float(r["measured_peak_allocated_mib"]),
                    measured_total=float(r["measured_peak_reserved_mib"]) + ctx)
         try:
@@ -366,20 +367,21 @@ def show_a(rows: list[dict]) -> dict:
 
 def show_t4(rows: list[dict]) -> dict:
     print("\n## (b) T4 (t4_dev.csv): predicted vs measured allocated and reserved + context\n")
-    print("| case | fit row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error "
+    print("| case | row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error "
           "| analytic error | trace s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.0f} | {r['error']} | "
+            print(f"| {r['case']} | {r['role']} | {r['measured_alloc']:,.0f} | {r['error']} | "
                   f"{r['measured_total']:,.0f} | | |")
             continue
-        print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.1f} / {r['alloc']:,.1f} | {r['alloc_err']:+.2%} "
+        print(f"| {r['case']} | {r['role']} | {r['measured_alloc']:,.1f} / {r['alloc']:,.1f} | {r['alloc_err']:+.2%} "
               f"| {r['measured_total']:,.0f} / {r['total']:,.0f} | {r['total_err']:+.2%} | {r['analytic_err']:+.1%} "
               f"| {r['trace_s']:.1f} |")
     out = {}
-    for name, sel in (("fit rows", True), ("held-out rows", False)):
-        rr = [r for r in rows if r["fit"] == sel and "error" not in r]
+    for sel in ("fit", "looked-at", "held-out"):
+        name = f"{sel} rows"
+        rr = [r for r in rows if r["role"] == sel and "error" not in r]
         out[name] = dict(allocated=_stats([r["alloc_err"] for r in rr]),
                          total=_stats([r["total_err"] for r in rr]))
         print(f"{name}: allocated {out[name]['allocated']}; reserved + context {out[name]['total']}")
@@ -389,7 +391,8 @@ def show_t4(rows: list[dict]) -> dict:
                 print(f"  {label}: reserved + context {min(errs):+.2%} .. {max(errs):+.2%}")
     an = [r["analytic_err"] for r in rows if "analytic_err" in r]  # nothing of the analytic model is fitted here
     out["analytic"] = f"{_stats(an)}, {min(an):+.1%} .. {max(an):+.1%}" if an else "n=0"
-    print(f"analytic (every row held out): reserved + context {out['analytic']}")
+    # no analytic term is fitted to these rows, but they were re-scored while its terms were changed
+    print(f"analytic (every row looked-at): reserved + context {out['analytic']}")
     print(f"refused by the trace: {sum('error' in r for r in rows)} of {len(rows)}")
     return out
 

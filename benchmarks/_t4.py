@@ -1,8 +1,9 @@
 """T4 rows of ../shared/memory/t4_dev.csv: traced + CUDA rules + allocator replay against the measured allocated
 and reserved figures. The SmolLM2 rows (fit) were used to choose the allocator's placement rule, the loader's
 read-ahead and k-bit preparation's cache emptying below; the TinyLlama 4-bit rows were seen while choosing the
-read-ahead (looked-at); the TinyLlama 16-bit rows are held out (:func:`role`). The harness is replayed as it ran: its step, SDPA pinned to
-the memory-efficient kernel with k/v expanded first (:func:`harness_gqa_shim`), and each session's peft."""
+read-ahead (looked-at); the TinyLlama 16-bit rows are held out (:func:`role`). The harness is replayed as it
+ran: its step, SDPA pinned to the memory-efficient kernel with k/v expanded first (:func:`harness_gqa_shim`), and
+each session's peft."""
 
 from __future__ import annotations
 

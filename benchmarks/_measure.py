@@ -66,6 +66,14 @@ ARCHS.update({
     "gemma": dict(model_type="gemma", head_dim=32, tie_word_embeddings=True, **_SMALL),
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0, **{**_SMALL, "num_key_value_heads": 6}),
 })
+# architectures no accuracy figure was taken on before the fresh held-out rows (preflight_accuracy.py --fresh)
+ARCHS.update({
+    "mistral": dict(model_type="mistral", head_dim=32, tie_word_embeddings=False, **_SMALL),
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True, **_SMALL),
+    "stablelm": dict(model_type="stablelm", tie_word_embeddings=False, **_SMALL),
+    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, **_SMALL),
+})
+NEW_ARCHS = ("mistral", "qwen3", "stablelm", "smollm3")
 
 
 def build(arch: str, root: str) -> str:

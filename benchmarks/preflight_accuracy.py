@@ -215,6 +215,32 @@ def attach_fitcheck(rows: list[dict], answers: list[dict]) -> None:
         r["fitcheck"] = f
 
 
+def fresh_cases(seed: int, n: int) -> list[dict]:
+    """``n`` configurations drawn by ``seed``, for rows nothing was ever chosen on (score each seed once, after the
+    last change to the model, and never change the model on what they show). Half of them are architectures no
+    earlier row used (_measure.NEW_ARCHS)."""
+    import random
+
+    from _measure import ARCHS, NEW_ARCHS
+
+    rng = random.Random(seed)
+    old = [a for a in ARCHS if a not in NEW_ARCHS]
+    out = []
+    for i in range(n):
+        arch = rng.choice(NEW_ARCHS if i % 2 == 0 else old)
+        method = rng.choice(["lora", "lora", "qlora", "full"])
+        c = dict(arch=arch, dtype=rng.choice(["fp32", "bf16"]), method="lora" if method == "qlora" else method,
+                 batch=rng.choice([1, 2, 4]), seq_len=rng.choice([64, 128, 256, 512]),
+                 grad_checkpointing=rng.random() < 0.4, optimizer=rng.choice(["adamw", "adamw", "adamw8bit"]))
+        if method != "full":
+            c.update(rank=rng.choice([4, 8, 16, 32]), dropout=rng.choice([0.0, 0.0, 0.05]),
+                     targets="all-linear" if arch in ("gpt_neox", "phi3") or rng.random() < 0.5 else QV)
+        if method == "qlora":
+            c.update(quant="nf4", double_quant=rng.random() < 0.5)
+        out.append(c)
+    return out
+
+
 def settings_of(c: dict) -> TrainSettings:
     return TrainSettings(
         method=c["method"],
@@ -253,9 +279,9 @@ def measure(cases: list[dict], root: str) -> list[dict]:
     return out
 
 
-def part_a(quick: bool) -> list[dict]:
+def part_a(quick: bool, cases: list[dict] | None = None) -> list[dict]:
     """Real CPU steps (the project's build_model + optimizer_step, live tensor bytes) against the traced estimate
-    (and the analytic one)."""
+    (and the analytic one); ``cases`` defaults to CPU_CASES (looked-at rows)."""
     import time
 
     from fitburst.memory.trace import TraceUnsupported, trace_step
@@ -263,7 +289,8 @@ def part_a(quick: bool) -> list[dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _measure import spec_of
 
-    cases = CPU_CASES[::2] if quick else CPU_CASES
+    if cases is None:
+        cases = CPU_CASES[::2] if quick else CPU_CASES
     dev = resolve_device("cpu:64GiB")
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -345,8 +372,8 @@ def _stats(errs: list[float]) -> str:
     return f"n={len(a)} median |error| {statistics.median(a):.2%}, worst {max(a):.2%}"
 
 
-def show_a(rows: list[dict]) -> dict:
-    print("\n## (a) CPU training steps: traced vs measured live tensor bytes (analytic error beside)\n")
+def show_a(rows: list[dict], role: str = "looked-at: CPU_CASES") -> dict:
+    print(f"\n## (a) CPU training steps ({role}): traced vs measured live tensor bytes (analytic error beside)\n")
     print("| case | padded | measured MiB | traced MiB | traced error | analytic error | trace s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -540,6 +567,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="half of the CPU cases")
     ap.add_argument("--parts", default="a,t4,c,7b", help="which parts: a (CPU), t4, c (calibration.csv), 7b")
     ap.add_argument("--json", help="write rows and summaries here")
+    ap.add_argument("--fresh", type=int, metavar="SEED",
+                    help="part a on 12 configurations drawn by SEED instead of CPU_CASES: held-out rows, if the "
+                         "seed was never scored before")
     ap.add_argument("--shared", help="folder holding memory/t4_dev.csv and memory/calibration.csv "
                                      "(default: ../shared beside the repository)")
     args = ap.parse_args()
@@ -549,8 +579,10 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     out: dict = {}
     if "a" in parts:
-        a = part_a(args.quick)
-        out.update(a=a, summary_a=show_a(a))
+        fresh = fresh_cases(args.fresh, 12) if args.fresh is not None else None
+        a = part_a(args.quick, fresh)
+        out.update(a=a, summary_a=show_a(a, "held-out: fresh configurations of seed "
+                                               f"{args.fresh}" if fresh else "looked-at: CPU_CASES"))
     if "t4" in parts:
         t = part_t4()
         out.update(t4=t, summary_t4=show_t4(t))

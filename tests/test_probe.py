@@ -10,28 +10,28 @@ from fitburst.preflight import preflight
 
 
 @pytest.fixture(scope="module")
-def demo_spec(demo_spec):
+def cpu_spec(demo_spec):
     """The demo pinned to a 1 GiB CPU: the probe runs where the report planned, on any host (a CUDA one too)."""
     return demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"device": "cpu:1GiB"})})
 
 
 @pytest.fixture(scope="module")
-def demo_report(demo_spec, demo_prepared):
-    return preflight(demo_spec, demo_prepared.stats["max"], "cpu:1GiB", n_train=demo_prepared.n_train,
+def demo_report(cpu_spec, demo_prepared):
+    return preflight(cpu_spec, demo_prepared.stats["max"], "cpu:1GiB", n_train=demo_prepared.n_train,
                      mean_len=demo_prepared.stats["mean"])
 
 
-def test_probe_measures_the_longest_batch_and_logs_to_mlflow(demo_spec, demo_prepared, demo_report):
+def test_probe_measures_the_longest_batch_and_logs_to_mlflow(cpu_spec, demo_prepared, demo_report):
     from fitburst.probe import probe_and_replan
     from fitburst.tracking import Tracker
 
-    tracker = Tracker.start(demo_spec)
-    report, res = probe_and_replan(demo_spec, demo_prepared, demo_report, tracker)
+    tracker = Tracker.start(cpu_spec)
+    report, res = probe_and_replan(cpu_spec, demo_prepared, demo_report, tracker)
     # a tiny model under a 1 GiB budget: nothing to change in memory; the time now comes from the probe
     assert report.plan is demo_report.plan and report.local_time.source.startswith("probe: ")
     assert demo_report.local_time.source.startswith("table: CPU")
     assert res["device"] == "cpu" and res["steps"] == 2
-    assert res["batch"] == demo_spec.training.micro_batch_size
+    assert res["batch"] == cpu_spec.training.micro_batch_size
     assert res["seq_len"] == demo_prepared.stats["max"]  # the longest samples, padded to the longest
     assert all(math.isfinite(x) for x in res["losses"])
     # CPU: live tensor bytes (dispatch tracker) against the estimate's allocated peak
@@ -45,7 +45,7 @@ def test_probe_measures_the_longest_batch_and_logs_to_mlflow(demo_spec, demo_pre
     tracker.end()
 
 
-def test_probe_over_budget_sends_the_planner_one_rung_down(demo_spec, demo_report):
+def test_probe_over_budget_sends_the_planner_one_rung_down(cpu_spec, demo_report):
     from fitburst.probe import replan
 
     budget = demo_report.device.budget_bytes
@@ -53,7 +53,7 @@ def test_probe_over_budget_sends_the_planner_one_rung_down(demo_spec, demo_repor
     # a probe that measures more than the budget less headroom: the current plan is short at the scaled budget
     measured = int(demo_report.plan.limit_bytes / 0.95)
     fake = {"measured_peak_bytes": measured, "estimated_peak_bytes": est}
-    new = replan(demo_spec, demo_report, fake)
+    new = replan(cpu_spec, demo_report, fake)
     assert new is not demo_report and new.verdict.placement == "local"
     assert any(c.startswith("probe measured") for c in new.changes)
     assert len(new.changes) > len(demo_report.changes) + 1
@@ -65,13 +65,13 @@ def test_probe_over_budget_sends_the_planner_one_rung_down(demo_spec, demo_repor
     assert after.effective_batch == before.effective_batch
 
 
-def test_probe_under_budget_or_impossible(demo_spec, demo_report):
+def test_probe_under_budget_or_impossible(cpu_spec, demo_report):
     from fitburst.probe import replan
 
     ok = {"measured_peak_bytes": 10 << 20, "estimated_peak_bytes": 10 << 20}
-    assert replan(demo_spec, demo_report, ok) is demo_report  # no measured rate, no re-plan: unchanged
+    assert replan(cpu_spec, demo_report, ok) is demo_report  # no measured rate, no re-plan: unchanged
     huge = {"measured_peak_bytes": 100 * demo_report.device.budget_bytes, "estimated_peak_bytes": 1 << 20}
-    new = replan(demo_spec, demo_report, huge)
+    new = replan(cpu_spec, demo_report, huge)
     assert new.verdict.placement == "fail"  # the demo's burst.policy is never
     assert "nothing allowed fits" in new.reason
 
@@ -102,23 +102,23 @@ def _real_cpu_allocator_error() -> RuntimeError:
                                  "max allowed: 18.13 GB). Tried to allocate 256.00 MB on private pool.")),
     ("cpu", _real_cpu_allocator_error),
 ])
-def test_an_out_of_memory_probe_is_a_measurement_not_a_crash(monkeypatch, demo_spec, demo_prepared, demo_report,
+def test_an_out_of_memory_probe_is_a_measurement_not_a_crash(monkeypatch, cpu_spec, demo_prepared, demo_report,
                                                             kind, make_error):
     """A probe that runs out of memory on MPS or CPU (a RuntimeError, not torch.OutOfMemoryError) says the run
     needs at least the whole device: the preflight re-plans for a smaller budget instead of crashing."""
     from fitburst.probe import probe_and_replan
 
     _oom_in_step(monkeypatch, make_error)
-    report, res = probe_and_replan(demo_spec, demo_prepared, demo_report)
+    report, res = probe_and_replan(cpu_spec, demo_prepared, demo_report)
     assert res["oom"] == kind
     assert res["measured_peak_bytes"] == demo_report.device.total_bytes
     assert report is not demo_report and report.device.budget_bytes < demo_report.device.budget_bytes
     assert any(c.startswith("probe measured") for c in report.changes) or "probe measured" in report.reason
 
 
-def test_a_probe_error_that_is_not_out_of_memory_is_raised(monkeypatch, demo_spec, demo_prepared, demo_report):
+def test_a_probe_error_that_is_not_out_of_memory_is_raised(monkeypatch, cpu_spec, demo_prepared, demo_report):
     from fitburst.probe import probe_and_replan
 
     _oom_in_step(monkeypatch, lambda: RuntimeError("expected scalar type Float but found Half"))
     with pytest.raises(RuntimeError, match="expected scalar type"):
-        probe_and_replan(demo_spec, demo_prepared, demo_report)
+        probe_and_replan(cpu_spec, demo_prepared, demo_report)

@@ -71,7 +71,7 @@ ARCHS.update({
     "mistral": dict(model_type="mistral", head_dim=32, tie_word_embeddings=False, **_SMALL),
     "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True, **_SMALL),
     "stablelm": dict(model_type="stablelm", tie_word_embeddings=False, **_SMALL),
-    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, **_SMALL),
+    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, pad_token_id=0, **_SMALL),
 })
 NEW_ARCHS = ("mistral", "qwen3", "stablelm", "smollm3")
 

@@ -75,3 +75,13 @@ def test_the_verdict_and_the_estimate_cli_say_when_the_gpu_was_not_measured(caps
     assert main(["--model", "Qwen2.5-0.5B", "--seq-len", "512", "--device", "T4"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "not measured on this GPU" not in out and "29 measured runs" in out
+
+
+def test_the_preflight_report_says_when_the_gpu_was_not_measured(demo_spec, demo_prepared):
+    from fitburst.preflight import preflight
+
+    seq = demo_prepared.stats["max"]
+    on_a6000, on_t4 = preflight(demo_spec, seq, "A6000"), preflight(demo_spec, seq, "T4")
+    assert not on_a6000.estimate.band.measured and "not measured on this GPU" in on_a6000.to_markdown()
+    assert on_a6000.to_dict()["estimate"]["band"]["measured"] is False  # report.json in the MLflow run
+    assert on_t4.estimate.band.measured and "not measured on this GPU" not in on_t4.to_markdown()

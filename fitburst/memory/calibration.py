@@ -35,7 +35,8 @@ class ErrorBand:
 
     def describe(self) -> str:
         """The band in one line for a report: its edges, how many measured runs stand behind it, and where from."""
-        what = f", {self.rows} measured runs" if self.measured else ""  # an unmeasured band's source says so
+        # an unmeasured band's source says so; a band between two estimates (analytic-vs-traced) counts no runs
+        what = f", {self.rows} measured runs" if self.measured and self.rows else ""
         return f"{self.low:+.1%} / {self.high:+.1%}{what}: {self.source}"
 
 
@@ -75,7 +76,10 @@ class ErrorBand:
 # CPU: benchmarks/preflight_accuracy.py --parts a: real optimizer steps of the project's own loop on small
 # random models, measured as live tensor bytes by probe.TensorTracker (a dispatch-level count: it does not see
 # memory inside kernels, the allocator's overhead or the process's RSS). Same configuration, same bytes: no
-# run-to-run spread, so no floor.
+# run-to-run spread, so no floor. Checked against the operating system (benchmarks/tracker_vs_os.py, 10
+# configurations, glibc returning blocks over 128 KiB at once): a warm step's resident growth is within -1.1 % ..
+# +2.1 % of the tracker's; the first step needs 17-40 MiB more than its tensors (library code, thread pools, kernel
+# set-up), which the CPU reserved figure's floor (estimator.RESERVED_FLOOR, 32 MiB) stands for.
 # - traced: 27 steps of CPU_CASES, 9 architectures; the trace has no fitted terms on CPU, but the rows were looked
 #   at while the trace's mixed-precision path was built: 0.00 % .. +0.59 %. Held-out: 12 configurations drawn by
 #   seed 27 (--fresh 27; 8 architectures, 4 of them new: mistral, qwen3, stablelm, smollm3), scored once:

@@ -14,7 +14,11 @@
 (7b) the time to trace Qwen2.5-7B LoRA (batch 1 x 1024, two steps).
 
 Prints per-row error, median / worst absolute error per group, and the trace time per configuration.
-Usage: python benchmarks/preflight_accuracy.py [--parts a,t4,c,7b] [--quick] [--json out.json]
+Usage: python benchmarks/preflight_accuracy.py [--parts a,t4,c,7b] [--quick] [--json out.json] [--fresh SEED]
+       [--shared DIR]
+Rows are marked fit, looked-at or held-out (see fitburst/memory/calibration.py). Part a's CPU_CASES are looked-at;
+``--fresh SEED`` runs part a on configurations drawn by SEED instead: held-out the first time a seed is scored
+(seed 27 has been). ../shared is found beside the repository, or given with --shared.
 
 Optional comparison with fitcheck-llm (https://pypi.org/project/fitcheck-llm/, T4-calibrated): when the interpreter
 in $FITCHECK_PYTHON (default /tmp/fitcheck-venv/bin/python) can import ``fitcheck``, benchmarks/_fitcheck.py runs

@@ -37,9 +37,10 @@ HELD_OUT = ["HuggingFaceTB/SmolLM2-135M", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", 
 MiB = 1 << 20
 # Seeds already printed while the analytic terms were being changed: their rows are looked-at, never held-out
 # (seed 1: two of its configurations were read to find the k-bit terms; seed 2: its phi-1.5 row showed the MLP
-# term; seeds 3 and 4 (--mps): the MPS math-attention terms were re-scored on them). A seed not listed here is
-# held-out the first time it is scored; add it here once it has been.
-LOOKED_AT_SEEDS = {1, 2, 3, 4}
+# term; seeds 3 and 4 (--mps): the MPS math-attention terms were re-scored on them; seed 5 was scored once as
+# held-out, --n 40, figures in fitburst/memory/calibration.py). A seed not listed here is held-out the first time it
+# is scored; add it here once it has been.
+LOOKED_AT_SEEDS = {1, 2, 3, 4, 5}
 
 
 def grid(n: int, seed: int, mps: bool = False) -> list[tuple[str, str, TrainSettings]]:

@@ -99,6 +99,8 @@ class ErrorBand:
 # +18.95 %, the high one the tied-embedding full fine-tune with 8-bit AdamW above: -2 % .. +19 %.
 # CUDA: benchmarks/analytic_vs_traced.py, reserved, 150 full-size configurations of 10 models
 # on T4 / L4 / A100 (seeds 1 and 2; three of them were read to find the k-bit and MLP terms): -8.1 % .. +9.5 %.
+# Held-out, seed 5 (40 configurations, scored once): reserved -5.3 % .. +3.4 % on the 16 of held-out models,
+# -5.4 % .. +5.3 % on the 24 of the models the reserved term was fitted on; allocated -2.6 % .. +1.0 %.
 # MPS: benchmarks/analytic_vs_traced.py --mps, 70 configurations (seeds 3 and 4): -3.1 % .. +0.1 %, kept at
 # -4 % .. +2 %.
 

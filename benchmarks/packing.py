@@ -17,8 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
+from fitburst.cache import cache_root
 from fitburst.data import batch_tokens, load_split, prepare
-from fitburst.models import cache_root, load_tokenizer
+from fitburst.models import load_tokenizer
 from fitburst.probe import TensorTracker
 from fitburst.spec import load_pipeline
 from fitburst.train import batches, build_model, make_optimizer, optimizer_step

@@ -19,8 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from fitburst.cache import cache_root
 from fitburst.data import load_split, prepare
-from fitburst.models import cache_root, demo_model_dir, load_model, load_tokenizer
+from fitburst.demo_models import demo_model_dir
+from fitburst.models import load_model, load_tokenizer
 from fitburst.spec import load_pipeline
 from fitburst.train import batches, train
 

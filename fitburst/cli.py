@@ -52,7 +52,7 @@ def _device_arg(value: str) -> str:
     """argparse type for --device: a name the memory model knows (checked before any compute)."""
     if value.lower() in ("auto", "cpu", "cuda", "mps"):
         return value
-    from fitburst.memory.devices import resolve_device
+    from fitburst.hardware import resolve_device
 
     try:
         resolve_device(value)
@@ -159,7 +159,7 @@ def cmd_train(args) -> int:
         for change in changes:
             print(f"plan for this device: {change}")
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate, indent=2))
+        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
     tracker = None
     if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
         tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
@@ -233,10 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="serve every pipeline as a Prefect deployment (flags: fitburst serve -h)")
 
     sp = sub.add_parser("calibrate", help="fit estimator corrections from MLflow history")
-    from fitburst.memory.calibrate import add_arguments as add_calibrate_arguments
+    from fitburst.calibrate import add_arguments as add_calibrate_arguments
 
     add_calibrate_arguments(sp)
-    sp.set_defaults(func=lambda a: __import__("fitburst.memory.calibrate", fromlist=["main"]).main(a))
+    sp.set_defaults(func=lambda a: __import__("fitburst.calibrate", fromlist=["main"]).main(a))
 
     sp = sub.add_parser("merge", help="merge a run's adapter into its base model (base dtype)")
     sp.add_argument("run", help="run folder (runs/<pipeline>/<id>), adapter folder, or MLflow run id")

@@ -17,16 +17,22 @@ separately (:func:`tokenize_pair`): encoder ``input_ids`` and decoder ``labels``
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import logging
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fitburst.cache import cache_root
 from fitburst.errors import UserError
-from fitburst.spec import DataSpec
+from fitburst.models import model_family, resolve_model_ref, tokenizer_for
+from fitburst.spec import CHATML_TEMPLATE, DataSpec, resolve_env
+from fitburst.vision import collate_images, expand_image_tokens, image_inputs, image_token_counts, load_image_processor
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +243,7 @@ def _rows(ds, where: str) -> Iterator[tuple[str, object]]:
 
 
 def _open_table(path: Path, streaming: bool):
-    import csv
-
-    from datasets import Features, Value, load_dataset
+    from datasets import Features, Value, load_dataset  # datasets: heavy, only to read data
     from datasets.exceptions import DatasetsError
 
     kw = {}
@@ -256,7 +260,7 @@ def _open_table(path: Path, streaming: bool):
 
 def _open_dataset(source: Path | str, data: DataSpec):
     """The split of a saved folder, hub-style folder or hub id (an IterableDataset with ``data.streaming``)."""
-    from datasets import DatasetDict, load_dataset, load_from_disk
+    from datasets import DatasetDict, load_dataset, load_from_disk  # datasets: heavy, only to read data
     from datasets.exceptions import DatasetsError
 
     try:
@@ -347,8 +351,6 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def chat_template_kwargs(tokenizer, template: str) -> dict:
     """``apply_chat_template`` arguments for ``data.template`` auto/chatml: the tokenizer's own template, or ChatML."""
     if template == "chatml" or not getattr(tokenizer, "chat_template", None):
-        from fitburst.models import CHATML_TEMPLATE
-
         return {"chat_template": CHATML_TEMPLATE}
     return {}
 
@@ -478,7 +480,7 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
     or a hub dataset's id, subset, split, revision and builder hash (data files at the revision)."""
     h = hashlib.sha256()
     if data.dataset is not None and not (isinstance(source, Path) and _is_saved(source)):
-        from datasets import load_dataset_builder
+        from datasets import load_dataset_builder  # datasets: heavy, only for a hub dataset
         from datasets.exceptions import DatasetsError
 
         try:
@@ -507,7 +509,7 @@ def content_hash(source: Path | str, data: DataSpec, tokenizer, seq2seq: bool = 
 
 
 def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) -> dict:
-    import numpy as np
+    import numpy as np  # numpy: kept off data's import path with the rest
 
     a = np.array(lengths)
     return {
@@ -527,9 +529,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     With ``data.streaming`` the records are read, tokenized and written to the cache in one pass that holds no
     more than a writer batch; the validation split is then drawn per record from a seeded hash of its position
     (about ``val_split`` of the records) rather than by shuffling the whole set."""
-    import tempfile
-
-    from datasets import Dataset, Features, List, Value
+    from datasets import Dataset, Features, List, Value  # datasets: heavy, only to read data
     from datasets.exceptions import DatasetsError
 
     key = content_hash(data_path, data, tokenizer, seq2seq)
@@ -587,8 +587,6 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
         log.warning("%d record(s) have no target tokens left after truncation to %d and are left out",
                     seen["no_target"], data.max_seq_len)
     if ds is None or not len(ds):
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"{_name(data_path, data)}: every record lost its reply to truncation: raise "
                         "data.max_seq_len")
@@ -613,8 +611,6 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
                             n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats, seq2seq=seq2seq)
     (tmp / "prepared.json").write_text(prepared.to_json())
     del ds, train, val
-    import shutil
-
     shutil.rmtree(tmp / "gen", ignore_errors=True)
     try:
         tmp.rename(out)
@@ -645,8 +641,6 @@ def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record).
     The one place the families part: a vision-language model's records go through :func:`prepare_images`, an
     encoder-decoder's become (input, target) pairs."""
-    from fitburst.models import cache_root, model_family, tokenizer_for
-
     source, data = spec.data_source(), spec.data
     family = model_family(spec.model)
     if family == "vision_language":
@@ -667,7 +661,7 @@ def image_messages(record: object, base: Path) -> tuple[list[dict], list[Path]]:
     files in order. The record: ``{"messages": [{"role": ..., "content": "text" or [{"type": "image", "image":
     "path relative to the data file"}, {"type": "text", "text": ...}]}, ...]}`` (the parts Qwen2-VL's chat template
     renders). Every image must exist and open; a problem raises ValueError naming the field."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # PIL: only for image data
 
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
         raise ValueError("an image + conversation record needs a non-empty 'messages' list")
@@ -757,8 +751,6 @@ def tokenize_images(messages: list[dict], images: list, tokenizer, processor, da
     times as the image has tokens at ``data.image_max_pixels`` (:mod:`fitburst.vision`). A reply's labels run from
     the end of the rendered prompt before it to the end of the conversation up to it, both checked to tokenize to
     prefixes of the whole. A record longer than ``data.max_seq_len`` is cut only after its last image token."""
-    from fitburst.vision import expand_image_tokens, image_inputs, image_token_counts
-
     pix = image_inputs(processor, images, data.image_max_pixels) if images else {}
     counts = image_token_counts(processor, pix["image_grid_thw"]) if images else []
     kw = chat_template_kwargs(tokenizer, data.template) if data.template in ("auto", "chatml") else {}
@@ -793,21 +785,12 @@ def prepare_images(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a vision-language pipeline: records and every image checked before the tokenizer and
     the image processor load, then tokenized with their pixels (cached by the content of the data file, its
     images, the settings, the tokenizer and the image processor)."""
-    import shutil
-    import tempfile
-
-    from datasets import Dataset, Features, List, Value
+    from datasets import Dataset, Features, List, Value  # datasets, PIL: heavy, only for image data
     from PIL import Image
-
-    from fitburst.models import cache_root, tokenizer_for
-    from fitburst.spec import resolve_env
-    from fitburst.vision import load_image_processor
 
     source, data = spec.data_source(), spec.data
     records, skipped = read_image_records(source, data)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    from fitburst.models import resolve_model_ref
-
     m = spec.model
     processor = load_image_processor(resolve_model_ref(m.name), m.revision, resolve_env(m.hf_token))
     h = hashlib.sha256(content_hash(source, data, tok).encode())
@@ -869,7 +852,7 @@ def prepare_images(spec, tokenizer=None) -> PreparedData:
 
 
 def load_split(prepared: PreparedData, split: str):
-    from datasets import load_from_disk
+    from datasets import load_from_disk  # datasets: heavy, only to read data
 
     return load_from_disk(str(Path(prepared.dir) / split))
 
@@ -884,10 +867,10 @@ def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
     from the one before it (its first token is never a target unpacked either). The model must run with
     ``config.use_cache = False`` (as :func:`fitburst.train.prepare_for_training` sets): transformers looks for
     packed positions only when no cache is passed, and with one the samples silently attend to each other."""
-    import torch
+    import torch  # torch: heavy, only when batches are built
 
     if packed:
-        from transformers import DataCollatorWithFlattening
+        from transformers import DataCollatorWithFlattening  # transformers: heavy, only for packed batches
 
         flat = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX)
         return flat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batch])
@@ -902,8 +885,6 @@ def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
         mask[i, :k] = 1
     out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     if "mm_token_type_ids" in batch[0]:  # image + conversation samples (fitburst.vision)
-        from fitburst.vision import collate_images
-
         out.update(collate_images(batch, n))
     return out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitburst.errors import UserError
+from fitburst.hardware import auto_precision
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class DeviceError(UserError, RuntimeError):
 
 def select_device(pref: str = "auto") -> str:
     """The torch device to train on: ``auto`` picks CUDA, then MPS, then CPU."""
-    import torch
+    import torch  # torch: heavy, loaded only at use
 
     p = pref.lower()
     if p == "auto":
@@ -44,11 +45,9 @@ def select_device(pref: str = "auto") -> str:
 
 
 def resolve_precision(precision: str, device: str) -> str:
-    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.memory.auto_precision`
+    """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.hardware.auto_precision`
     (the estimate's rule)."""
-    import torch
-
-    from fitburst.memory import auto_precision
+    import torch  # torch: heavy, loaded only at use
 
     # native bf16 only (sm >= 80): torch's default also says yes where it merely emulates it (a T4), which would
     # train in slow emulated bf16 while the preflight planned fp16 (memory.probe_local: capability >= 8.0)
@@ -59,7 +58,7 @@ def resolve_precision(precision: str, device: str) -> str:
 
 
 def torch_dtype(precision: str):
-    import torch
+    import torch  # torch: heavy, loaded only at use
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
@@ -67,7 +66,7 @@ def torch_dtype(precision: str):
 def weight_dtype(precision: str, method_type: str, pure_bf16: bool = False):
     """The dtype to load the base weights in: the low dtype for a frozen base (LoRA, QLoRA), fp32 master weights
     when every weight trains (full), bf16 for full fine-tuning only with the ``pure_bf16`` opt-in."""
-    import torch
+    import torch  # torch: heavy, loaded only at use
 
     if method_type == "full" and not pure_bf16:
         return torch.float32
@@ -98,7 +97,7 @@ class Amp:
     last_step_skipped: bool = False
 
     def autocast(self):
-        import torch
+        import torch  # torch: heavy, loaded only at use
 
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -108,7 +107,7 @@ class Amp:
 def make_amp(precision: str, device: str, *, pure_bf16: bool = False) -> Amp:
     """The AMP setup for a resolved ``precision`` on ``device``: autocast for bf16/fp16 and a GradScaler for fp16;
     nothing for fp32 or pure bf16 (the weights are already bf16)."""
-    import torch
+    import torch  # torch: heavy, loaded only at use
 
     if precision == "fp32" or pure_bf16:
         return Amp(device)

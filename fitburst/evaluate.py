@@ -6,6 +6,7 @@ model with the adapter switched off, so the model is loaded once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -13,7 +14,10 @@ from pathlib import Path
 
 from fitburst.data import IGNORE_INDEX, PreparedData, collate, load_split
 from fitburst.device import Amp, make_amp
+from fitburst.models import load_pipeline_model, load_tokenizer
+from fitburst.runconfig import EVAL_CHUNK_TOKENS
 from fitburst.spec import PipelineSpec
+from fitburst.vision import is_vision_language
 
 
 @dataclass
@@ -37,16 +41,12 @@ class EvalResult:
         return cls(**json.loads(Path(run_dir, "eval.json").read_text()))
 
 
-# Label positions whose full-vocabulary fp32 logits exist at once: the eval never holds (batch x seq x vocab) logits.
-EVAL_CHUNK_TOKENS = 1024
 
 
 def _decoder_and_head(model):
     """The transformer body (hidden states out) and the output projection of a causal LM, peft-wrapped or not; of a
     vision-language model the whole multimodal body (vision tower, merger and language model), which takes the
     batch's pixels."""
-    from fitburst.vision import is_vision_language
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = base.model if is_vision_language(base.config) else base.get_decoder()
     return body, base.get_output_embeddings(), base.config
@@ -58,9 +58,7 @@ def seq2seq_eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, dev
     """:func:`eval_loss` for an encoder-decoder model: the model's own forward (encoder, then the decoder on the
     right-shifted labels, then its head, with whatever output scaling the architecture applies) gives logits aligned
     with the labels; the fp32 cross-entropy then runs on the labelled positions ``chunk_tokens`` at a time."""
-    import contextlib
-
-    import torch
+    import torch  # torch: heavy, loaded only when evaluating
     import torch.nn.functional as F
 
     autocast = amp.autocast if amp is not None else contextlib.nullcontext
@@ -90,9 +88,7 @@ def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str
     The body runs once per batch of ``batch_size``; the output projection and the fp32 cross-entropy then run on the
     labelled positions only, ``chunk_tokens`` at a time, so full-vocabulary fp32 logits for a whole eval batch never
     exist (the figure the preflight plans the eval phase with)."""
-    import contextlib
-
-    import torch
+    import torch  # torch: heavy, loaded only when evaluating
     import torch.nn.functional as F
 
     decoder, head, config = _decoder_and_head(model)
@@ -124,7 +120,7 @@ def eval_loss(model, rows: list[dict], pad_id: int, batch_size: int, device: str
 
 def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, device: str) -> list[dict]:
     """Greedy completions of the first ``n`` validation prompts (prompt = tokens before the first label)."""
-    import torch
+    import torch  # torch: heavy, loaded only when evaluating
 
     out = []
     for row in rows[:n]:
@@ -149,7 +145,7 @@ def generate_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, 
 def generate_seq2seq_samples(model, tok, rows: list[dict], n: int, max_new_tokens: int, device: str) -> list[dict]:
     """:func:`generate_samples` for an encoder-decoder model: the encoder input is the prompt, the decoder writes
     the completion from its start token."""
-    import torch
+    import torch  # torch: heavy, loaded only when evaluating
 
     out = []
     for row in rows[:n]:
@@ -169,9 +165,7 @@ def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path
              precision: str) -> EvalResult:
     """Load the base model once, attach the saved adapter, and measure base vs tuned on the validation split, in
     batches of ``spec.eval.batch_size`` under the run's autocast."""
-    from peft import PeftModel
-
-    from fitburst.models import load_pipeline_model, load_tokenizer
+    from peft import PeftModel  # peft: heavy, loaded only when evaluating
 
     rows = load_split(prepared, "val").to_list()
     if not rows:

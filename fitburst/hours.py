@@ -17,7 +17,7 @@ from fitburst.memory import Device, ModelShape, TrainSettings
 CLOUD_OVERHEAD_HOURS = 0.25
 
 # Dense 16-bit tensor-core peak in TFLOP/s with fp32 accumulation (fp16 on cards without bf16), from the
-# vendors' data sheets; fitburst device names (fitburst.memory.devices). Time estimates only.
+# vendors' data sheets; fitburst device names (fitburst.hardware). Time estimates only.
 PEAK_TFLOPS = {
     "T4": 65.0,
     "V100-16GB": 125.0,

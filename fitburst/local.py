@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 
 from fitburst.data import PreparedData
+from fitburst.memory import Estimate
+from fitburst.oom import StepDown
 from fitburst.recipe import train_and_record
 from fitburst.rundir import open_run_dir, release, runs_root
 from fitburst.spec import PipelineSpec
@@ -17,9 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def train_local_run(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker | None, *,
-                    estimate: dict | None = None, device: str | None = None, progress: bool = True,
+                    estimate: Estimate | None = None, device: str | None = None, progress: bool = True,
                     on_metrics: MetricsFn | None = None,
-                    on_stepdown: Callable[[dict], None] | None = None) -> TrainResult:
+                    on_stepdown: Callable[[StepDown], None] | None = None) -> TrainResult:
     """Train ``spec`` in its run folder (the newest interrupted one with the same config and data, else a new one)
     through the recipe. Each OOM step-down is recorded in MLflow and passed to ``on_stepdown`` (the flow's log)."""
     if tracker is not None:

@@ -1,9 +1,10 @@
 """OOM step-down: an out-of-memory error inside training steps one rung down and resumes from the last checkpoint.
 
-The rungs keep the effective batch and the optimizer-update count: micro-batch halved with gradient accumulation
-doubled (until 1), then gradient checkpointing, then the 8-bit optimizer, then QLoRA, each only where
-``preflight.allow`` permits and the device supports it. The run folder keeps its name (it is keyed by the planned
-config); the rungs taken are written to ``stepdown.json`` in it, so a later resume of the folder trains with them.
+The rungs are the planner's ladder (:mod:`fitburst.memory.ladder`), cheapest first, those a resumed run can take:
+a faster attention kernel, the 8-bit optimizer, a smaller micro-batch with the effective batch kept, gradient
+checkpointing, QLoRA; each only where ``preflight.allow`` permits and the device supports it. The run folder keeps
+its name (it is keyed by the planned config); the settings after the rungs taken are written to ``stepdown.json``
+in it, so a later resume of the folder trains with them.
 Every step-down is logged, tagged and recorded as an MLflow event, and its measured figures are appended to the
 calibration history (``oom_history.jsonl`` beside the calibration file).
 
@@ -20,9 +21,18 @@ import re
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fitburst.data import PreparedData, images_per_record
 from fitburst.device import select_device
+from fitburst.hardware import resolve_device
+from fitburst.memory import Device, ModelShape, estimate, load_shape
+from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
+from fitburst.memory.ladder import next_rung
+from fitburst.memory.planner import max_seq_len_that_fits
+from fitburst.models import resolve_model_ref
+from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError, TrainResult, latest_checkpoint, train
 
@@ -110,42 +120,33 @@ def free_memory(exc: BaseException) -> None:
         torch.mps.empty_cache()
 
 
-# --- the ladder ------------------------------------------------------------------------------------------------
+@dataclass
+class StepDown:
+    """One out-of-memory step-down: what ran out, where, what was measured and estimated, and the rung taken."""
 
-def next_rung(spec: PipelineSpec, device: str) -> tuple[dict, str] | None:
-    """The next rung down from ``spec``: (dotted field -> value, what changed), or None when none is left."""
-    tr, m, allow = spec.training, spec.method, spec.preflight.allow
-    if allow.reduce_batch and tr.micro_batch_size > 1:
-        mb = tr.micro_batch_size
-        smaller = max(d for d in range(1, mb) if mb % d == 0)  # half when even: the effective batch stays exact
-        accum = tr.grad_accum * (mb // smaller)
-        return ({"training.micro_batch_size": smaller, "training.grad_accum": accum},
-                f"micro_batch_size {mb} -> {smaller}, grad_accum {tr.grad_accum} -> {accum} "
-                f"(effective batch {tr.effective_batch} kept)")
-    if allow.gradient_checkpointing and not tr.gradient_checkpointing:
-        return {"training.gradient_checkpointing": True}, "gradient checkpointing on"
-    if allow.optimizer_8bit and tr.optimizer == "adamw" and device != "mps":
-        return {"training.optimizer": "adamw8bit"}, "optimizer adamw -> adamw8bit"
-    if allow.quantize and m.type == "lora" and m.quant == "none" and device != "mps":
-        return ({"method.type": "qlora", "method.quant": "nf4", "method.double_quant": True},
-                "LoRA -> QLoRA (4-bit nf4 base)")
-    return None
+    time: str
+    pipeline: str
+    device: str  # cuda | mps | cpu
+    oom_kind: str
+    step: int  # the checkpoint the run resumes from (0: the start)
+    measured_peak_bytes: int | None
+    requested_bytes: int | None
+    error: str
+    settings: dict  # the settings that ran out of memory (TrainSettings as JSON)
+    device_name: str = ""
+    estimated_bytes: int | None = None  # the uncalibrated estimate of the figure the measured peak compares with
+    rung: str | None = None  # the ladder's key (fitburst.memory.ladder), None when no rung was left
+    change: str | None = None  # what the rung changes, in words
 
-
-def apply(spec: PipelineSpec, fields: dict) -> PipelineSpec:
-    """``spec`` with dotted ``section.field`` values set (validated as the section's model validates)."""
-    sections: dict[str, dict] = {}
-    for key, value in fields.items():
-        section, name = key.split(".", 1)
-        sections.setdefault(section, {})[name] = value
-    update = {s: type(getattr(spec, s)).model_validate({**getattr(spec, s).model_dump(), **v})
-              for s, v in sections.items()}
-    return spec.model_copy(update=update)
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def load_stepdowns(run_dir: Path) -> dict:
+    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken), the rungs
+    taken and their records."""
     p = Path(run_dir) / STEPDOWN_FILE
-    return json.loads(p.read_text()) if p.exists() else {"fields": {}, "history": []}
+    return json.loads(p.read_text()) if p.exists() else {"settings": None, "rungs": [], "history": []}
 
 
 def _switch_optimizer_state(ckpt: Path) -> None:
@@ -158,60 +159,59 @@ def _switch_optimizer_state(ckpt: Path) -> None:
     torch.save(state, ckpt / "optim.pt")
 
 
-def _record_history(entry: dict) -> None:
-    from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
-
+def _record_history(entry: StepDown) -> None:
     path = calibration_path().with_name(OOM_HISTORY_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
-        f.write(json.dumps(entry) + "\n")
+        f.write(json.dumps(entry.to_dict()) + "\n")
 
 
-def uncalibrated_estimate(spec: PipelineSpec, device: str, seq_len: int | None) -> tuple[str, int | None]:
-    """The device's name and the analytic estimate (no calibration factor) of the figure a measured peak on it
-    compares with, for the settings that ran out of memory: what ``fitburst calibrate`` sets against the peak."""
-    from fitburst.memory import estimate, load_shape, resolve_device, settings_from_spec
-    from fitburst.memory.estimator import measured_counterpart
-    from fitburst.preflight import model_ref
+def _estimated(settings: TrainSettings, shape: ModelShape | None, dev: Device) -> int | None:
+    """The analytic estimate (no calibration factor) of the figure a measured peak on ``dev`` compares with, for
+    the settings that ran out of memory: what ``fitburst calibrate`` sets against the peak. None for an
+    architecture only the trace knows."""
+    if shape is None:
+        return None
+    est = estimate(shape, settings, dev, calibrate=False)
+    return est.comparable_bytes(dev.kind)
 
-    dev = resolve_device(device)
+
+def _shape(spec: PipelineSpec) -> ModelShape | None:
     try:
-        shape = load_shape(model_ref(spec))
-    except (ValueError, OSError):  # an architecture only the trace knows: the record keeps the measurement alone
-        return dev.name, None
-    if not seq_len:
-        return dev.name, None
-    est = estimate(shape, settings_from_spec(spec, dev, seq_len), dev, calibrate=False)
-    return dev.name, measured_counterpart(est.to_dict(), dev.kind)
+        return load_shape(resolve_model_ref(spec.model.name), spec.model.revision)
+    except (ValueError, OSError):  # an architecture only the trace knows: records keep the measurement alone
+        return None
 
 
-def would_fit(spec: PipelineSpec, prepared, device: str) -> str:
+def would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | None, dev: Device,
+              longest: int) -> str:
     """The setting that would have fit: the longest sequence the estimate fits on this device at the last rung."""
-    from fitburst.memory import load_shape, resolve_device, settings_from_spec
-    from fitburst.memory.planner import max_seq_len_that_fits
-    from fitburst.preflight import model_ref
-
-    dev = resolve_device(spec.preflight.device if spec.preflight.device != "auto" else device)
-    seq = prepared.stats["max"]
-    fit = max_seq_len_that_fits(load_shape(model_ref(spec)), settings_from_spec(spec, dev, seq), dev,
-                                spec.preflight.safety_margin)
-    if fit and fit < seq:
-        return f"data.max_seq_len: {fit} (the longest sample has {seq} tokens)"
+    fit = max_seq_len_that_fits(shape, settings, dev, spec.preflight.safety_margin) if shape is not None else 0
+    if fit and fit < longest:
+        return f"data.max_seq_len: {fit} (the longest sample has {longest} tokens)"
     return "a device with more memory (burst.policy: auto), or fewer trainable parameters (method.rank)"
 
 
-def train_stepping_down(spec: PipelineSpec, prepared, run_dir: str | Path, *, device: str | None = None,
-                        on_metrics: Callable[[dict, int], None] | None = None,
-                        on_stepdown: Callable[[dict], None] | None = None, progress: bool = True) -> TrainResult:
-    """:func:`fitburst.train.train`, stepping one rung down on each out-of-memory error and resuming the
-    checkpoint the failed attempt saved. ``on_stepdown`` receives each step-down record (for MLflow / Prefect).
-    Raises :class:`OOMLadderExhausted` when no rung is left."""
+def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
+                        device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
+                        on_stepdown: Callable[[StepDown], None] | None = None,
+                        progress: bool = True) -> TrainResult:
+    """:func:`fitburst.train.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
+    the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
+    saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
+    rung is left."""
     run_dir = Path(run_dir)
     device = device or select_device(spec.preflight.device)
+    dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
+    longest = int(prepared.stats["max"])
+    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
     state = load_stepdowns(run_dir)
-    current = apply(spec, state["fields"])
-    if state["fields"]:
-        log.info("resuming with earlier step-downs: %s", state["fields"])
+    settings = (TrainSettings(**state["settings"]) if state["settings"]
+                else settings_from_spec(spec, dev, longest, images=images))
+    current = spec_with_settings(spec, settings) if state["settings"] else spec
+    if state["rungs"]:
+        log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
+    shape = None
     while True:
         try:
             return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
@@ -221,44 +221,40 @@ def train_stepping_down(spec: PipelineSpec, prepared, run_dir: str | Path, *, de
                 raise
             ckpt = latest_checkpoint(run_dir)
             step = int(ckpt.name.split("-")[1]) if ckpt else 0
-            record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pipeline": spec.name, "device": device,
-                      "oom_kind": kind, "step": step, "measured_peak_bytes": measured_peak(device),
-                      "requested_bytes": requested_bytes(exc), "error": str(exc).splitlines()[0][:300],
-                      "settings": {"micro_batch_size": current.training.micro_batch_size,
-                                   "grad_accum": current.training.grad_accum,
-                                   "gradient_checkpointing": current.training.gradient_checkpointing,
-                                   "optimizer": current.training.optimizer, "method": current.method.type,
-                                   "quant": current.method.quant, "max_seq_len": prepared.stats.get("max")}}
+            record = StepDown(time=time.strftime("%Y-%m-%dT%H:%M:%S"), pipeline=spec.name, device=device,
+                              oom_kind=kind, step=step, measured_peak_bytes=measured_peak(device),
+                              requested_bytes=requested_bytes(exc), error=str(exc).splitlines()[0][:300],
+                              settings=asdict(settings), device_name=dev.name)
             free_memory(exc)
             del exc
-            record["device_name"], record["estimated_bytes"] = uncalibrated_estimate(current, device,
-                                                                                     prepared.stats.get("max"))
-            rung = next_rung(current, device)
-            record["change"] = rung[1] if rung else None
+            shape = shape or _shape(spec)
+            record.estimated_bytes = _estimated(settings, shape, dev)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True)
+            if rung is not None:
+                record.rung, record.change = rung.key, rung.explain(settings, dev)
             _record_history(record)
             if rung is None:
-                raise _exhausted(current, prepared, run_dir, record) from None
-            fields, change = rung
-            if "training.optimizer" in fields and ckpt is not None:
+                raise _exhausted(current, record, run_dir, would_fit(spec, settings, shape, dev, longest)) from None
+            if rung.key == "optimizer_8bit" and ckpt is not None:
                 _switch_optimizer_state(ckpt)
-            state["fields"].update(fields)
-            state["history"].append(record)
+            settings = rung.take(settings, dev)
+            current = spec_with_settings(spec, settings)
+            state["settings"], state["rungs"] = asdict(settings), [*state["rungs"], rung.key]
+            state["history"].append(record.to_dict())
             (run_dir / STEPDOWN_FILE).write_text(json.dumps(state, indent=2))
-            current = apply(spec, state["fields"])
             log.warning("out of memory (%s) at step %d, peak %s bytes: stepping down: %s; resuming from %s",
-                        kind, step, record["measured_peak_bytes"], change, ckpt.name if ckpt else "the start")
+                        kind, step, record.measured_peak_bytes, record.change, ckpt.name if ckpt else "the start")
             if on_stepdown:
                 on_stepdown(record)
 
 
-def _exhausted(spec: PipelineSpec, prepared, run_dir: Path, record: dict) -> OOMLadderExhausted:
+def _exhausted(spec: PipelineSpec, record: StepDown, run_dir: Path, fit: str) -> OOMLadderExhausted:
     burst = spec.burst.policy != "never"
-    peak = record["measured_peak_bytes"]
-    where = (f"the burst policy ({spec.burst.policy}) allows sending checkpoint step-{record['step']} in {run_dir} "
-             "to a cloud GPU" if burst else f"would have fit: {would_fit(spec, prepared, record['device'])}")
+    peak = record.measured_peak_bytes
+    where = (f"the burst policy ({spec.burst.policy}) allows sending checkpoint step-{record.step} in {run_dir} "
+             "to a cloud GPU" if burst else f"would have fit: {fit}")
     measured = f"measured peak {peak / 2**30:.2f} GiB" if peak else "peak not measured"
-    msg = (f"{spec.name}: out of memory on {record['device']} at step {record['step']} with every allowed "
+    msg = (f"{spec.name}: out of memory on {record.device} at step {record.step} with every allowed "
            f"step-down taken ({measured}); {where}. A rerun resumes from the checkpoint.")
-    return OOMLadderExhausted(msg, run_dir=run_dir, step=record["step"], device=record["device"], peak_bytes=peak,
+    return OOMLadderExhausted(msg, run_dir=run_dir, step=record.step, device=record.device, peak_bytes=peak,
                               burst_allowed=burst)
-

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fitburst.memory import Estimate
+
 GIB = 1024**3
 
 
 def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported at first plot (heavy: kept off the tracker's import path)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,16 +44,16 @@ def loss_curve(metrics_jsonl: Path, dest: Path, title: str = "", eval_points: di
     return dest
 
 
-def memory_bar_chart(estimate: dict, dest: Path, title: str = "") -> Path:
+def memory_bar_chart(estimate: Estimate, dest: Path, title: str = "") -> Path:
     """The estimate alone: horizontal bars of its components, with its allocated peak, device total and budget."""
-    comps = sorted(estimate.get("components", {}).items(), key=lambda kv: kv[1])
+    comps = sorted(estimate.components.items(), key=lambda kv: kv[1])
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(comps) + 1.8))
     ax.barh([k for k, _ in comps], [v / GIB for _, v in comps], color="#4c72b0")
     ax.set_xlabel("GiB (estimated)")
-    for label, value, color in (("allocated peak", estimate.get("allocated_peak_bytes"), "#8172b2"),
-                                ("device total", estimate.get("device_total_bytes"), "#dd8452"),
-                                ("budget", estimate.get("budget_bytes"), "#c44e52")):
+    for label, value, color in (("allocated peak", estimate.allocated_peak_bytes, "#8172b2"),
+                                ("device total", estimate.device_total_bytes, "#dd8452"),
+                                ("budget", estimate.budget_bytes, "#c44e52")):
         if value:
             ax.axvline(value / GIB, color=color, linestyle="--", label=f"{label} {value / GIB:.2f} GiB")
     ax.legend(loc="lower right", fontsize=8)
@@ -61,38 +64,35 @@ def memory_bar_chart(estimate: dict, dest: Path, title: str = "") -> Path:
     return dest
 
 
-def comparable_pairs(estimate: dict, peak: dict) -> list[tuple[str, int, int]]:
+def comparable_pairs(estimate: Estimate, peak: dict) -> list[tuple[str, int, int]]:
     """(quantity, estimated, measured) for each quantity measured on the run's device kind: only like with like.
 
-    - the figure :func:`fitburst.memory.estimator.measured_counterpart` names for the kind (CUDA: tensor peak,
+    - the figure :meth:`fitburst.memory.Estimate.comparable_bytes` names for the kind (CUDA: tensor peak,
       ``max_memory_allocated``; CPU: what the run added to the process; MPS: the driver's allocation);
     - CUDA: allocator reserved vs ``max_memory_reserved``;
     - CPU: device total (runtime floor included) vs the process high-water mark (VmHWM).
     """
-    from fitburst.memory.estimator import MEASURED_COUNTERPART
-
     kind = peak.get("kind") or "cpu"
     pairs = []
     label = {"cuda": "tensor peak (allocated)", "cpu": "run's added memory", "mps": "driver-allocated peak"}
     if peak.get("allocated_bytes"):
-        key = MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")
-        pairs.append((label.get(kind, "allocated peak"), int(estimate[key]), int(peak["allocated_bytes"])))
+        pairs.append((label.get(kind, "allocated peak"), estimate.comparable_bytes(kind), int(peak["allocated_bytes"])))
     if kind == "cuda" and peak.get("reserved_bytes"):
-        pairs.append(("allocator reserved", int(estimate["reserved_peak_bytes"]), int(peak["reserved_bytes"])))
+        pairs.append(("allocator reserved", estimate.reserved_peak_bytes, int(peak["reserved_bytes"])))
     if kind == "cpu" and peak.get("rss_peak_bytes"):
-        pairs.append(("process total (VmHWM)", int(estimate["device_total_bytes"]), int(peak["rss_peak_bytes"])))
+        pairs.append(("process total (VmHWM)", estimate.device_total_bytes, int(peak["rss_peak_bytes"])))
     return pairs
 
 
-def memory_comparison(estimate: dict, peak: dict, dest: Path, title: str = "") -> Path:
+def memory_comparison(estimate: Estimate, peak: dict, dest: Path, title: str = "") -> Path:
     """Estimated vs measured, one panel (own scale) per quantity measured (see :func:`comparable_pairs`); the
     estimated bar of the first panel is split into the estimate's components, so each component's share is visible."""
     pairs = comparable_pairs(estimate, peak)
     plt = _pyplot()
     fig, axes = plt.subplots(max(len(pairs), 1), 1, figsize=(8, 1.5 * max(len(pairs), 1) + 1.2), squeeze=False)
     for i, (ax, (quantity, est, meas)) in enumerate(zip(axes[:, 0], pairs, strict=False)):
-        if i == 0 and estimate.get("components"):
-            comps = sorted(estimate["components"].items(), key=lambda kv: -kv[1])
+        if i == 0 and estimate.components:
+            comps = sorted(estimate.components.items(), key=lambda kv: -kv[1])
             scale = min(est / max(sum(v for _, v in comps), 1), 1.0)
             cmap, left = plt.get_cmap("Blues_r"), 0.0
             for j, (name, v) in enumerate(comps):

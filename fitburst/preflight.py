@@ -16,20 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 from fitburst.cloud.rank import Candidate, rank_candidates
+from fitburst.data import count_records, images_per_record
 from fitburst.errors import UserError
+from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
-from fitburst.memory import (
-    Device,
-    Estimate,
-    ModelShape,
-    TrainSettings,
-    estimate,
-    load_shape,
-    plan_fit,
-    resolve_device,
-    settings_from_spec,
-)
-from fitburst.memory.planner import Budget, EstimateFn, Plan
+from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, load_shape, plan_fit
+from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 
 GIB = 1024**3
@@ -142,7 +134,8 @@ def _duration(hours: float) -> str:
 
 def model_ref(spec: PipelineSpec) -> str:
     """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
-    from fitburst.models import LOCAL_MODELS, resolve_model_ref
+    from fitburst.demo_models import LOCAL_MODELS
+    from fitburst.models import resolve_model_ref
 
     return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
 
@@ -152,26 +145,10 @@ def spec_shape(spec: PipelineSpec) -> ModelShape:
     return load_shape(model_ref(spec), spec.model.revision)
 
 
-def apply_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
-    """The spec with the planner's settings written back (what the train and eval steps then run)."""
-    method = spec.method.model_copy(update={
-        "type": "qlora" if s.quant != "none" and spec.method.type == "lora" else spec.method.type,
-        "quant": s.quant, "double_quant": s.double_quant, "dropout": s.dropout})
-    training = spec.training.model_copy(update={
-        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "packing": s.packed_fill > 0,
-        "attention": spec.training.attention if spec.training.attention == "auto" and s.attention == "sdpa"
-        else s.attention})
-    update = {"method": method, "training": training}
-    if s.images and spec.data.image_max_pixels is not None:  # the resolution rung (memory.planner)
-        from fitburst.memory.estimator import QWEN2_VL_PIXELS_PER_TOKEN
-
-        px = min(spec.data.image_max_pixels, s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN)
-        if px != spec.data.image_max_pixels:
-            update["data"] = spec.data.model_copy(update={"image_max_pixels": px})
-    if s.eval_batch:
-        update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})
-    return spec.model_copy(update=update)
+def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
+    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language)."""
+    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
+    return settings_from_spec(spec, device, seq_len, images=images)
 
 
 def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
@@ -258,7 +235,7 @@ def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, checked: Che
                   if plan.fits else None)
 
     verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
-    planned = apply_settings(spec, plan.settings) if plan.fits else spec
+    planned = spec_with_settings(spec, plan.settings) if plan.fits else spec
     analytic = None
     if plan.estimate.method == "traced":
         analytic = Budget(device, spec.preflight.safety_margin).judge(estimate(shape, plan.settings, device))
@@ -272,7 +249,7 @@ def rank_cloud(spec: PipelineSpec, shape: ModelShape, seq_len: int, tokens: int 
     """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`)."""
     from fitburst.memory.trace import TraceUnsupported
 
-    cloud = settings_from_spec(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+    cloud = run_settings(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
     try:
         return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
     except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
@@ -291,8 +268,6 @@ def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, floa
     tokenizer cannot be fetched here) ``data.max_seq_len`` for both lengths and the data file's record count."""
     if prepared is not None:
         return prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-    from fitburst.data import count_records
-
     n = count_records(spec.data_source(), spec.data)[0]
     seq = spec.data.max_seq_len
     return seq, round(n * (1 - spec.data.val_split)), seq
@@ -306,7 +281,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
     shape = spec_shape(spec)
-    checked = plan_checked(spec, shape, settings_from_spec(spec, device, seq_len), device, seq_len)
+    checked = plan_checked(spec, shape, run_settings(spec, device, seq_len), device, seq_len)
     return conclude(spec, shape, device, checked, seq_len, train_tokens(spec, n_train, mean_len))
 
 
@@ -316,7 +291,7 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     estimate), from the already planned settings, and placed again."""
     device = replace(report.device, budget_bytes=budget_bytes)
     shape = spec_shape(spec)
-    checked = plan_checked(spec, shape, settings_from_spec(report.planned, device, report.seq_len), device,
+    checked = plan_checked(spec, shape, run_settings(report.planned, device, report.seq_len), device,
                            report.seq_len)
     checked.plan.changes[:0] = [*report.changes, why]
     return conclude(report.planned, shape, device, checked, report.seq_len, report.tokens,
@@ -332,14 +307,14 @@ def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> 
                     measured_tokens_per_s=tokens_per_s)
 
 
-def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], dict]:
+def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], Estimate]:
     """Plan ``spec`` for the device this process runs on, with no burst option (what the cloud node does before
-    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate
-    (as JSON, for the run folder); raises PreflightFailed when nothing allowed fits."""
+    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate;
+    raises PreflightFailed when nothing allowed fits."""
     device = resolve_device(spec.preflight.device)
-    plan = plan_checked(spec, spec_shape(spec), settings_from_spec(spec, device, seq_len), device, seq_len).plan
+    plan = plan_checked(spec, spec_shape(spec), run_settings(spec, device, seq_len), device, seq_len).plan
     if not plan.fits:
         raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "
                               "allowed change")
-    return apply_settings(spec, plan.settings), list(plan.changes), plan.estimate.to_dict()
+    return spec_with_settings(spec, plan.settings), list(plan.changes), plan.estimate

@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import replace
 
+from fitburst.memory import Estimate
+
 log = logging.getLogger(__name__)
 
 
@@ -26,12 +28,12 @@ def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
     return collate(rows, pad_id)
 
 
-def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: dict | None = None) -> dict:
+def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: Estimate | None = None) -> dict:
     """Run ``steps`` optimizer steps of ``spec`` (as planned) on the longest batch; measured vs estimated peak.
 
     Returns a dict with ``measured_peak_bytes`` (CUDA max_memory_allocated, MPS sampled driver memory, CPU live
     tensor bytes counted by a dispatch tracker), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
-    :func:`fitburst.memory.estimator.measured_counterpart`), their ``ratio`` (measured / estimated), the batch
+    :meth:`fitburst.memory.Estimate.comparable_bytes`), their ``ratio`` (measured / estimated), the batch
     shape, seconds, and the meter's record. ``estimate`` (an ``Estimate.to_dict()``) defaults to a fresh estimate
     of ``spec`` at the probe batch's length.
     """
@@ -39,9 +41,9 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
 
     from fitburst.device import make_amp, resolve_precision, select_device
     from fitburst.memory import estimate as estimate_fn
-    from fitburst.memory import resolve_device, settings_from_spec
+    from fitburst.memory import resolve_device
     from fitburst.meter import MemoryMeter
-    from fitburst.preflight import spec_shape
+    from fitburst.preflight import run_settings, spec_shape
     from fitburst.train import build_model, count_params, make_optimizer, optimizer_step
 
     tr = spec.training
@@ -80,13 +82,12 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     del model, optimizer, params
     if estimate is None:
         dev = resolve_device(device)
-        settings = settings_from_spec(spec, dev, seq_len)
-        estimate = estimate_fn(spec_shape(spec), settings, dev).to_dict()
-    from fitburst.memory.estimator import measured_counterpart
+        settings = run_settings(spec, dev, seq_len)
+        estimate = estimate_fn(spec_shape(spec), settings, dev)
 
     kind = device.split(":")[0]
     # what the measurement compares with: allocated (CUDA allocator, CPU tensor tracker); reserved on MPS
-    est_alloc = int(estimate["allocated_peak_bytes"]) if tracker is not None else measured_counterpart(estimate, kind)
+    est_alloc = estimate.allocated_peak_bytes if tracker is not None else estimate.comparable_bytes(kind)
     measured = peak.get("allocated_bytes")
     return {
         "device": device,
@@ -98,7 +99,7 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
         "measured_reserved_bytes": peak.get("reserved_bytes"),
         "measured_rss_peak_bytes": peak.get("rss_peak_bytes"),
         "estimated_peak_bytes": est_alloc,
-        "estimated_reserved_bytes": int(estimate.get("reserved_peak_bytes") or est_alloc),
+        "estimated_reserved_bytes": estimate.reserved_peak_bytes or est_alloc,
         "ratio": (measured / est_alloc) if measured and est_alloc else None,
         "losses": losses,
         "seconds": seconds,
@@ -146,7 +147,7 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
     from fitburst.oom import oom_kind
 
     try:
-        result = probe(report.planned, prepared, steps=steps, estimate=report.estimate.to_dict())
+        result = probe(report.planned, prepared, steps=steps, estimate=report.estimate)
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
         kind = oom_kind(e)  # CUDA's OutOfMemoryError, MPS's and the CPU allocator's RuntimeError, MemoryError
         if kind is None:
@@ -160,9 +161,7 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
             torch.cuda.empty_cache()
         elif kind == "mps" and torch.backends.mps.is_available():
             torch.mps.empty_cache()
-        from fitburst.memory.estimator import measured_counterpart
-
-        est = measured_counterpart(report.estimate.to_dict(), report.device.kind)
+        est = report.estimate.comparable_bytes(report.device.kind)
         total = report.device.total_bytes
         result = {"device": report.device.name, "oom": kind, "measured_peak_bytes": total,
                   "estimated_peak_bytes": est, "ratio": total / est if est else None,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult, evaluate
-from fitburst.oom import train_stepping_down
+from fitburst.memory import Estimate
+from fitburst.oom import StepDown, train_stepping_down
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
 from fitburst.train import MetricsFn, TrainResult
@@ -23,15 +24,15 @@ log = logging.getLogger(__name__)
 
 
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
-                     path: str, estimate: dict | None = None, device: str | None = None,
+                     path: str, estimate: Estimate | None = None, device: str | None = None,
                      progress: bool = True, on_metrics: MetricsFn | None = None,
-                     on_stepdown: Callable[[dict], None] | None = None) -> TrainResult:
+                     on_stepdown: Callable[[StepDown], None] | None = None) -> TrainResult:
     """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
     forwards it; system metrics recorded meanwhile), stepping down on out-of-memory (each step-down recorded and
     passed to ``on_stepdown``), then record the run: facts, adapter, plots, and measured vs ``estimate`` when there
     is one. ``path`` is where it trained: local or cloud."""
 
-    def stepped_down(record: dict) -> None:
+    def stepped_down(record: StepDown) -> None:
         if tracker is not None:
             tracker.log_stepdown(record)
         if on_stepdown is not None:
@@ -67,7 +68,7 @@ def evaluate_and_record(spec: PipelineSpec, prepared: PreparedData, result: Trai
 
 
 def run_recipe(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None = None,
-               path: str = "local", estimate: dict | None = None, device: str | None = None,
+               path: str = "local", estimate: Estimate | None = None, device: str | None = None,
                evaluate_after: bool = True, progress: bool = True) -> tuple[TrainResult, EvalResult | None]:
     """Train, evaluate (when ``evaluate_after`` and ``spec.eval.enabled``) and record; returns both results."""
     result = train_and_record(spec, prepared, run_dir, tracker=tracker, path=path, estimate=estimate, device=device,

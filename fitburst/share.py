@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 from fitburst.errors import UserError
+from fitburst.models import load_model
+from fitburst.tracking import redact, tracking_uri
 
 
 class ShareError(UserError):
@@ -25,9 +27,7 @@ def find_adapter(run: str, dest: Path | None = None) -> Path:
     if p.exists():
         raise ShareError(f"{p}: no adapter_config.json here or in {p / 'adapter'}: pass a run folder of a LoRA/QLoRA "
                          "run (runs/<pipeline>/<id>) or an MLflow run id")
-    import mlflow
-
-    from fitburst.tracking import tracking_uri
+    import mlflow  # mlflow: heavy, only to fetch a run's artifact
 
     try:
         got = mlflow.artifacts.download_artifacts(run_id=run, artifact_path="adapter", tracking_uri=tracking_uri(),
@@ -41,10 +41,8 @@ def find_adapter(run: str, dest: Path | None = None) -> Path:
 def merge(run: str, out: str | Path | None = None) -> Path:
     """Load the adapter's base model in its own dtype, fold the adapter in (peft ``merge_and_unload``) and save
     an ordinary model folder with the adapter's tokenizer. Returns the folder (default ``<run>/merged``)."""
-    from peft import PeftConfig, PeftModel
+    from peft import PeftConfig, PeftModel  # peft, transformers: heavy, only to merge
     from transformers import AutoTokenizer
-
-    from fitburst.models import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         adapter = find_adapter(run, Path(tmp))
@@ -60,9 +58,7 @@ def merge(run: str, out: str | Path | None = None) -> Path:
 def model_card(spec, *, base: str, run_id: str | None, metrics: dict, tags: dict) -> str:
     """A model card for the adapter from the run's record: base model, method, data, training settings, eval.
     Built from the spec's settings (${ENV} references stay references), scrubbed of secret values."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from fitburst.tracking import redact
+    from huggingface_hub import ModelCard, ModelCardData  # huggingface_hub: only to write a card
 
     m, t = spec.method, spec.training
     data = ModelCardData(base_model=base, library_name="peft", pipeline_tag="text-generation",
@@ -103,7 +99,7 @@ def push_adapter(repo_id: str, adapter_dir: str | Path, card: str, token: str | 
                  private: bool = True) -> str:
     """Create (or reuse) the Hub repo and upload the adapter folder with ``README.md`` = ``card``. Returns the
     commit URL. Only the adapter, tokenizer files and the card are uploaded."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # huggingface_hub: only to push
 
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory() as tmp:

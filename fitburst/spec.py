@@ -20,7 +20,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fitburst.errors import UserError
+from fitburst.hardware import SKY_NAMES, canonical_gpu, resolve_device
 
+# What ``data.template: chatml`` renders a conversation with (and the demo tokenizer's own template)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 DEFAULT_PIPELINES_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
@@ -99,6 +107,12 @@ class DataSpec(Strict):
         return self
 
 
+def resolve_quant(method: str, quant: str | None) -> str:
+    """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
+    spec and :class:`fitburst.runconfig.TrainSettings` share)."""
+    return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
+
+
 class MethodSpec(Strict):
     type: Literal["lora", "qlora", "full"] = "lora"
     rank: int = Field(default=8, ge=1, le=4096)
@@ -116,10 +130,9 @@ class MethodSpec(Strict):
 
     @model_validator(mode="after")
     def _quant_matches_type(self) -> MethodSpec:
-        if self.quant is None:
-            object.__setattr__(self, "quant", "nf4" if self.type == "qlora" else "none")
         if self.type == "qlora" and self.quant == "none":
             raise ValueError("qlora needs a quantized base: set quant to nf4, fp4 or int8 (or use type: lora)")
+        object.__setattr__(self, "quant", resolve_quant(self.type, self.quant))
         if self.type == "full" and self.quant != "none":
             raise ValueError("full fine-tuning cannot train quantized weights: set quant: none or use qlora")
         return self
@@ -179,9 +192,16 @@ class AllowSpec(Strict):
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
 
 
+# What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
+# error, this covers what no estimate sees (another process on the GPU, a driver update, fragmentation after a long
+# run). 3 % of the budget is ~1.4 GiB of a 48 GB card.
+SAFETY_MARGIN = 0.03
+
+
 class PreflightSpec(Strict):
     device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
-    safety_margin: float = Field(default=0.03, ge=0.0, lt=0.9)  # on top of the error band (memory.calibration)
+    safety_margin: float = Field(default=SAFETY_MARGIN, ge=0.0, lt=0.9,
+                                 description="headroom kept on top of the estimate's error band (fraction of budget)")
     allow: AllowSpec = Field(default_factory=AllowSpec)
     probe: bool = False
     exact: bool = Field(default=True, description="verify the chosen plan with the traced estimate (the real step "
@@ -192,8 +212,6 @@ class PreflightSpec(Strict):
     def _known_device(cls, v: str) -> str:
         if v.lower() in ("auto", "cpu", "cuda", "mps"):
             return v
-        from fitburst.memory.devices import resolve_device
-
         resolve_device(v)  # a ValueError here lists the known names and the kind:SIZE form
         return v
 
@@ -219,8 +237,6 @@ class BurstSpec(Strict):
     @field_validator("gpus")
     @classmethod
     def _known_gpus(cls, v: list[str]) -> list[str]:
-        from fitburst.cloud.gpus import canonical_gpu
-
         if not v:
             raise ValueError("list at least one GPU, e.g. [A6000, T4]")
         return list(dict.fromkeys(canonical_gpu(g) for g in v))
@@ -246,8 +262,6 @@ class BurstSpec(Strict):
         if self.spot and self.bucket is None:
             raise ValueError("a spot node can be reclaimed mid-run and its disk goes with it: set burst.bucket "
                              "(s3://... or gs://...) so checkpoints survive and the restart resumes, or spot: false")
-        from fitburst.cloud.gpus import SKY_NAMES
-
         if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):
             sellers = {g: ", ".join(SKY_NAMES[g]) for g in self.gpus}
             raise ValueError(
@@ -433,6 +447,10 @@ class PipelineSpec(Strict):
         d = self.model_dump(include={"model", "data", "method", "training"})
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
+    def with_overrides(self, overrides: dict) -> PipelineSpec:
+        """This spec with ``overrides`` (dotted or nested keys, as ``load_pipeline`` takes them) validated again."""
+        return PipelineSpec.model_validate(_deep_merge(self.model_dump(), expand_dotted(overrides)))
+
     def to_yaml(self) -> str:
         """The resolved spec as YAML; ${ENV} references stay references."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -556,8 +574,6 @@ def _check_defaults(doc: dict, lines: dict) -> list[str]:
 
 def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
     """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
-    from fitburst.memory.devices import resolve_device
-
     out: list[tuple[tuple, str]] = []
     device = spec.preflight.device
     named = None if device.lower() in ("auto", "cpu", "cuda", "mps") else resolve_device(device)

@@ -18,9 +18,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from fitburst import __version__
+from fitburst.data import load_split, read_records
+from fitburst.device import torch_dtype
+from fitburst.memory import Estimate
+from fitburst.models import load_model, load_tokenizer, resolve_model_ref
+from fitburst.plots import loss_curve, memory_bar_chart, memory_comparison
 from fitburst.spec import PipelineSpec, resolve_env
+
+if TYPE_CHECKING:  # the training side (torch) stays out of tracking's imports
+    from fitburst.oom import StepDown
 
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
 RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
@@ -53,6 +62,31 @@ def tracking_uri(spec: PipelineSpec | None = None) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+class RunRecord(TypedDict):
+    """One MLflow run as plain data: its id, metrics and tags."""
+
+    run_id: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+
+
+def memory_runs(uri: str, experiment: str | None = None) -> list[RunRecord]:
+    """The runs in the store at ``uri`` (one ``experiment``, or all) that measured a peak
+    (``memory.measured_peak_bytes`` > 0): what ``fitburst calibrate`` fits from."""
+    from mlflow.tracking import MlflowClient  # mlflow: heavy, loaded only when the store is read
+
+    client = MlflowClient(tracking_uri=uri)
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        ids = [exp.experiment_id] if exp else []
+    else:
+        ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return []
+    found = client.search_runs(ids, "metrics.`memory.measured_peak_bytes` > 0", max_results=50000)
+    return [RunRecord(run_id=r.info.run_id, metrics=dict(r.data.metrics), tags=dict(r.data.tags)) for r in found]
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     for k, v in d.items():
@@ -78,7 +112,7 @@ class Tracker:
     """One MLflow run. Create with :meth:`start` (new run) or :meth:`attach` (existing run id)."""
 
     def __init__(self, run_id: str, uri: str):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # heavy: loaded only to log
 
         self.run_id, self.uri = run_id, uri
         self.client = MlflowClient(tracking_uri=uri)
@@ -87,7 +121,7 @@ class Tracker:
 
     @classmethod
     def start(cls, spec: PipelineSpec, tags: dict[str, str] | None = None) -> Tracker:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # heavy: loaded only to log
 
         uri = tracking_uri(spec)
         client = MlflowClient(tracking_uri=uri)
@@ -116,7 +150,7 @@ class Tracker:
             self.client.set_tag(self.run_id, k, redact(str(v)))
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # heavy: loaded only to log
 
         items = [Param(k, redact(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):
@@ -125,7 +159,7 @@ class Tracker:
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         import time
 
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # heavy: loaded only to log
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
@@ -172,15 +206,15 @@ class Tracker:
             self.outbox = Outbox(Path(run_dir) / OUTBOX_FILE, self.uri)
         return self.outbox
 
-    def log_stepdown(self, record: dict) -> None:
+    def log_stepdown(self, record: StepDown) -> None:
         """An OOM step-down: tags ``oom.stepdowns`` (count) and ``oom.stepdown.<n>`` (the change), the event as
         ``oom/stepdown-<n>.json``, the measured peak as metric ``oom.measured_peak_bytes`` at its step. Never
         raises (training goes on while MLflow is down; the metric waits in the outbox)."""
         self.stepdowns += 1
-        self.log_metrics({"oom.measured_peak_bytes": record.get("measured_peak_bytes")}, step=record.get("step"))
+        self.log_metrics({"oom.measured_peak_bytes": record.measured_peak_bytes}, step=record.step)
         try:
-            self.set_tags({"oom.stepdowns": self.stepdowns, f"oom.stepdown.{self.stepdowns}": record.get("change")})
-            self.log_dict(record, f"oom/stepdown-{self.stepdowns}.json")
+            self.set_tags({"oom.stepdowns": self.stepdowns, f"oom.stepdown.{self.stepdowns}": record.change})
+            self.log_dict(record.to_dict(), f"oom/stepdown-{self.stepdowns}.json")
         except Exception as e:  # noqa: BLE001
             log.warning("could not record the step-down in MLflow (%s)", redact(str(e))[:200])
 
@@ -236,21 +270,17 @@ class Tracker:
         rep = report.to_dict()  # the report leaves the process here
         est = rep["estimate"]
         self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"]})
-        from fitburst.memory.estimator import measured_counterpart
-
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
-                          "memory.estimated_comparable_bytes": measured_counterpart(est, rep["device"]["kind"]),
+                          "memory.estimated_comparable_bytes": report.estimate.comparable_bytes(report.device.kind),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
                           "memory.budget_bytes": est["budget_bytes"]})
         self.log_dict(rep, "preflight/report.json")
         self.log_text(report.to_markdown(), "preflight/report.md")
         with tempfile.TemporaryDirectory() as d:
-            from fitburst.plots import memory_bar_chart
-
             title = f"{rep['pipeline']} on {rep['device']['name']}"
-            memory_bar_chart(est, Path(d) / "memory_breakdown.png", title=title)
+            memory_bar_chart(report.estimate, Path(d) / "memory_breakdown.png", title=title)
             self.log_artifacts(Path(d) / "memory_breakdown.png", "preflight")
 
     def log_train(self, result, path: str = "local") -> None:
@@ -271,12 +301,9 @@ class Tracker:
             self.log_artifacts(metrics, "train")
             self.log_loss_curve(result.run_dir)
 
-    def log_memory_comparison(self, estimate: dict, result) -> None:
-        from fitburst.memory.estimator import measured_counterpart
-        from fitburst.plots import memory_comparison
-
+    def log_memory_comparison(self, estimate: Estimate, result) -> None:
         measured, kind = result.peak.get("allocated_bytes"), result.peak.get("kind") or result.device
-        comparable = measured_counterpart(estimate, kind)
+        comparable = estimate.comparable_bytes(kind)
         self.log_metrics({"memory.estimated_comparable_bytes": comparable,
                           "memory.measured_over_estimated": measured / comparable if measured and comparable else None})
 
@@ -298,10 +325,8 @@ class Tracker:
     def log_dataset_inputs(self, prepared, source: str | Path) -> None:
         """Each prepared split as an MLflow dataset input: the data file as source, the content hash (file, data
         settings and tokenizer) as digest, the split's rows (profile: num_rows) and its token columns (schema)."""
-        from mlflow.data import from_huggingface
+        from mlflow.data import from_huggingface  # heavy: loaded only to log
         from mlflow.entities import DatasetInput, InputTag
-
-        from fitburst.data import load_split
 
         inputs = []
         for split, context in (("train", "training"), ("val", "validation")):
@@ -317,7 +342,7 @@ class Tracker:
     def system_metrics(self, interval_s: float = 1.0):
         """CPU, RAM, disk, network (psutil) and GPU (NVML, when nvidia-ml-py and a GPU are present) as
         ``system/*`` metrics of this run while the block runs."""
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # heavy: loaded only to log
 
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, samples_before_logging=1,
                                        resume_logging=True, tracking_uri=self.uri)
@@ -334,12 +359,8 @@ class Tracker:
         base (a local folder by path, a hub model by id), so the base weights are not copied. The base is loaded on
         CPU in the training dtype to log it, and once more by MLflow to check the input example: for a base too big
         for this machine's RAM set ``tracking.log_model: false``. Returns MLflow's ModelInfo."""
-        import mlflow
+        import mlflow  # heavy: loaded only to log
         from peft import PeftModel
-
-        from fitburst.data import read_records
-        from fitburst.device import torch_dtype
-        from fitburst.models import load_model, load_tokenizer, resolve_model_ref
 
         m = spec.model
         token = resolve_env(m.hf_token)
@@ -369,8 +390,6 @@ class Tracker:
 
     def log_loss_curve(self, run_dir: str | Path, ev=None) -> None:
         """``train/loss.png``: the train loss curve, with the base and tuned validation losses when evaluated."""
-        from fitburst.plots import loss_curve
-
         metrics = Path(run_dir) / "metrics.jsonl"
         if not metrics.exists():
             return
@@ -389,7 +408,7 @@ class Tracker:
         this run's store for the call only, then put back exactly what was there. MLflow keeps that state in two
         places (its module global, which its public API cannot report as unset, and MLFLOW_TRACKING_URI, which
         ``set_tracking_uri`` writes and unsets), so both are saved and restored."""
-        import mlflow
+        import mlflow  # heavy: loaded only to log
         from mlflow.tracking._tracking_service import utils
 
         old_global, old_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
@@ -406,7 +425,7 @@ class Tracker:
     def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
         """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when
         its eval loss is lower than the current champion's (or there is none). Returns version, champion, moved."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # heavy: loaded only to log
 
         reg = self.client
         try:
@@ -505,7 +524,7 @@ class Outbox:
     unsent when the process ends are sent by the next :class:`Outbox` on the same file (a resumed run)."""
 
     def __init__(self, path: Path, uri: str, interval: float = 0.5, max_backoff: float = 5.0, background: bool = True):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # heavy: loaded only to log
 
         self.path, self.sent_path = Path(path), Path(str(path) + ".sent")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -544,7 +563,7 @@ class Outbox:
 
     def send_once(self) -> bool:
         """Send everything unsent (in order, a run's metrics in batches of 1000). True when nothing is left."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # heavy: loaded only to log
 
         offset = self.sent_offset()
         with self._lock, self.path.open("rb") as f:

@@ -8,9 +8,11 @@ checkpoint first; running again on the same run folder resumes from the newest o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,7 +28,9 @@ from fitburst.device import (
 )
 from fitburst.errors import UserError
 from fitburst.meter import MemoryMeter
+from fitburst.models import load_pipeline_model, tokenizer_for
 from fitburst.spec import PipelineSpec
+from fitburst.vision import freeze_vision, is_vision_language, lora_target_names
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,6 @@ class TrainResult:
 def build_model(spec: PipelineSpec, device: str, precision: str):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
     method. Returns (model, tokenizer)."""
-    from fitburst.models import load_pipeline_model, tokenizer_for
-
     model = load_pipeline_model(spec, device, precision)
     return prepare_for_training(model, spec), tokenizer_for(spec.model)
 
@@ -77,12 +79,12 @@ def build_model(spec: PipelineSpec, device: str, precision: str):
 def prepare_for_training(model, spec: PipelineSpec):
     """Wrap a loaded base model for the configured method (k-bit prep, checkpointing, LoRA). The preflight's
     trace applies this same function to a model built on the meta device, so estimate and training cannot drift."""
-    import torch
+    import torch  # heavy: loaded only when training
 
     method, tr = spec.method, spec.training
     model.config.use_cache = False
     if method.quant != "none":
-        from peft import prepare_model_for_kbit_training
+        from peft import prepare_model_for_kbit_training  # heavy: loaded only when training
 
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=tr.gradient_checkpointing,
@@ -91,13 +93,11 @@ def prepare_for_training(model, spec: PipelineSpec):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
             model.enable_input_require_grads()
-    from fitburst.vision import freeze_vision, is_vision_language, lora_target_names
-
     vl = is_vision_language(model.config)
     if vl and tr.packing:
         raise TrainError(f"{spec.name}: packed batches carry no images: set training.packing: false")
     if method.type in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
         targets = method.target_modules
         task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
@@ -116,13 +116,13 @@ def prepare_for_training(model, spec: PipelineSpec):
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float):
-    import torch
+    import torch  # heavy: loaded only when training
 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # heavy: loaded only when training
 
     cls = bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
     return cls(params, lr=lr, weight_decay=weight_decay)
@@ -143,7 +143,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def rng_states() -> dict:
     """The RNG states to resume with: CPU always, CUDA and MPS where that device is available."""
-    import torch
+    import torch  # heavy: loaded only when training
 
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -154,7 +154,7 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict) -> None:
-    import torch
+    import torch  # heavy: loaded only when training
 
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
@@ -166,9 +166,7 @@ def set_rng_states(states: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2, *,
                     amp: Amp | None = None) -> Path:
     """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned."""
-    import shutil
-
-    import torch
+    import torch  # heavy: loaded only when training
     from safetensors.torch import save_file
 
     dest = run_dir / "checkpoints" / f"step-{step}"
@@ -192,7 +190,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str, *, amp: Amp | None = None) -> int:
-    import torch
+    import torch  # heavy: loaded only when training
     from safetensors.torch import load_file
 
     weights = load_file(str(ckpt / "trainable.safetensors"), device=device)
@@ -226,7 +224,7 @@ def total_steps(spec: PipelineSpec, n_train: int) -> int:
 def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int, packed: bool = False):
     """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume;
     ``packed``: each micro-batch one padding-free row (:func:`fitburst.data.collate`)."""
-    import torch
+    import torch  # heavy: loaded only when training
 
     n = len(rows)
     per_epoch = math.ceil(n / batch_size)
@@ -256,9 +254,7 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
 
     An encoder-decoder model (T5) takes no ``num_items_in_batch`` and returns its micro-batch's mean: that mean is
     weighted by the micro-batch's share of the window's label tokens, which gives the same token-weighted loss."""
-    import contextlib
-
-    import torch
+    import torch  # heavy: loaded only when training
 
     scaler = amp.scaler if amp is not None else None
     seq2seq = bool(model.config.is_encoder_decoder)
@@ -295,7 +291,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
 
     ``stop_after`` ends the loop early after that many optimizer steps (for tests of interruption).
     """
-    import torch
+    import torch  # heavy: loaded only when training
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 

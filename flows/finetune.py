@@ -16,7 +16,6 @@ from prefect.states import Failed
 from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
-from fitburst.memory.estimator import measured_counterpart
 from fitburst.oom import OOMLadderExhausted
 from fitburst.preflight import PreflightFailed, PreflightReport, cloud_candidates
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
@@ -98,12 +97,12 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         if not dry_run:
             gpu.enter_context(local_gpu_slot())
         report: PreflightReport = preflight_task(spec, prepared, tracker)
-        if report.verdict != "local":
+        if report.verdict.placement != "local":
             gpu.close()  # a burst or a refusal does not keep the local GPU
         summary = {"pipeline": spec.name, "mlflow_run_id": tracker.run_id, "tracking_uri": tracker.uri,
                    "verdict": report.verdict.placement, "reason": report.reason, "device": report.device.name,
                    "plan": report.changes, "estimated_peak_bytes": report.estimate.device_total_bytes,
-                   "estimated_comparable_bytes": measured_counterpart(report.estimate.to_dict(), report.device.kind)}
+                   "estimated_comparable_bytes": report.estimate.comparable_bytes(report.device.kind)}
         if report.verdict.placement == "fail":
             raise PreflightFailed(f"{spec.name}: {report.reason}")
         planned = report.planned_spec()
@@ -116,7 +115,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         placement = report.verdict.placement
         if placement == "local":
             try:
-                result = train_local(planned, prepared, tracker, report.estimate.to_dict())
+                result = train_local(planned, prepared, tracker, report.estimate)
             except OOMLadderExhausted as oom:
                 if not oom.burst_allowed:
                     raise  # its message names the measured peak and the setting that would have fit
@@ -189,7 +188,7 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
                               "there is nothing to send to the cloud node; run with network access to the hub")
     run_dir, _ = open_run_dir(folder_spec or spec, data_hash=prepared.content_hash if prepared else None)
     local = {"device": report.device.name, "fits": report.plan.fits, "hours": report.local_hours,
-             "estimate": report.estimate.to_dict()}
+             "estimate": report.estimate.to_dict()}  # leaves the process with the burst record
     try:
         result = train_cloud(spec, prepared, tracker, report.candidates, run_dir, dry_run=dry_run, local=local)
     finally:

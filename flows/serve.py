@@ -74,10 +74,10 @@ def deployment_tags(spec: PipelineSpec) -> list[str]:
 
 def build_deployments(pipelines_file: str | os.PathLike, specs: dict[str, PipelineSpec]) -> list:
     """One RunnerDeployment of the finetune flow per pipeline (not yet registered)."""
-    from prefect.deployments.runner import EntrypointType, freeze
+    from prefect.deployments.runner import EntrypointType, freeze  # prefect: heavy, kept off `fitburst serve -h`
     from prefect.schedules import Cron
 
-    from flows.finetune import finetune
+    from flows.finetune import finetune  # imports prefect: heavy, kept off `fitburst serve -h`
 
     path = str(Path(pipelines_file).resolve())
     out = []
@@ -98,7 +98,7 @@ def build_deployments(pipelines_file: str | os.PathLike, specs: dict[str, Pipeli
 
 async def delete_stale(client, keep: set[str]) -> list[str]:
     """Delete deployments of the finetune flow whose pipeline is no longer in the file."""
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName  # prefect: heavy
 
     gone = []
     for d in await client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME]))):
@@ -110,7 +110,7 @@ async def delete_stale(client, keep: set[str]) -> list[str]:
 
 async def ensure_local_train_limit(client) -> None:
     """Tag concurrency limit: at most one local training at a time (an upsert, so safe on every start)."""
-    from tasks.train import LOCAL_TRAIN_TAG
+    from tasks.train import LOCAL_TRAIN_TAG  # imports prefect: heavy, kept off `fitburst serve -h`
 
     await client.create_concurrency_limit(tag=LOCAL_TRAIN_TAG, concurrency_limit=LOCAL_TRAIN_LIMIT)
 
@@ -118,7 +118,7 @@ async def ensure_local_train_limit(client) -> None:
 # --- notifications ----------------------------------------------------------------------------------------
 
 def _block(kind: str, value: str, notify: NotifySpec, pipeline: str):
-    from prefect.blocks import notifications as nb
+    from prefect.blocks import notifications as nb  # prefect: heavy, kept off `fitburst serve -h`
 
     if kind == "webhook_url":
         return nb.CustomWebhookNotificationBlock(
@@ -141,7 +141,7 @@ def _block(kind: str, value: str, notify: NotifySpec, pipeline: str):
 async def apply_notifications(client, specs: dict[str, PipelineSpec], ids: dict[str, Any]) -> dict[str, list[str]]:
     """Replace every fitburst automation with the ones pipelines.yaml asks for; returns pipeline -> automation names.
     Secrets are resolved here, written only into the blocks (as secret fields) and never logged."""
-    from prefect.events.actions import SendNotification
+    from prefect.events.actions import SendNotification  # prefect: heavy, kept off `fitburst serve -h`
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     for a in await client.read_automations():
@@ -188,9 +188,9 @@ async def apply_notifications(client, specs: dict[str, PipelineSpec], ids: dict[
 
 async def setup(specs: dict[str, PipelineSpec], ids: dict[str, Any]) -> None:
     """What serve and the worker path share: stale deployments out, the local-train limit, notifications."""
-    from prefect.client.orchestration import get_client
+    from prefect.client.orchestration import get_client  # prefect: heavy, kept off `fitburst serve -h`
 
-    from tasks.train import LOCAL_TRAIN_TAG
+    from tasks.train import LOCAL_TRAIN_TAG  # imports prefect: heavy, kept off `fitburst serve -h`
 
     async with get_client() as client:
         gone = await delete_stale(client, set(specs))
@@ -203,7 +203,7 @@ async def setup(specs: dict[str, PipelineSpec], ids: dict[str, Any]) -> None:
 
 
 async def _deployment_ids(specs: dict[str, PipelineSpec]) -> dict[str, Any]:
-    from prefect.client.orchestration import get_client
+    from prefect.client.orchestration import get_client  # prefect: heavy, kept off `fitburst serve -h`
     from prefect.exceptions import ObjectNotFound
 
     ids = {}
@@ -217,7 +217,7 @@ async def _deployment_ids(specs: dict[str, PipelineSpec]) -> dict[str, Any]:
 
 
 async def _serve(specs: dict[str, PipelineSpec], deployments: list) -> None:
-    from prefect.runner import Runner
+    from prefect.runner import Runner  # prefect: heavy, kept off `fitburst serve -h`
 
     runner = Runner(name="fitburst", pause_on_shutdown=True)
     ids = {d.name: await runner.aadd_deployment(d) for d in deployments}
@@ -235,7 +235,7 @@ def load(pipelines_file: str | os.PathLike) -> dict[str, PipelineSpec]:
 
 
 def main(pipelines_file: str | os.PathLike | None = None, setup_only: bool = False) -> int:
-    from prefect.exceptions import TerminationSignal
+    from prefect.exceptions import TerminationSignal  # prefect: heavy, kept off `fitburst serve -h`
 
     pipelines_file = pipelines_file or DEFAULT_PIPELINES_FILE
     specs = load(pipelines_file)

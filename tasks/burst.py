@@ -19,6 +19,7 @@ from prefect.cache_policies import NONE
 
 from fitburst.cloud import BurstFailed, BurstResult, burst_train
 from fitburst.data import PreparedData
+from fitburst.memory import Estimate
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
 from tasks import artifact_key
@@ -63,7 +64,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
         tracker.log_train(result, path="cloud")
         estimate = run_dir / "estimate.json"  # `fitburst train --plan` on the node: its device, its settings
         if estimate.exists():
-            tracker.log_memory_comparison(json.loads(estimate.read_text()), result)
+            tracker.log_memory_comparison(Estimate.from_dict(json.loads(estimate.read_text())), result)
         tracker.set_tags(res.tags())  # log_train sets device/path; keep the cloud facts on top
     log.info("cloud run %s on %s (%s): %s, ~$%.2f", res.cluster, res.accelerator, res.provider,
              res.job_status, res.cost_usd or 0.0)

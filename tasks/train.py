@@ -9,6 +9,7 @@ from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
 from fitburst.local import train_local_run
+from fitburst.memory import Estimate
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
 from fitburst.train import TrainResult, total_steps
@@ -20,7 +21,7 @@ LOCAL_TRAIN_TAG = "fitburst-local-train"
 # The flow holds the tag's concurrency slot from the preflight on (flows.finetune.local_gpu_slot); the task itself
 # carries no tag, or it would wait for the slot its own flow run holds.
 @task(name="train-local", cache_policy=NONE)
-def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: dict) -> TrainResult:
+def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: Estimate) -> TrainResult:
     log = get_run_logger()
     tr = spec.training
     progress = TrainingProgress(spec.name, total_steps(spec, prepared.n_train),
@@ -30,7 +31,7 @@ def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, es
     result = train_local_run(spec, prepared, tracker, estimate=estimate, on_metrics=progress,
                              progress=sys.stderr.isatty(), on_stepdown=lambda r: log.warning(
                                  "out of memory (%s) at step %d, measured peak %s bytes: stepped down: %s",
-                                 r["oom_kind"], r["step"], r["measured_peak_bytes"], r["change"]))
+                                 r.oom_kind, r.step, r.measured_peak_bytes, r.change))
     progress.finish()
     log.info("run folder %s", result.run_dir)
     log.info("%d steps in %.1fs (%.1f steps/s) on %s; measured peak %s bytes", result.steps, result.seconds,

@@ -28,6 +28,7 @@ os.environ.update({
     "FITBURST_RUNS_DIR": str(_TMP / "runs"),
     "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
     "HF_HUB_OFFLINE": "1",
+    "FITBURST_TRACE_CACHE": "0",  # tests patch kernel rules no cache key sees; test_trace_cache turns it on
     "TOKENIZERS_PARALLELISM": "false",
 })
 os.chdir(_TMP)  # nothing a test writes by default lands in the checkout
@@ -59,8 +60,8 @@ def demo_tokenizer(demo_spec):
 
 @pytest.fixture(scope="session")
 def demo_prepared(demo_spec, demo_tokenizer):
+    from fitburst.cache import cache_root
     from fitburst.data import prepare
-    from fitburst.models import cache_root
 
     return prepare(demo_spec.data, demo_spec.data_path(), demo_tokenizer, cache_root() / "data")
 

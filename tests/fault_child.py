@@ -20,9 +20,10 @@ from dataclasses import asdict
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     import fitburst.train as train_mod
+    from fitburst.cache import cache_root
     from fitburst.data import prepare
     from fitburst.local import train_local_run
-    from fitburst.models import cache_root, tokenizer_for
+    from fitburst.models import tokenizer_for
     from fitburst.spec import load_pipeline
     from fitburst.tracking import Tracker
 

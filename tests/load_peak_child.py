@@ -22,7 +22,8 @@ def main() -> None:
     import torch
     import transformers  # noqa: F401 - imported before the baseline
 
-    from fitburst.models import demo_model_dir, load_model
+    from fitburst.demo_models import demo_model_dir
+    from fitburst.models import load_model
 
     path = demo_model_dir(hidden_size=512, num_hidden_layers=4)  # ~13 M params, saved in fp32
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[1]]

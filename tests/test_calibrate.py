@@ -49,7 +49,7 @@ def _args(uri, **kw):
 
 
 def test_fit_writes_per_family_and_per_gpu_constants(store, tmp_path, capsys):
-    from fitburst.memory.calibrate import main
+    from fitburst.calibrate import main
 
     assert main(_args(store)) == 0
     out = capsys.readouterr().out
@@ -68,7 +68,7 @@ def test_fit_writes_per_family_and_per_gpu_constants(store, tmp_path, capsys):
 
 
 def test_estimate_applies_the_constants_and_nothing_changes_without_a_file(store, tmp_path, monkeypatch):
-    from fitburst.memory.calibrate import main
+    from fitburst.calibrate import main
 
     shape, s = load_shape("qwen2.5-0.5b"), TrainSettings(seq_len=256)
     a100, cpu, l4 = resolve_device("A100-80GB"), resolve_device("cpu:64GiB"), resolve_device("L4")
@@ -103,7 +103,8 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from fitburst.memory.calibrate import collect, fit, main
+    from fitburst.calibrate import collect, fit, main
+    from fitburst.tracking import memory_runs
 
     monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "cache"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -143,13 +144,13 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
     logged = [r.data.metrics["memory.measured_peak_bytes"] / r.data.metrics["memory.estimated_comparable_bytes"]
               for r in later]
     assert max(abs(x - 1) for x in logged) < 1e-3
-    assert fit(collect(client, "calib"))["gpus"]["A100-80GB"]["factor"] == pytest.approx(1.15, abs=1e-3)
+    assert fit(collect(memory_runs(uri, "calib")))["gpus"]["A100-80GB"]["factor"] == pytest.approx(1.15, abs=1e-3)
 
 
 def test_an_out_of_memory_record_raises_the_factor_to_its_floor(store, tmp_path):
     """A step-down record (fitburst.oom) says the run needed at least its measured peak: the fitted factor of its
     family and GPU is never below measured / estimated, while other families keep the runs' median."""
-    from fitburst.memory.calibrate import main
+    from fitburst.calibrate import main
 
     history = tmp_path / "cache" / "oom_history.jsonl"
     history.parent.mkdir(parents=True)

@@ -12,16 +12,16 @@ from fitburst.cloud import (
     BudgetError,
     BurstError,
     Candidate,
-    canonical_gpu,
     check_budget,
     dry_run_report,
     offers,
     rank_candidates,
 )
+from fitburst.hardware import canonical_gpu
 from fitburst.hours import estimate_hours, throughput
 from fitburst.memory import resolve_device
-from fitburst.memory.estimator import TrainSettings, settings_from_spec
 from fitburst.memory.shapes import load_shape
+from fitburst.runconfig import TrainSettings, settings_from_spec
 from fitburst.spec import SpecError, load_all, load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,3 +187,13 @@ def test_dry_run_report_shows_local_and_cloud_side_by_side():
     assert "price from fitburst-snapshot" in text  # offline: the source of the price is said
     assert Candidate(gpu="T4", provider="aws", accelerator="T4", memory_gib=16, fits=True,
                      hourly_usd=0.5).label() == "T4 on aws (T4)"
+
+
+def test_the_package_ships_sky_train_yaml_unchanged():
+    """sky/train.yaml is the task users read and edit; the package reads its own copy (package data, so bursting
+    works from a `pip install`). The two must be the same file."""
+    from fitburst.cloud import TASK_YAML
+
+    assert TASK_YAML.read_bytes() == (REPO / "sky" / "train.yaml").read_bytes(), (
+        "sky/train.yaml and fitburst/cloud/train.yaml differ: edit sky/train.yaml, then copy it over the package's")
+    assert TASK_YAML.read_text().startswith("# fitburst: the SkyPilot task") and "# Usage:" in TASK_YAML.read_text()

@@ -110,7 +110,7 @@ def test_prefect_records_the_dag_and_artifacts(demo_run):
 
 def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
     from fitburst.data import DataError
-    from fitburst.models import DEMO_DATA
+    from fitburst.demo_models import DEMO_DATA
     from flows.finetune import finetune
 
     bad = tmp_path / "data.jsonl"

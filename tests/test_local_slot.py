@@ -60,3 +60,54 @@ def test_preflight_waits_for_the_local_gpu_slot(prefect_server, pipelines_file, 
     assert out.get("steps") == 3 and events["preflight"] >= events["released"]
     with get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(name).active_slots == 0  # given back at the end
+
+
+def test_two_local_runs_never_overlap_from_preflight_to_eval(prefect_server, pipelines_file, demo_prepared, tmp_path,
+                                                              monkeypatch):
+    """Two runs started together: each holds the local GPU from its preflight to the end of its eval, so the
+    second one's preflight starts only after the first one's eval has ended. (``demo_prepared`` builds the demo
+    model and imports transformers first: two threads importing it at once race in its lazy module.)"""
+    from prefect import runtime
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    import flows.finetune as flow_mod
+    import tasks.preflight as pre_mod
+
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
+    name = f"tag:{LOCAL_TRAIN_TAG}"
+    with get_client(sync_client=True) as c:
+        try:
+            c.delete_global_concurrency_limit_by_name(name)
+        except Exception:  # noqa: BLE001 - not there yet
+            pass
+        c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+    spans: dict[str, list[float]] = {}
+    real_preflight, real_eval = pre_mod.preflight, flow_mod.evaluate_task
+
+    def timed_preflight(*a, **kw):
+        spans.setdefault(str(runtime.flow_run.id), []).append(time.monotonic())
+        return real_preflight(*a, **kw)
+
+    def timed_eval(*a, **kw):
+        try:
+            return real_eval(*a, **kw)
+        finally:
+            spans[str(runtime.flow_run.id)].append(time.monotonic())
+
+    monkeypatch.setattr(pre_mod, "preflight", timed_preflight)
+    monkeypatch.setattr(flow_mod, "evaluate_task", timed_eval)
+    outs: list[dict] = [{}, {}]
+    overrides = {"training.max_steps": 4, "eval.samples": 1, "eval.max_new_tokens": 4, "eval.max_batches": 1}
+    runs = [threading.Thread(target=lambda o=o: o.update(flow_mod.finetune("demo", overrides, str(pipelines_file))))
+            for o in outs]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.join(timeout=400)
+    assert all(o.get("verdict") == "local" and o.get("steps") == 4 for o in outs), outs
+    (a_start, a_end), (b_start, b_end) = sorted(spans.values())
+    assert b_start >= a_end, f"the second run's preflight began {a_end - b_start:.1f}s before the first's eval ended"
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(name).active_slots == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fitburst.memory import (
+    Budget,
     TrainSettings,
     estimate,
     load_shape,
@@ -259,7 +260,7 @@ def test_seed_qwen7b_lora_r128_on_24gb():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=128, alpha=256, targets="all-linear", batch=4, seq_len=512)
     dev = resolve_device("RTX4090")
-    assert not estimate(shape, s, dev, 0.1).fits
+    assert not Budget(dev, 0.1).judge(estimate(shape, s, dev)).fits
     plan = plan_fit(shape, s, dev)
     assert plan.fits and plan.changes
     assert plan.needed_bytes <= plan.limit_bytes < dev.budget_bytes  # the band's upper edge within budget less headroom
@@ -278,16 +279,16 @@ def test_seed_gemma_270m_at_131072_tokens_on_16gb():
     shape = load_shape("google/gemma-3-270m")
     s = TrainSettings(method="full", dtype="bf16", batch=1, seq_len=131072, attention="sdpa")
     dev = resolve_device("cuda:16GB")
-    e = estimate(shape, s, dev, 0.1)
+    e = Budget(dev, 0.1).judge(estimate(shape, s, dev))
     assert not e.fits and e.components["logits_loss"] > 100 * GiB  # 131072 x 262144 logits, fp32 copies
-    eager = estimate(shape, replace(s, attention="eager"), dev, 0.1)
+    eager = Budget(dev, 0.1).judge(estimate(shape, replace(s, attention="eager"), dev))
     assert eager.allocated_peak_bytes > e.allocated_peak_bytes  # seq x seq probabilities per layer
     plan = plan_fit(shape, s, dev)
     assert not plan.fits
     assert any("longest sequence that fits" in c for c in plan.changes)
     # fp32 master weights (the loop's mixed precision): 2048 tokens peak at 11.7 GiB traced, over budget with the
     # margin; 1024 tokens fit
-    fine = estimate(shape, replace(s, seq_len=1024), dev, 0.1)
+    fine = Budget(dev, 0.1).judge(estimate(shape, replace(s, seq_len=1024), dev))
     assert fine.fits
 
 
@@ -295,7 +296,7 @@ def test_seed_qwen2_vl_7b_fp32_lora_on_mps_42gib():
     shape = load_shape("Qwen/Qwen2-VL-7B-Instruct")
     s = TrainSettings(method="lora", dtype="fp32", rank=8, batch=1, seq_len=1024)
     dev = resolve_device("mps:42GiB")
-    assert not estimate(shape, s, dev, 0.1).fits
+    assert not Budget(dev, 0.1).judge(estimate(shape, s, dev)).fits
     plan = plan_fit(shape, s, dev)
     # no bitsandbytes on MPS: the planner must not quantize
     assert plan.settings.quant == "none"

@@ -15,16 +15,12 @@ import pytest
 import torch
 
 import fitburst.train as train_mod
-from fitburst.memory.calibrate import collect_ooms
+from fitburst.calibrate import collect_ooms
+from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
-from fitburst.oom import (
-    STEPDOWN_FILE,
-    OOMLadderExhausted,
-    apply,
-    next_rung,
-    oom_kind,
-    train_stepping_down,
-)
+from fitburst.memory.ladder import next_rung
+from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, oom_kind, train_stepping_down
+from fitburst.runconfig import settings_from_spec
 
 CHILD = Path(__file__).with_name("fault_child.py")
 MiB = 2**20
@@ -65,7 +61,8 @@ def steps_logged(run_dir: str) -> list[int]:
 def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines_file, root):
     data = long_and_short(tmp_path / "data.jsonl")
     base = {"data.path": str(data), "data.val_split": 0, "data.max_seq_len": 1024, "training.max_steps": None,
-            "training.epochs": 1, "training.attention": "eager", "training.log_every": 1, "eval.enabled": False}
+            "training.epochs": 1, "training.attention": "eager", "training.log_every": 1, "eval.enabled": False,
+            "preflight.allow.attention": False, "preflight.allow.optimizer_8bit": False}  # the micro-batch rungs
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            # big tensors mmapped and unmapped when freed, one malloc arena: address space follows live tensors
            "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -82,8 +79,8 @@ def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines
     stepped = json.loads(Path(big["run_dir"], STEPDOWN_FILE).read_text())
     assert stepped["history"] and {h["oom_kind"] for h in stepped["history"]} == {"cpu"}
     assert "can't allocate memory" in stepped["history"][0]["error"]
-    assert stepped["history"][0]["settings"]["micro_batch_size"] == 8
-    mb, accum = stepped["fields"]["training.micro_batch_size"], stepped["fields"]["training.grad_accum"]
+    assert stepped["history"][0]["settings"]["batch"] == 8 and set(stepped["rungs"]) == {"reduce_batch"}
+    mb, accum = stepped["settings"]["batch"], stepped["settings"]["grad_accum"]
     assert mb < 8 and mb * accum == 8  # effective batch kept
     assert big["steps"] == big["total_steps"] == small["steps"] == 3
     assert steps_logged(big["run_dir"]) == steps_logged(small["run_dir"]) == [1, 2, 3]  # none repeated, none skipped
@@ -121,8 +118,10 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
     from fitburst.tracking import Tracker
 
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
-    spec = apply(demo_spec, {"training.max_steps": 8, "training.micro_batch_size": 4, "training.grad_accum": 1,
-                             "training.checkpoint_every": 3, "training.log_every": 1, "eval.enabled": False})
+    spec = demo_spec.with_overrides({
+        "training.max_steps": 8, "training.micro_batch_size": 4, "training.grad_accum": 1,
+        "training.checkpoint_every": 3, "training.log_every": 1, "eval.enabled": False,
+        "preflight.allow.optimizer_8bit": False})  # the micro-batch rungs alone
     state = {"n": 0}
     real = train_mod.optimizer_step
 
@@ -137,7 +136,8 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
     stepped = json.loads(Path(result.run_dir, STEPDOWN_FILE).read_text())
     assert [h["oom_kind"] for h in stepped["history"]] == [kind, kind]  # 4 -> 2 fails again, 2 -> 1 fits
     assert [h["step"] for h in stepped["history"]] == [5, 5]  # the failed attempt's checkpoint, resumed
-    assert stepped["fields"] == {"training.micro_batch_size": 1, "training.grad_accum": 4}
+    assert stepped["rungs"] == ["reduce_batch", "reduce_batch"]
+    assert (stepped["settings"]["batch"], stepped["settings"]["grad_accum"]) == (1, 4)
     assert result.steps == 8 and result.resumed_from == 5
     assert steps_logged(result.run_dir) == list(range(1, 9))
     if kind == "cuda":
@@ -146,7 +146,7 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
 
     run = MlflowClient().get_run(tracker.run_id)
     assert run.data.tags["oom.stepdowns"] == "2"
-    assert run.data.tags["oom.stepdown.1"].startswith("micro_batch_size 4 -> 2, grad_accum 1 -> 2")
+    assert run.data.tags["oom.stepdown.1"].startswith("micro batch 4 -> 2, grad_accum 1 -> 2")
 
 
 def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes(tmp_path, demo_spec,
@@ -155,9 +155,9 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     into bitsandbytes' AdamW8bit (step and schedule kept) and the run finishes."""
     import bitsandbytes as bnb
 
-    spec = apply(demo_spec, {"training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
-                             "training.gradient_checkpointing": True, "training.checkpoint_every": 2,
-                             "training.log_every": 1})
+    spec = demo_spec.with_overrides({
+        "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
+        "training.gradient_checkpointing": True, "training.checkpoint_every": 2, "training.log_every": 1})
     calls, used = {"n": 0}, []
     real = train_mod.optimizer_step
 
@@ -171,30 +171,36 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     monkeypatch.setattr(train_mod, "optimizer_step", step)
     result = train_stepping_down(spec, demo_prepared, tmp_path, device="cpu", progress=False)
     stepped = json.loads((tmp_path / STEPDOWN_FILE).read_text())
-    assert stepped["fields"] == {"training.optimizer": "adamw8bit"}
+    assert stepped["rungs"] == ["optimizer_8bit"] and stepped["settings"]["optimizer"] == "adamw8bit"
     assert result.steps == 6 and result.resumed_from == 3
     assert used[-1] is bnb.optim.AdamW8bit and used[0] is torch.optim.AdamW
     assert steps_logged(tmp_path) == list(range(1, 7))
 
 
-def test_ladder_order_allow_and_device():
-    from fitburst.spec import load_pipeline
-
-    spec = load_pipeline(Path(__file__).parents[1] / "pipelines.yaml", "demo")
-    seen, s = [], apply(spec, {"training.micro_batch_size": 6, "training.grad_accum": 1})
-    while (rung := next_rung(s, "cuda")) is not None:
-        seen.append(rung[1].split(" (")[0])
-        s = apply(s, rung[0])
-        assert s.training.effective_batch == 6
-    assert seen == ["micro_batch_size 6 -> 3, grad_accum 1 -> 2", "micro_batch_size 3 -> 1, grad_accum 2 -> 6",
-                    "gradient checkpointing on", "optimizer adamw -> adamw8bit", "LoRA -> QLoRA"]
-    assert (s.method.type, s.method.quant) == ("qlora", "nf4")
-    # MPS: no bitsandbytes rungs; preflight.allow turns rungs off
-    s = apply(spec, {"training.micro_batch_size": 1, "training.gradient_checkpointing": True})
-    assert next_rung(s, "mps") is None
-    s = apply(spec, {"training.micro_batch_size": 4, "preflight.allow": {"reduce_batch": False,
-                                                                          "optimizer_8bit": False}})
-    assert next_rung(s, "cpu")[0] == {"training.gradient_checkpointing": True}
+def test_ladder_order_allow_and_device(demo_spec):
+    """A resumed run's rungs, cheapest first: the 8-bit optimizer, smaller micro-batches (the effective batch
+    kept exactly, 6 -> 3 -> 1), checkpointing, QLoRA; none that needs bitsandbytes on MPS; preflight.allow obeyed."""
+    t4, mps = resolve_device("T4"), resolve_device("mps:32GiB")
+    seen, s = [], settings_from_spec(demo_spec.with_overrides({"training.micro_batch_size": 6}), t4, 128)
+    while (rung := next_rung(s, t4, midrun=True)) is not None:
+        seen.append(rung.key)
+        s = rung.take(s, t4)
+        assert s.effective_batch == 6
+    assert seen == ["optimizer_8bit", "reduce_batch", "reduce_batch", "gradient_checkpointing", "quantize"]
+    assert (s.batch, s.grad_accum, s.method, s.quant) == (1, 6, "qlora", "nf4")
+    s = settings_from_spec(demo_spec.with_overrides({"training.gradient_checkpointing": True,
+                                                     "training.micro_batch_size": 1}), mps, 128)
+    assert next_rung(s, mps, midrun=True) is None
+    s = settings_from_spec(demo_spec.with_overrides({"training.micro_batch_size": 4}), t4, 128)
+    assert next_rung(s, t4, {"reduce_batch": False, "optimizer_8bit": False}, midrun=True).key == \
+        "gradient_checkpointing"
+    # eager attention and LoRA dropout are rungs too; only the first may change under a running job
+    s = settings_from_spec(demo_spec.with_overrides({"training.attention": "eager", "method.dropout": 0.1}), t4, 128)
+    assert next_rung(s, t4).key == next_rung(s, t4, midrun=True).key == "attention"
+    flash = next_rung(s, t4).take(s, t4)
+    assert flash.attention == "flash" and next_rung(flash, t4).key == "packing"
+    assert next_rung(flash, t4, {"packing": False}).key == "dropout"
+    assert next_rung(flash, t4, midrun=True).key == "optimizer_8bit"
 
 
 def test_oom_kind_recognises_each_device_and_nothing_else():
@@ -211,9 +217,9 @@ def test_oom_kind_recognises_each_device_and_nothing_else():
 @pytest.mark.parametrize("policy", ["never", "auto"])
 def test_exhausted_ladder_says_what_would_fit_or_that_it_may_burst(tmp_path, demo_spec, demo_prepared, monkeypatch,
                                                                    policy):
-    spec = apply(demo_spec, {"training.max_steps": 4, "training.micro_batch_size": 1, "burst.policy": policy,
-                             "preflight.allow": {"gradient_checkpointing": False, "optimizer_8bit": False,
-                                                 "quantize": False}})
+    spec = demo_spec.with_overrides({
+        "training.max_steps": 4, "training.micro_batch_size": 1, "burst.policy": policy,
+        "preflight.allow": {"gradient_checkpointing": False, "optimizer_8bit": False, "quantize": False}})
 
     def always(*a, **kw):
         raise RuntimeError(MPS_OOM)
@@ -224,3 +230,31 @@ def test_exhausted_ladder_says_what_would_fit_or_that_it_may_burst(tmp_path, dem
     assert e.value.burst_allowed is (policy == "auto") and e.value.peak_bytes > 0
     assert "every allowed step-down taken" in str(e.value) and "measured peak" in str(e.value)
     assert ("cloud GPU" if policy == "auto" else "would have fit") in str(e.value)
+
+
+def test_oom_step_down_and_planner_take_the_same_next_rung(tmp_path, demo_spec, demo_prepared, monkeypatch):
+    """The same settings on the same device: the rung a real OOM steps down to is the one the planner takes when
+    the run as configured misses the budget and that rung alone makes it fit (one ladder, one order)."""
+    from dataclasses import replace
+
+    from fitburst.memory import Budget, estimate, plan_fit
+    from fitburst.preflight import spec_shape
+    from fitburst.spec import SAFETY_MARGIN
+
+    spec = demo_spec.with_overrides({"training.max_steps": 3, "training.micro_batch_size": 4,
+                                     "training.checkpoint_every": 1, "training.log_every": 1, "eval.enabled": False,
+                                     "preflight.allow.optimizer_8bit": False})
+    cpu, allow = resolve_device("cpu"), spec.preflight.allow.model_dump()
+    s, shape = settings_from_spec(spec, cpu, demo_prepared.stats["max"]), spec_shape(spec)
+    rung = next_rung(s, cpu, allow, midrun=True)
+    before, after = (Budget(cpu).needed(estimate(shape, x, cpu)) for x in (s, rung.take(s, cpu)))
+    assert after < before
+    tight = replace(cpu, budget_bytes=int((before + after) / 2 / (1 - SAFETY_MARGIN)))
+    plan = plan_fit(shape, s, tight, allow=allow)
+    assert plan.fits and plan.changes == [rung.explain(s, cpu)]
+
+    monkeypatch.setattr(train_mod, "optimizer_step", oom_over(2, lambda: torch.OutOfMemoryError(CUDA_OOM),
+                                                              train_mod.optimizer_step))
+    train_stepping_down(spec, demo_prepared, tmp_path, device="cpu", progress=False)
+    stepped = json.loads((tmp_path / STEPDOWN_FILE).read_text())
+    assert stepped["rungs"] == [rung.key] and stepped["history"][0]["change"] == plan.changes[0]

@@ -68,7 +68,6 @@ def test_server_stopped_mid_training_gets_every_metric_after_restart(tmp_path, d
     from mlflow.tracking import MlflowClient
 
     from fitburst.local import train_local_run
-    from fitburst.oom import apply
     from fitburst.tracking import Tracker
 
     port, db = free_port(), tmp_path / "mlflow.db"
@@ -78,7 +77,7 @@ def test_server_stopped_mid_training_gets_every_metric_after_restart(tmp_path, d
     server = start_server(db, port)
     try:
         wait_healthy(port, server)
-        spec = apply(demo_spec, {"training.max_steps": 30, "training.log_every": 1, "eval.enabled": False})
+        spec = demo_spec.with_overrides({"training.max_steps": 30, "training.log_every": 1, "eval.enabled": False})
         tracker = Tracker.start(spec)
         real, seen = train_mod.optimizer_step, {"n": 0, "down_at": None}
 

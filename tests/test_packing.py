@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fitburst.data import IGNORE_INDEX, batch_tokens, collate, load_split
-from fitburst.models import demo_model_dir, load_model
+from fitburst.demo_models import demo_model_dir
+from fitburst.models import load_model
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,9 @@ def test_training_loop_runs_packed(demo_spec, demo_prepared, tmp_path):
 def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
     from dataclasses import replace
 
-    from fitburst.memory.devices import GiB, resolve_device
+    from fitburst.hardware import GiB, resolve_device
+    from fitburst.memory import Budget, plan_fit
     from fitburst.memory.estimator import TrainSettings, estimate
-    from fitburst.memory.planner import Budget, plan_fit
     from fitburst.memory.shapes import load_shape
 
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")

@@ -13,7 +13,8 @@ from fitburst.spec import DataSpec
 
 @pytest.fixture(scope="module")
 def t5_tokenizer():
-    from fitburst.models import T5_MODEL, load_tokenizer
+    from fitburst.demo_models import T5_MODEL
+    from fitburst.models import load_tokenizer
 
     return load_tokenizer(T5_MODEL)
 
@@ -249,12 +250,12 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
 
     import fitburst.train as train_mod
     from fitburst.data import prepare_pipeline
-    from fitburst.oom import STEPDOWN_FILE, apply, train_stepping_down
+    from fitburst.oom import STEPDOWN_FILE, train_stepping_down
     from fitburst.spec import load_pipeline
 
-    spec = apply(load_pipeline(pipelines_file, "t5-demo"), {
+    spec = load_pipeline(pipelines_file, "t5-demo").with_overrides({
         "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
-        "training.checkpoint_every": 2, "training.log_every": 1})
+        "training.checkpoint_every": 2, "training.log_every": 1, "preflight.allow.optimizer_8bit": False})
     calls, checkpointing = {"n": 0}, []
     real = train_mod.optimizer_step
 
@@ -267,7 +268,7 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
 
     monkeypatch.setattr(train_mod, "optimizer_step", step)
     result = train_stepping_down(spec, prepare_pipeline(spec), tmp_path, device="cpu", progress=False)
-    assert json.loads((tmp_path / STEPDOWN_FILE).read_text())["fields"] == {"training.gradient_checkpointing": True}
+    assert json.loads((tmp_path / STEPDOWN_FILE).read_text())["rungs"] == ["gradient_checkpointing"]
     assert result.steps == 6 and result.resumed_from == 3
     assert checkpointing[0] is False and checkpointing[-1] is True
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
@@ -299,7 +300,8 @@ def test_merge_folds_a_t5_adapter_into_its_base(t5_run, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
     from fitburst.cli import main
-    from fitburst.models import T5_MODEL, load_model
+    from fitburst.demo_models import T5_MODEL
+    from fitburst.models import load_model
 
     assert main(["merge", t5_run["run_dir"], "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "merged").eval()

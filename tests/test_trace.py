@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from fitburst import hardware
 from fitburst.memory import TrainSettings, resolve_device
 from fitburst.memory import cuda_kernels as ck
 from fitburst.memory.trace import (
@@ -54,14 +55,14 @@ def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = No
 
     from fitburst.data import collate
     from fitburst.device import make_amp, weight_dtype
-    from fitburst.memory.trace import spec_with
     from fitburst.probe import TensorTracker
+    from fitburst.runconfig import spec_with_settings
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     torch.manual_seed(0)
     cfg = dict(cfg)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    sp = spec_with(spec_for(path), s)
+    sp = spec_with_settings(spec_for(path), s)
     base = AutoModelForCausalLM.from_config(config, attn_implementation=attn or s.attention,
                                             dtype=weight_dtype(s.dtype, sp.method.type))  # as load_pipeline_model
     model = prepare_for_training(base, sp)
@@ -305,13 +306,13 @@ def test_rule_sdpa_kernels():
             (t4, "fp16", False, True, "math"),  # enable_gqa with no mask: efficient refuses (torch 2.13), no flash
             (a100, "bf16", False, True, "flash"), (a100, "bf16", True, False, "efficient"),
             (a100, "fp32", False, False, "efficient"), (a100, "fp32", False, True, "math")]:  # flash: 16-bit only
-        assert ck.sdpa_kernel_for(dev, dtype, padded, gqa, efficient_gqa=False) == kernel, (dev.name, dtype, gqa)
-    assert ck.sdpa_kernel_for(t4, "fp16", False, True, efficient_gqa=True) == "efficient"  # torch 2.14 on
+        assert hardware.sdpa_kernel_for(dev, dtype, padded, gqa, efficient_gqa=False) == kernel, (dev.name, dtype, gqa)
+    assert hardware.sdpa_kernel_for(t4, "fp16", False, True, efficient_gqa=True) == "efficient"  # torch 2.14 on
     # the loader expands grouped-query k/v exactly where SDPA would fall to the math kernel
-    assert ck.expands_kv(t4, "fp16", True, False) and ck.expands_kv(a100, "fp32", True, False)
-    assert not ck.expands_kv(t4, "fp16", False, False) and not ck.expands_kv(a100, "bf16", True, False)
-    assert not ck.expands_kv(resolve_device("cpu:8GiB"), "fp32", True, False)
-    assert not ck.expands_kv(t4, "fp16", True, efficient_gqa=True)
+    assert hardware.expands_kv(t4, "fp16", True, False) and hardware.expands_kv(a100, "fp32", True, False)
+    assert not hardware.expands_kv(t4, "fp16", False, False) and not hardware.expands_kv(a100, "bf16", True, False)
+    assert not hardware.expands_kv(resolve_device("cpu:8GiB"), "fp32", True, False)
+    assert not hardware.expands_kv(t4, "fp16", True, efficient_gqa=True)
 
 
 
@@ -374,21 +375,21 @@ def test_efficient_kernel_takes_grouped_query_heads_from_torch_2_14(monkeypatch)
                 raise md.PackageNotFoundError(name)
             return v
         monkeypatch.setattr(md, "version", version)
-        ck.efficient_takes_gqa.cache_clear()
-        return ck.efficient_takes_gqa()
+        hardware.efficient_takes_gqa.cache_clear()
+        return hardware.efficient_takes_gqa()
 
     try:
         assert [answer(v) for v in ("2.13.0+cpu", "2.14.1+cu130", "2.15.0", "3.0.0", None)] == [
             False, True, True, True, True]
     finally:
-        ck.efficient_takes_gqa.cache_clear()
+        hardware.efficient_takes_gqa.cache_clear()
 
 
 @pytest.fixture
 def torch_2_13_sdpa(monkeypatch):
     """SDPA dispatch as torch 2.13 has it (the installed CPU build here): no grouped-query heads in the efficient
     kernel, so a T4 would run an unmasked grouped-query call with the math kernel."""
-    monkeypatch.setattr(ck, "efficient_takes_gqa", lambda: False)
+    monkeypatch.setattr(hardware, "efficient_takes_gqa", lambda: False)
 
 
 def test_grouped_query_k_v_are_expanded_where_sdpa_would_fall_to_its_math_kernel(model_dir, tmp_path,

@@ -132,11 +132,17 @@ def test_push_to_hub_sends_adapter_and_card_through_the_hub_api(short_runs, monk
         assert SENTINEL.encode() not in data, name
 
 
+def _estimate(allocated: int, reserved: int, total: int, components: dict[str, int]):
+    from fitburst.memory import Estimate
+
+    return Estimate(allocated_peak_bytes=allocated, reserved_peak_bytes=reserved, device_total_bytes=total,
+                    components=components, peak_phase="backward", device="test", budget_bytes=8 << 30, params={})
+
+
 def test_memory_plot_pairs_only_like_with_like():
     from fitburst.plots import comparable_pairs
 
-    est = {"allocated_peak_bytes": 100, "reserved_peak_bytes": 130, "device_total_bytes": 600,
-           "components": {"weights": 60, "activations": 40}}
+    est = _estimate(100, 130, 600, {"weights": 60, "activations": 40})
     cpu = comparable_pairs(est, {"kind": "cpu", "allocated_bytes": 120, "rss_peak_bytes": 640})
     assert cpu == [("run's added memory", 130, 120), ("process total (VmHWM)", 600, 640)]
     cuda = comparable_pairs(est, {"kind": "cuda", "allocated_bytes": 98, "reserved_bytes": 128, "rss_peak_bytes": 9})
@@ -146,8 +152,7 @@ def test_memory_plot_pairs_only_like_with_like():
 def test_memory_comparison_and_loss_plots_render(tmp_path):
     from fitburst.plots import loss_curve, memory_comparison
 
-    est = {"allocated_peak_bytes": 2 << 30, "reserved_peak_bytes": 3 << 30, "device_total_bytes": 4 << 30,
-           "components": {"weights": 1 << 30, "activations": 1 << 30}}
+    est = _estimate(2 << 30, 3 << 30, 4 << 30, {"weights": 1 << 30, "activations": 1 << 30})
     png = memory_comparison(est, {"kind": "cuda", "allocated_bytes": 2 << 30, "reserved_bytes": 3 << 30},
                             tmp_path / "m.png")
     metrics = tmp_path / "metrics.jsonl"

@@ -27,8 +27,9 @@ def test_tiny_vl_loads_through_from_pretrained(vl_spec):
     saved folder; the tokenizer's ids survive the reload."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from fitburst.demo_models import VL_SPECIAL_TOKENS
     from fitburst.models import resolve_model_ref
-    from fitburst.vision import VL_SPECIAL_TOKENS, load_image_processor
+    from fitburst.vision import load_image_processor
 
     ref = resolve_model_ref(vl_spec.model.name)
     model = AutoModelForImageTextToText.from_pretrained(ref)
@@ -45,7 +46,7 @@ def test_shipped_images_are_the_generator_output(tmp_path):
     """The shipped set is what the seeded generator writes (records byte for byte, images pixel for pixel)."""
     from PIL import Image, ImageChops
 
-    from fitburst.vision import VL_DATA, write_shapes_demo
+    from fitburst.demo_models import VL_DATA, write_shapes_demo
 
     out = write_shapes_demo(tmp_path)
     assert out.read_text() == VL_DATA.read_text()
@@ -147,13 +148,13 @@ def test_tiny_vl_trains_through_the_dag(vl_run):
 def test_estimate_counts_what_trains(vl_spec, method, vision):
     """The estimator's trainable parameters (LoRA on the vision side as method.vision asks; a full fine-tune's
     frozen tower left out) equal what build_model really trains; the base count equals the loaded model's."""
-    from fitburst.memory import estimate, resolve_device, settings_from_spec
-    from fitburst.preflight import spec_shape
+    from fitburst.memory import estimate, resolve_device
+    from fitburst.preflight import run_settings, spec_shape
     from fitburst.train import build_model
 
     spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
     model, _ = build_model(spec, "cpu", "fp32")
-    s = settings_from_spec(spec, resolve_device("cpu"), 40)
+    s = run_settings(spec, resolve_device("cpu"), 40)
     assert (s.images, s.image_tokens, s.vision) == (1, 16, vision)
     e = estimate(spec_shape(spec), s, resolve_device("cpu"))
     assert e.params["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -185,13 +186,13 @@ def test_vision_terms_follow_images_and_what_trains(vl_spec):
 def test_seed_qwen2_vl_7b_fp32_on_m2_max(pipelines_file):
     """The seed: Qwen2-VL-7B LoRA in fp32 with 1280-token images does not fit an M2 Max's 42.43 GiB MPS budget; the
     planner proposes a plan that does, with no bitsandbytes (none on MPS)."""
-    from fitburst.memory import estimate, resolve_device, settings_from_spec
-    from fitburst.preflight import preflight, spec_shape
+    from fitburst.memory import Budget, estimate, resolve_device
+    from fitburst.preflight import preflight, run_settings, spec_shape
 
     spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora", {"preflight.exact": False})  # the trace: minutes at 7B
     dev = resolve_device(spec.preflight.device)
-    s = settings_from_spec(spec, dev, spec.data.max_seq_len)
-    assert not estimate(spec_shape(spec), s, dev, 0.03).fits
+    s = run_settings(spec, dev, spec.data.max_seq_len)
+    assert not Budget(dev, 0.03).judge(estimate(spec_shape(spec), s, dev)).fits
     report = preflight(spec, spec.data.max_seq_len)
     assert report.verdict.placement == "local" and report.plan.fits
     assert report.plan.settings.quant == "none" and report.changes
@@ -203,14 +204,14 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     the planned resolution are 4 tokens each and every sample is exactly as much shorter as the plan assumed."""
     from dataclasses import replace
 
-    from fitburst.memory import estimate, plan_fit, resolve_device, settings_from_spec
-    from fitburst.memory.planner import Budget
-    from fitburst.preflight import apply_settings, spec_shape
+    from fitburst.memory import Budget, estimate, plan_fit, resolve_device
+    from fitburst.preflight import run_settings, spec_shape
+    from fitburst.runconfig import spec_with_settings
 
     full = prepare_pipeline(vl_spec)
     seq = full.stats["max"]
     shape = spec_shape(vl_spec)
-    s = replace(settings_from_spec(vl_spec, resolve_device("cpu"), seq), batch=64, eval_batch=0)
+    s = replace(run_settings(vl_spec, resolve_device("cpu"), seq), batch=64, eval_batch=0)
     cpu = resolve_device("cpu:64GiB")
     need = Budget(cpu).needed  # the estimate's upper band edge, what a plan must keep within the limit
     low = need(estimate(shape, replace(s, image_tokens=4, seq_len=seq - 12), cpu))
@@ -220,7 +221,7 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     allow = {k: False for k in ("gradient_checkpointing", "reduce_batch", "dropout", "optimizer_8bit", "precision")}
     plan = plan_fit(shape, s, dev, allow=allow)
     assert plan.fits and plan.settings.image_tokens == 4 and any("image resolution" in c for c in plan.changes)
-    planned = apply_settings(vl_spec, plan.settings)
+    planned = spec_with_settings(vl_spec, plan.settings)
     assert planned.data.image_max_pixels == 56 * 56
     lowered = prepare_pipeline(planned)
     assert lowered.stats["image_tokens_max"] == 4 and lowered.stats["max"] == plan.settings.seq_len
@@ -256,9 +257,9 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
     import torch
 
     from fitburst.data import collate
-    from fitburst.memory import resolve_device, settings_from_spec
+    from fitburst.memory import resolve_device
     from fitburst.memory.trace import traced_estimate
-    from fitburst.preflight import model_ref
+    from fitburst.preflight import model_ref, run_settings
     from fitburst.probe import TensorTracker
     from fitburst.train import build_model, make_optimizer, optimizer_step
 
@@ -275,7 +276,7 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
         for _ in range(2):
             optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0)
     dev = resolve_device("cpu:64GiB")
-    s = replace(settings_from_spec(spec, dev, 40), padded=False)  # four samples of 40 tokens: no padding
+    s = replace(run_settings(spec, dev, 40), padded=False)  # four samples of 40 tokens: no padding
     local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
     traced = traced_estimate(local, s, dev, seq_len=40)
     assert traced.method == "traced"

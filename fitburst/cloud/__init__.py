@@ -1,7 +1,7 @@
 """Cloud burst: choose a rented GPU from need and price, run the same ``fitburst train`` there via SkyPilot,
 bring the results home, and always tear the cluster down. The only package that imports ``sky`` (lazily)."""
 
-from fitburst.cloud.gpus import SKY_NAMES, Offer, canonical_gpu, offers
+from fitburst.cloud.gpus import Offer, offers
 from fitburst.cloud.launch import BurstFailed, BurstResult, LogStream, burst_train, explain_launch_error
 from fitburst.cloud.rank import Candidate, budget_problems, rank_candidates
 from fitburst.cloud.task import (
@@ -16,7 +16,6 @@ from fitburst.cloud.task import (
 )
 
 __all__ = [
-    "SKY_NAMES",
     "TASK_YAML",
     "BudgetError",
     "BurstError",
@@ -28,7 +27,6 @@ __all__ = [
     "budget_problems",
     "build_task",
     "burst_train",
-    "canonical_gpu",
     "check_budget",
     "collect_secrets",
     "dry_run_report",

@@ -1,10 +1,9 @@
-"""GPU names, memory and prices for the burst path (throughput: :mod:`fitburst.hours`).
+"""GPU offers for the burst path: price and memory per provider (throughput: :mod:`fitburst.hours`; GPU names and
+who sells each: :data:`fitburst.hardware.SKY_NAMES`).
 
-fitburst names a GPU the way the memory estimator does (``A6000``, ``T4``, ``A100-80GB``, ...). Each provider
-calls some cards differently in SkyPilot's catalog (RunPod ``RTXA6000`` vs Lambda ``A6000``), so
-:data:`SKY_NAMES` maps a fitburst name to the catalog name per provider. Prices, device memory and which
-provider offers what come from SkyPilot's own catalog (:func:`offers`); only when that catalog cannot be read
-(no network and nothing cached) does :data:`SNAPSHOT` stand in; every offer says which source it came from.
+Prices, device memory and which provider offers what come from SkyPilot's own catalog (:func:`offers`); only when
+that catalog cannot be read (no network and nothing cached) does :data:`SNAPSHOT` stand in; every offer says which
+source it came from.
 """
 
 from __future__ import annotations
@@ -13,27 +12,9 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 
+from fitburst.hardware import SKY_CLOUD, SKY_NAMES, canonical_gpu
+
 log = logging.getLogger(__name__)
-
-# provider key (BurstSpec.providers) -> SkyPilot cloud name (InstanceTypeInfo.cloud / `infra:`)
-SKY_CLOUD = {"runpod": "RunPod", "lambda": "Lambda", "aws": "AWS", "gcp": "GCP", "azure": "Azure"}
-
-# fitburst GPU name -> {provider: SkyPilot catalog accelerator name}. Absent provider = not offered.
-SKY_NAMES: dict[str, dict[str, str]] = {
-    "T4": {"aws": "T4", "gcp": "T4", "azure": "T4"},
-    "L4": {"runpod": "L4", "aws": "L4", "gcp": "L4"},
-    "A10G": {"aws": "A10G"},
-    "A6000": {"runpod": "RTXA6000", "lambda": "A6000"},
-    "A100-40GB": {"lambda": "A100", "aws": "A100", "gcp": "A100", "azure": "A100"},
-    "A100-80GB": {
-        "runpod": "A100-80GB",
-        "lambda": "A100-80GB",
-        "aws": "A100-80GB",
-        "gcp": "A100-80GB",
-        "azure": "A100-80GB",
-    },
-    "H100": {"runpod": "H100", "lambda": "H100", "aws": "H100", "gcp": "H100", "azure": "H100"},
-}
 
 # Fallback only: public on-demand list prices (USD/h, one GPU) noted 2026-11 for the cheapest 1-GPU instance.
 # Spot prices are None where the provider has no spot market (Lambda).
@@ -72,18 +53,6 @@ class Offer:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def canonical_gpu(name: str) -> str:
-    """Map a user's spelling (``RTXA6000``, ``a100-80gb``, ``A100``) to the fitburst name."""
-    up = name.strip().upper()
-    for gpu in SKY_NAMES:
-        if up == gpu.upper():
-            return gpu
-    for gpu, per in SKY_NAMES.items():
-        if up in {n.upper() for n in per.values()}:
-            return gpu
-    raise ValueError(f"unknown GPU {name!r}: choose from {', '.join(SKY_NAMES)}")
 
 
 def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:

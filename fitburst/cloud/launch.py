@@ -43,6 +43,7 @@ from fitburst.cloud.task import (
     stage_workdir,
     write_node_spec,
 )
+from fitburst.spec import PipelineSpec
 from fitburst.tracking import redact
 
 CREDENTIAL_HINTS = {
@@ -130,14 +131,14 @@ class LogStream(io.TextIOBase):
             self._buf = ""
 
 
-def cluster_name(spec: Any) -> str:
+def cluster_name(spec: PipelineSpec) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", spec.name.lower()).strip("-")[:20].rstrip("-") or "run"
     return f"fitburst-{base}-{uuid.uuid4().hex[:6]}"
 
 
 def explain_launch_error(e: BaseException, candidates: list[Candidate]) -> str:
     """A message a user can act on, from a SkyPilot launch exception."""
-    from sky import exceptions as sx
+    from sky import exceptions as sx  # sky: heavy, only the burst path loads it
 
     tried = ", ".join(c.label() for c in candidates)
     providers = list(dict.fromkeys(c.provider for c in candidates))
@@ -203,7 +204,7 @@ def _record(run_dir: Path, on_ids: Callable[[dict], Any] | None, **fields: Any) 
 
 
 def burst_train(
-    spec: Any,
+    spec: PipelineSpec,
     prepared_dir: str | os.PathLike,
     run_dir: str | os.PathLike,
     candidates: list[Candidate],
@@ -269,7 +270,7 @@ def _burst_train(spec, prepared_dir, run_dir: Path, candidates, ok, spec_path, w
 def _live_cluster(record: dict, log) -> dict | None:
     """What of a recorded cluster is still there: ``{"cluster", "job_id"}`` (job_id None: not submitted yet),
     or None when it is gone. A stopped cluster (autostop on a provider that can stop) is started again."""
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     name = record["cluster"]
     try:
@@ -294,7 +295,7 @@ def _live_cluster(record: dict, log) -> dict | None:
 
 def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, pull, attach: dict | None,
                  on_ids) -> BurstResult:
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     name = attach["cluster"] if attach else cluster_name(spec)
     result = BurstResult(
@@ -317,7 +318,7 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
             try:
                 job_id, handle = sky.stream_and_get(request_id, output_stream=stream)
             except Exception as e:
-                from sky import exceptions as sx
+                from sky import exceptions as sx  # sky: heavy, only the burst path loads it
 
                 setup_failed = isinstance(e, sx.ClusterSetUpError) or "setup" in str(e).lower()
                 result.job_status = "FAILED_SETUP" if setup_failed else "LAUNCH_FAILED"
@@ -404,7 +405,7 @@ def _describe(result: BurstResult, handle: Any) -> None:
 
 def _teardown(name: str, log) -> bool:
     """sky.down, retried once; never raises (the error that got us here matters more)."""
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     for attempt in (1, 2):
         try:
@@ -428,17 +429,12 @@ def _quiet(fn, log) -> None:
         log(f"(ignored) {type(e).__name__}: {e}")
 
 
-def _managed_job(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, record: dict | None,
+def _managed_job(spec: PipelineSpec, task, ok, run_dir: Path, log, remote: bool, base: dict, record: dict | None,
                  on_ids) -> BurstResult:
-    import sky
+    """A spot run as a SkyPilot managed job with RUN_DIR mounted from ``burst.bucket`` (BurstSpec refuses spot
+    without a bucket, before any compute)."""
+    import sky  # sky: heavy, only the burst path loads it
 
-    bucket = spec.burst.bucket
-    if not bucket:
-        raise BurstError(
-            "spot runs use SkyPilot managed jobs: a preempted node is replaced and the job restarts, so its "
-            "checkpoints must outlive the node: set burst.bucket (s3://... or gs://...; RUN_DIR is mounted from it "
-            "MOUNT_CACHED) and a provider that mounts buckets (aws, gcp, azure)"
-        )
     task.set_resources(
         type(task.resources)(
             r.copy(job_recovery={"strategy": "FAILOVER", "max_restarts_on_errors": 1}) for r in task.resources
@@ -501,7 +497,7 @@ def _cancel_managed(name: str, job_id: int | None, request_id: Any, log) -> bool
     """Cancel the managed job (by id, or by name while the launch request has not returned one); never raises.
 
     True when SkyPilot accepted the cancel, so no cluster is left behind."""
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     if job_id is None and request_id is not None:
         _quiet(lambda: sky.api_cancel(request_id, silent=True), log)  # stop the launch request itself

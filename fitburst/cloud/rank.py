@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from fitburst.cloud.gpus import Offer, offers
 from fitburst.hours import estimate_hours, throughput, train_tokens
 from fitburst.memory import Estimate, ModelShape, TrainSettings, plan_fit, resolve_device
-from fitburst.memory.calibration import ErrorBand
 from fitburst.memory.planner import EstimateFn, Plan
 
 log = logging.getLogger(__name__)
@@ -66,15 +65,7 @@ class Candidate:
         kw = {k: v for k, v in d.items() if k in names}
         if kw.get("settings"):
             kw["settings"] = TrainSettings(**kw["settings"])
-        est = kw.get("estimate")
-        if est:
-            fields = {f.name for f in dataclasses.fields(Estimate)}
-            est = {k: v for k, v in est.items() if k in fields}
-            if est.get("band"):
-                est["band"] = ErrorBand(**est["band"])
-            kw["estimate"] = Estimate(**est)
-        else:
-            kw["estimate"] = None
+        kw["estimate"] = Estimate.from_dict(kw["estimate"]) if kw.get("estimate") else None
         return cls(**kw)
 
     def label(self) -> str:

@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
-from fitburst.cloud.gpus import SKY_CLOUD
+import fitburst
 from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
-from fitburst.spec import ENV_REF
+from fitburst.hardware import SKY_CLOUD, SKY_NAMES
+from fitburst.spec import ENV_REF, PipelineSpec
 
 TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml")))  # package data: works from pip
 JOB_DIR = "fitburst-job"  # relative to $HOME on the node; matches FITBURST_JOB_DIR in train.yaml
@@ -85,7 +86,7 @@ def remote_tracking_uri() -> str | None:
     return None
 
 
-def collect_secrets(spec: Any, remote_tracking: bool) -> dict[str, str]:
+def collect_secrets(spec: PipelineSpec, remote_tracking: bool) -> dict[str, str]:
     """Secret values from the environment: the model's ${ENV} token reference, HF and MLflow credentials."""
     names = list(SECRET_ENV)
     ref = ENV_REF.match(spec.model.hf_token or "")
@@ -100,7 +101,7 @@ def usable(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if c.usable]
 
 
-def check_budget(spec: Any, candidates: list[Candidate]) -> list[Candidate]:
+def check_budget(spec: PipelineSpec, candidates: list[Candidate]) -> list[Candidate]:
     """The candidates a launch may use; raise BudgetError / BurstError (before any cluster exists) if none."""
     candidates = [Candidate.from_dict(c) for c in candidates]
     if not candidates:
@@ -148,7 +149,7 @@ def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int
 
 
 def build_task(
-    spec: Any,
+    spec: PipelineSpec,
     candidates: list[Candidate],
     *,
     prepared_dir: str | os.PathLike | None = None,
@@ -169,7 +170,7 @@ def build_task(
     :func:`bucket_url` of it, mounted MOUNT_CACHED. ``checkpoints``: a local checkpoints folder (of a run that
     failed or was pulled home) to mount into RUN_DIR, so the node resumes from it.
     """
-    import sky
+    import sky  # sky: heavy, only the burst path loads it
 
     ok = check_budget(spec, candidates)
     task = sky.Task.from_yaml(str(task_yaml))
@@ -207,7 +208,7 @@ def build_task(
     return task
 
 
-def bucket_url(spec: Any, run_name: str) -> str:
+def bucket_url(spec: PipelineSpec, run_name: str) -> str:
     """Where one run's RUN_DIR lives in ``burst.bucket``: ``<bucket>/<pipeline>/<run folder name>``."""
     return f"{spec.burst.bucket.rstrip('/')}/{spec.name}/{run_name}"
 
@@ -216,14 +217,12 @@ def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = N
     """A workdir holding a copy of the ``fitburst`` package (``package``: the installed one) and nothing else
     (the node runs it with PYTHONPATH=workdir), so a `pip install` bursts like a checkout and no .env, cache or
     run folder is uploaded."""
-    import fitburst
-
     dest = Path(dest)
     shutil.copytree(package or Path(fitburst.__file__).parent, dest / "fitburst", ignore=WORKDIR_IGNORE)
     return dest
 
 
-def node_spec(spec: Any) -> Any:
+def node_spec(spec: PipelineSpec) -> PipelineSpec:
     """The spec the node trains from: its own device (``preflight.device: auto``, not the launcher's cpu/MPS/...)
     and no tracking URI (the node gets MLFLOW_TRACKING_URI as a SkyPilot secret; a URI may hold user:pass@)."""
     return spec.model_copy(
@@ -234,21 +233,21 @@ def node_spec(spec: Any) -> Any:
     )
 
 
-def write_node_spec(spec: Any, directory: str | os.PathLike) -> Path:
+def write_node_spec(spec: PipelineSpec, directory: str | os.PathLike) -> Path:
     """``node_spec(spec)`` as YAML in ``directory`` (the file mounted at ~/fitburst-job/spec.yaml)."""
     path = Path(directory) / "spec.yaml"
     path.write_text(node_spec(spec).to_yaml())
     return path
 
 
-def _task_name(spec: Any) -> str:
+def _task_name(spec: PipelineSpec) -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", f"fitburst-{spec.name}".lower()).strip("-")
     return name[:40].rstrip("-")
 
 
 def task_yaml(task) -> str:
     """The task as SkyPilot YAML with secret values redacted (what dry-run prints and MLflow may store)."""
-    from sky.task import redact_task_yaml_dict
+    from sky.task import redact_task_yaml_dict  # sky: heavy, only the burst path loads it
 
     config = task.to_yaml_config()
     config.pop("_user_specified_yaml", None)  # the raw sky/train.yaml, already shown as setup/run
@@ -271,7 +270,7 @@ _BlockDumper.add_representer(str, _str)
 
 
 def dry_run_report(
-    spec: Any,
+    spec: PipelineSpec,
     candidates: list[Candidate],
     task=None,
     *,
@@ -303,8 +302,6 @@ def dry_run_report(
             f"  {c.label():<34} {_yn(c.fits):<5} {_num(c.hourly_usd):>7} {_num(c.est_hours):>7} "
             f"{_num(c.est_total_usd):>8}  {notes}"
         )
-    from fitburst.cloud.gpus import SKY_NAMES
-
     offered = {c.gpu for c in candidates}
     for gpu in spec.burst.gpus:
         if gpu not in offered and gpu in SKY_NAMES:

@@ -4,10 +4,13 @@ planner for one device.
 Pure Python (json + math): importing it never imports torch or transformers.
 """
 
+from fitburst.hardware import Device, known_devices, resolve_device
+from fitburst.runconfig import TrainSettings
+
+from .budget import Budget
 from .calibration import ErrorBand, band_for
-from .devices import Device, auto_precision, known_devices, resolve_device
-from .estimator import Estimate, TrainSettings, estimate, settings_from_spec
-from .planner import Budget, EstimateFn, Plan, plan_fit
+from .estimator import Estimate, estimate
+from .planner import EstimateFn, Plan, plan_fit
 from .shapes import ModelConfigError, ModelShape, load_shape
 
 __all__ = [
@@ -20,12 +23,10 @@ __all__ = [
     "ModelShape",
     "Plan",
     "TrainSettings",
-    "auto_precision",
     "band_for",
     "estimate",
     "known_devices",
     "load_shape",
     "plan_fit",
     "resolve_device",
-    "settings_from_spec",
 ]

@@ -158,11 +158,6 @@ BANDS: dict[tuple[str, str], ErrorBand] = {  # per device family; on CUDA: a GPU
                                                           "configurations of 10 models on MPS "
                                                           "(benchmarks/analytic_vs_traced.py --mps)", 0),
 }
-# What the user's safety_margin adds on top of the band by default: the band covers the estimate's own error,
-# so the margin only has to cover what no estimate sees (other processes on the device, run-to-run jitter of
-# the allocator). 3 % of the budget is ~1.4 GiB of a 48 GB card. Mirrored by PreflightSpec.safety_margin.
-DEFAULT_HEADROOM = 0.03
-
 
 def measured_gpu(name: str | None) -> str | None:
     """The measured GPU ``name`` is ("T4" for "T4" or "cuda (Tesla T4)"), or None."""

@@ -6,8 +6,16 @@ import argparse
 import json
 import sys
 
-from .calibration import DEFAULT_HEADROOM
-from .devices import GiB
+from pydantic import ValidationError
+
+from fitburst.hardware import Device, GiB, resolve_device
+from fitburst.runconfig import settings_from_spec
+from fitburst.spec import SAFETY_MARGIN, PipelineSpec
+
+from .budget import Budget
+from .estimator import estimate
+from .planner import plan_fit
+from .shapes import load_shape
 
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +54,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         "or cuda:24GiB / mps:36GiB / cpu:64GiB",
     )
     p.add_argument(
-        "--safety-margin", type=float, default=DEFAULT_HEADROOM,
+        "--safety-margin", type=float, default=SAFETY_MARGIN,
         help="headroom kept on top of the estimate's error band (fraction of budget)"
     )
     p.add_argument("--pure-bf16", action="store_true", help="full fine-tuning steps bf16 weights (no fp32 masters)")
@@ -64,57 +72,45 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_estimate(args: argparse.Namespace) -> int:
-    from . import TrainSettings, load_shape, plan_fit, resolve_device
-    from .estimator import QWEN2_VL_PIXELS_PER_TOKEN
+def spec_from_args(args: argparse.Namespace, device: Device) -> PipelineSpec:
+    """The run the arguments describe, as a pipeline (no data read): what both estimates take, through
+    :func:`fitburst.runconfig.settings_from_spec` like every other caller. The precision defaults to bf16, or fp16
+    on a device without bf16; no eval step."""
+    targets = ("all-linear" if args.targets.strip() == "all-linear"
+               else [t.strip() for t in args.targets.split(",") if t.strip()])
+    data: dict = {"path": "unused.jsonl", "max_seq_len": args.seq_len}
+    if args.images:
+        data["image_max_pixels"] = args.image_max_pixels
+    return PipelineSpec.model_validate({
+        "name": "estimate", "model": {"name": args.model}, "data": data,
+        "method": {"type": args.method, "quant": args.quant, "double_quant": args.double_quant, "rank": args.rank,
+                   "alpha": args.alpha, "dropout": args.dropout, "target_modules": targets, "vision": args.vision},
+        "training": {"micro_batch_size": args.batch, "grad_accum": args.grad_accum,
+                     "gradient_checkpointing": args.grad_checkpointing, "optimizer": args.optimizer,
+                     "precision": args.dtype or ("bf16" if device.supports_bf16 else "fp16"),
+                     "attention": args.attention, "pure_bf16": args.pure_bf16},
+        "eval": {"enabled": False}})
 
+
+def run_estimate(args: argparse.Namespace) -> int:
     try:
         shape = load_shape(args.model)
         device = resolve_device(args.device)
-        dtype = args.dtype or ("bf16" if device.supports_bf16 else "fp16")
-        targets = (
-            "all-linear"
-            if args.targets.strip() == "all-linear"
-            else [t.strip() for t in args.targets.split(",") if t.strip()]
-        )
-        quant = args.quant or ("nf4" if args.method == "qlora" else "none")
-        settings = TrainSettings(
-            method=args.method,
-            quant=quant,
-            double_quant=args.double_quant,
-            rank=args.rank,
-            alpha=args.alpha,
-            dropout=args.dropout,
-            targets=targets,
-            batch=args.batch,
-            seq_len=args.seq_len,
-            grad_checkpointing=args.grad_checkpointing,
-            optimizer=args.optimizer,
-            dtype=dtype,
-            attention=args.attention,
-            grad_accum=args.grad_accum,
-            pure_bf16=args.pure_bf16,
-            images=args.images,
-            image_tokens=args.image_max_pixels // QWEN2_VL_PIXELS_PER_TOKEN if args.images else 0,
-            vision=args.vision,
-        )
+        try:
+            spec = spec_from_args(args, device)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"--{'-'.join(str(p) for p in err['loc'][1:])}: {err['msg']}") from None
+        settings = settings_from_spec(spec, device, args.seq_len, images=args.images)
         if args.images and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
         plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .estimator import estimate
-    from .planner import Budget
-
     if args.exact:
-        from fitburst.spec import PipelineSpec
+        from .trace import traced_estimate  # torch: only for --exact, the instant estimate never imports it
 
-        from .trace import traced_estimate
-
-        spec = PipelineSpec.model_validate(
-            dict(name="estimate", model=dict(name=args.model), data=dict(path="unused.jsonl"))
-        )
         try:
             est = traced_estimate(spec, settings, device, seq_len=args.seq_len)
         except ValueError as e:

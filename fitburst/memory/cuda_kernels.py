@@ -36,12 +36,12 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 from __future__ import annotations
 
 import contextlib
-import functools
-import re
+import inspect
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .devices import Device
+# expands_kv is read here as cuda_kernels.expands_kv by memory.trace
+from fitburst.hardware import Device, expands_kv, sdpa_kernel_for  # noqa: F401
 
 if TYPE_CHECKING:
     from .estimator import TrainSettings
@@ -359,49 +359,9 @@ def allocator_warmup(events, nbytes: int):
 
 def peft_empties_cache() -> bool:
     """Whether the installed peft's prepare_model_for_kbit_training calls torch.cuda.empty_cache() (0.20 on)."""
-    import inspect
-
-    from peft import prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training  # peft: heavy, only the traced estimate asks
 
     return "auto_clear_cache" in inspect.signature(prepare_model_for_kbit_training).parameters
-
-
-@functools.cache
-def efficient_takes_gqa() -> bool:
-    """Whether the installed torch's memory-efficient SDPA kernel takes grouped-query heads: from torch 2.14 on (its
-    docs: "Memory-efficient attention also supports GQA on NVIDIA CUDA"; torch 2.13's: GQA "currently works only for
-    Flash_attention and math kernel on CUDA tensor"). Read from the installed distribution, torch is not imported;
-    with no torch here, the current behaviour."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = re.match(r"(\d+)\.(\d+)", version("torch"))
-    except PackageNotFoundError:
-        return True
-    return found is None or (int(found[1]), int(found[2])) >= (2, 14)
-
-
-def sdpa_kernel_for(device: Device, dtype: str, padded: bool, gqa: bool, efficient_gqa: bool | None = None) -> str:
-    """The kernel torch's SDPA dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs on a CUDA
-    ``device`` for a run computing in ``dtype``: flash | efficient | math. FlashAttention-2 needs sm >= 80
-    (``supports_bf16``), 16-bit q/k/v and no mask. ``gqa``: SDPA gets fewer k/v heads than query heads, as
-    transformers passes them (``enable_gqa=True``) whenever no mask reaches it (``use_gqa_in_sdpa``; a padded
-    batch's mask makes it expand them with ``repeat_kv``). Up to torch 2.13 the memory-efficient kernel takes no
-    grouped-query heads (its dense constraints instantiate ``check_batch_size_and_num_heads_dense<false>``;
-    ``efficient_gqa``: None = as the installed torch, :func:`efficient_takes_gqa`), so such a call with no flash
-    falls to the math kernel: fp32 copies of q, k and v, and b*h*s*s fp32 scores and probabilities in every layer.
-    cuDNN attention (preferred on some sm 9.0 builds) is not modelled."""
-    if device.supports_bf16 and dtype != "fp32" and not padded:
-        return "flash"
-    takes_gqa = efficient_takes_gqa() if efficient_gqa is None else efficient_gqa
-    return "math" if gqa and not padded and not takes_gqa else "efficient"
-
-
-def expands_kv(device: Device, dtype: str, gqa: bool, efficient_gqa: bool | None = None) -> bool:
-    """Whether fitburst's loader gives a grouped-query model (``gqa``) k/v expanded before SDPA on ``device``
-    (:data:`fitburst.models.EXPANDED_KV`): where an unmasked call would otherwise fall to the math kernel, so that
-    the memory-efficient kernel runs it (b*h*s*d copies of k and v instead of b*h*s*s scores)."""
-    return device.kind == "cuda" and gqa and sdpa_kernel_for(device, dtype, False, True, efficient_gqa) == "math"
 
 
 def expanded_kv_note(device: Device) -> str:

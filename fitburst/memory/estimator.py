@@ -12,12 +12,14 @@ peak. Constants that are measured rather than derived are named.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from fitburst.hardware import Device, GiB, MiB, expands_kv
+from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note, expands_kv
-from .devices import Device, GiB, MiB, auto_precision
+from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
 from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -41,138 +43,8 @@ RESERVED_PER_LOGITS = {"cuda": 0.363, "mps": 0.0, "cpu": 0.0}
 MEASURED_COUNTERPART = {"cuda": "allocated_peak_bytes", "mps": "reserved_peak_bytes", "cpu": "reserved_peak_bytes"}
 
 
-def measured_counterpart(estimate: dict, kind: str) -> int:
-    """The estimate's figure that a measured peak (``MemoryPeak.allocated_bytes``) on ``kind`` compares with."""
-    return int(estimate[MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")])
-EVAL_LOSS_CHUNK_TOKENS = 1024  # fitburst.evaluate's loss chunk (tokens whose fp32 logits exist at once)
 BNB_MIN_8BIT = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
 BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
-
-
-@dataclass
-class TrainSettings:
-    method: str = "lora"  # full | lora | qlora
-    quant: str = "none"  # none | int8 | nf4 | fp4
-    double_quant: bool = True
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
-    batch: int = 1  # micro batch
-    seq_len: int = 512  # padded length (longest sample of the batch)
-    grad_checkpointing: bool = False
-    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit | sgd
-    dtype: str = "bf16"  # bf16 | fp16 | fp32
-    attention: str = "sdpa"  # eager | sdpa | flash
-    grad_accum: int = 1
-    keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
-    eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
-    padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
-    packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
-    pure_bf16: bool = False  # full fine-tuning steps bf16 weights directly (no autocast, no fp32 master weights)
-    # vision-language models: images per sample and language tokens per image (seq_len already counts them);
-    # what of the vision side trains: frozen | projector | tower
-    images: int = 0
-    image_tokens: int = 0
-    vision: str = "frozen"
-
-    def __post_init__(self) -> None:
-        if self.method == "qlora" and self.quant == "none":
-            self.quant = "nf4"
-        checks = {
-            "method": (self.method, ("full", "lora", "qlora")),
-            "quant": (self.quant, ("none", "int8", "nf4", "fp4")),
-            "optimizer": (self.optimizer, ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")),
-            "dtype": (self.dtype, ("bf16", "fp16", "fp32")),
-            "attention": (self.attention, ("eager", "sdpa", "flash")),
-            "vision": (self.vision, ("frozen", "projector", "tower")),
-        }
-        for k, (v, ok) in checks.items():
-            if v not in ok:
-                raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
-        if self.method == "full" and self.quant != "none":
-            raise ValueError("full fine-tuning cannot train quantized weights")
-        if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
-            raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
-
-    @property
-    def kbit(self) -> bool:
-        return self.quant != "none"
-
-    @property
-    def amp(self) -> bool:
-        """The loop runs under autocast (fitburst.device.make_amp): 16-bit precision, not pure bf16."""
-        return self.dtype != "fp32" and not self.pure_bf16
-
-    @property
-    def master_weights(self) -> bool:
-        """Full fine-tuning under autocast keeps fp32 master weights (fitburst.device.weight_dtype)."""
-        return self.method == "full" and self.amp
-
-    @property
-    def effective_batch(self) -> int:
-        return self.batch * self.grad_accum
-
-    def describe(self) -> str:
-        m = self.method + (f" r{self.rank}" if self.method != "full" else "")
-        q = (
-            f" {self.quant}{'+dq' if self.double_quant and self.quant in ('nf4', 'fp4') else ''}"
-            if self.kbit
-            else ""
-        )
-        ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
-        ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
-        return (
-            f"{m}{q} {self.dtype} b{self.batch}x{self.grad_accum} s{self.seq_len}{ck} "
-            f"{self.optimizer} {self.attention}"
-        )
-
-
-def settings_from_spec(spec, device: Device | None = None, seq_len: int | None = None) -> TrainSettings:
-    """TrainSettings for a PipelineSpec as fitburst's training loop runs it (``precision: auto`` resolved for
-    ``device``; the loop drops the model output after taking the loss and evaluates after training)."""
-    m, t = spec.method, spec.training
-    dtype = t.precision
-    if dtype == "auto":
-        dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
-    attention = "sdpa" if t.attention == "auto" else t.attention
-    return TrainSettings(
-        method=m.type,
-        quant=m.quant or "none",
-        double_quant=m.double_quant,
-        rank=m.rank,
-        alpha=m.alpha,
-        dropout=m.dropout,
-        targets=m.target_modules,
-        batch=t.micro_batch_size,
-        grad_accum=t.grad_accum,
-        seq_len=seq_len or spec.data.max_seq_len,
-        grad_checkpointing=t.gradient_checkpointing,
-        optimizer=t.optimizer,
-        dtype=dtype,
-        attention=attention,
-        keep_logits=False,
-        eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
-        packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16,
-        **image_settings(spec),
-    )
-
-
-QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches, 2 x 2 merged into one language token
-
-
-def image_settings(spec) -> dict:
-    """The image fields of TrainSettings for a pipeline that sets ``data.image_max_pixels`` (a vision-language
-    one): the most images one record holds and the language tokens per image at that resolution (an image at the
-    limit; a smaller one takes fewer)."""
-    px = spec.data.image_max_pixels
-    if px is None:
-        return {}
-    from fitburst.data import images_per_record
-
-    return {"images": images_per_record(spec), "image_tokens": px // QWEN2_VL_PIXELS_PER_TOKEN,
-            "vision": spec.method.vision}
 
 
 @dataclass
@@ -184,7 +56,6 @@ class Estimate:
     peak_phase: str
     device: str
     budget_bytes: int
-    fits: bool
     params: dict[str, int]
     plan: list[str] = field(default_factory=list)
     phases: dict[str, int] = field(default_factory=dict)
@@ -195,12 +66,26 @@ class Estimate:
     calibration_factor: float = 1.0  # applied to the peak (fitburst calibrate); 1.0: the analytic model alone
     reserved_calibration_factor: float = 1.0  # applied to the reserved figure (CUDA: fitted on its own)
     method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.calibration) applies
-    band: ErrorBand | None = None  # set by the planner: the band its verdict used
+    band: ErrorBand | None = None  # set by Budget.judge (fitburst.memory.budget): the band the fit was judged by
+    fits: bool | None = None  # set by Budget.judge: None until judged against a budget
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["headroom_bytes"] = self.budget_bytes - self.device_total_bytes + self._context()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Estimate:
+        """Back from :meth:`to_dict` (an estimate that crossed a process boundary as JSON)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if kw.get("band"):
+            kw["band"] = ErrorBand(**kw["band"])
+        return cls(**kw)
+
+    def comparable_bytes(self, kind: str) -> int:
+        """The figure a measured peak (``MemoryPeak.allocated_bytes``) on a ``kind`` device compares with."""
+        return int(getattr(self, MEASURED_COUNTERPART.get(kind, "allocated_peak_bytes")))
 
     def _context(self) -> int:
         return self.device_total_bytes - self.reserved_peak_bytes
@@ -764,9 +649,9 @@ def _attention_bytes(c: _Ctx) -> int:
     return 4 if c.attention == "math" else c.lora16 or c.a
 
 
-def estimate(
-    shape: ModelShape, settings: TrainSettings, device: Device, safety_margin: float = 0.0, calibrate: bool = True
-) -> Estimate:
+def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibrate: bool = True) -> Estimate:
+    """The analytic estimate of one training step of ``settings`` on ``device``; whether it fits is judged by
+    :class:`fitburst.memory.budget.Budget`."""
     s = settings
     d = DTYPE_BYTES[s.dtype]
     a = 4 if s.kbit else d
@@ -950,7 +835,7 @@ def estimate(
     phases["optimizer_step"] = _comp(w, lora_w, G, OPT, 0, kept_logits, O_tmp)
     if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
-        chunk = min(Te, EVAL_LOSS_CHUNK_TOKENS)
+        chunk = min(Te, EVAL_CHUNK_TOKENS)
         ev = a_lm * Te * V + 8 * chunk * V + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
@@ -964,7 +849,6 @@ def estimate(
         alloc, reserved = int(alloc * factor), int(reserved * rfactor)
         notes.append(f"calibrated: allocated x{factor:.3f}, reserved x{rfactor:.3f} (fitted on {fitted_on})")
     total = reserved + device.context_bytes
-    fits = reserved <= device.budget_bytes * (1 - safety_margin)
     if shape.extra_note:
         notes.append(f"{shape.extra_note}")
     if s.dtype == "bf16" and not device.supports_bf16:
@@ -979,12 +863,10 @@ def estimate(
         peak_phase=peak_phase,
         device=device.name,
         budget_bytes=device.budget_bytes,
-        fits=fits,
         params=param_counts(shape, s),
         phases={k: int(v) for k, v in totals.items()},
         settings=asdict(s),
         model=shape.name,
-        safety_margin=safety_margin,
         notes=notes,
         calibration_factor=factor,
         reserved_calibration_factor=rfactor,

@@ -17,8 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from fitburst.errors import UserError
+from fitburst.hardware import Device, MiB
+from fitburst.runconfig import spec_with_settings
 
-from .devices import Device, MiB
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
@@ -264,17 +265,6 @@ def config_dict(ref: str) -> dict:
     return json.loads(config_path(ref)[0].read_text())
 
 
-def spec_with(spec, s: TrainSettings):
-    """``spec`` with the settings written into it (what the loop would run)."""
-    method = spec.method.model_copy(update={
-        "type": "qlora" if s.quant != "none" else s.method, "quant": s.quant, "double_quant": s.double_quant,
-        "rank": s.rank, "alpha": s.alpha, "dropout": s.dropout, "target_modules": s.targets})
-    training = spec.training.model_copy(update={
-        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "attention": s.attention, "pure_bf16": s.pure_bf16})
-    return spec.model_copy(update={"method": method, "training": training})
-
-
 def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False,
                 device: Device | None = None):
     import torch
@@ -468,7 +458,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
     t0 = time.perf_counter()
     step = step or optimizer_step
-    sp = spec_with(spec, s)
+    sp = spec_with_settings(spec, s)
     cfg = config_dict(sp.model.name)
     model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16, device)
     text = model.config.get_text_config()
@@ -580,10 +570,25 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
     tensor peak plus the runtime floor; on MPS the tensor peak with the analytic estimate's MPS heap terms.
-    ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). ``cache`` keeps traces by
-    settings across calls (a trace depends on the device through its kind: the optimizer's foreach path, its
-    autocast, MPS's SDPA; the SDPA kernels a CUDA device picks and whether the loader expands grouped-query k/v
-    there)."""
+    ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). Each estimate is kept on disk
+    (:mod:`fitburst.memory.trace_cache`); ``cache`` keeps traces by settings across calls in this process (a trace
+    depends on the device through its kind: the optimizer's foreach path, its autocast, MPS's SDPA; the SDPA
+    kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
+    from . import allocator, trace_cache
+
+    k = trace_cache.key(config_dict(spec.model.name), settings, seq_len, device, model=spec.model.name,
+                        trust_remote_code=spec.model.trust_remote_code, max_grad_norm=spec.training.max_grad_norm,
+                        expandable_segments=allocator.expandable_from_env())
+    if (kept := trace_cache.load(k)) is not None:
+        kept.notes.append("from the trace cache (same config, settings, device, libraries and tracing code)")
+        return kept
+    est = _traced_estimate(spec, settings, device, seq_len=seq_len, cache=cache)
+    trace_cache.store(k, est)
+    return est
+
+
+def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+                     cache: dict | None) -> Estimate:
     from . import allocator, cuda_kernels
 
     s = settings
@@ -622,11 +627,10 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
         else:
             reserved = peak + CPU_RUNTIME_FLOOR
             total = reserved + device.context_bytes
-    fits = reserved <= device.budget_bytes
     return Estimate(
         allocated_peak_bytes=int(alloc), reserved_peak_bytes=int(reserved), device_total_bytes=int(total),
         components=components, peak_phase=peak_phase, device=device.name,
-        budget_bytes=device.budget_bytes, fits=fits,
+        budget_bytes=device.budget_bytes,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
         phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")

@@ -1,4 +1,5 @@
-"""`fitburst calibrate`: fit the estimator's correction constants from MLflow run history.
+"""`fitburst calibrate`: fit the estimator's correction constants from MLflow run history (read by
+:func:`fitburst.tracking.memory_runs`).
 
 Every run records the estimate (``memory.estimated_*``, from the preflight) and the measured peak
 (``memory.measured_peak_bytes``, from the meter), with tags ``path`` (local | cloud) and ``device``. Per device
@@ -18,10 +19,16 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .calibration import OOM_HISTORY_FILE, calibration_path, gpu_key
-from .estimator import MEASURED_COUNTERPART
+from fitburst.hardware import resolve_device
+from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path, gpu_key
+from fitburst.memory.estimator import MEASURED_COUNTERPART
+
+if TYPE_CHECKING:
+    from fitburst.tracking import RunRecord
 
 KINDS = ("cuda", "mps", "cpu")
 _FALLBACK = {k: "memory.estimated_" + v.split("_")[0] + "_bytes" for k, v in MEASURED_COUNTERPART.items()}
@@ -41,28 +48,19 @@ def _kind(device: str) -> str | None:
         if d.startswith(k):
             return k
     try:
-        from .devices import resolve_device
-
         return resolve_device(device).kind if device else None
     except ValueError:
         return None
 
 
-def collect(client, experiment: str | None = None) -> list[dict]:
-    """One record per finished run with an estimate and a measurement: kind, gpu, path, ratio (measured / the
-    uncalibrated estimate: the factor the run's estimate already carried, ``memory.calibration_factor``, is
-    divided out, so fitting again on runs made with a fitted file gives the same factor), and on CUDA the same
-    for the reserved figure (``reserved_ratio``) when the run measured it."""
-    if experiment:
-        exp = client.get_experiment_by_name(experiment)
-        ids = [exp.experiment_id] if exp else []
-    else:
-        ids = [e.experiment_id for e in client.search_experiments()]
+def collect(runs: Iterable[RunRecord]) -> list[dict]:
+    """One record per run (:func:`fitburst.tracking.memory_runs`) with an estimate and a measurement: kind, gpu,
+    path, ratio (measured / the uncalibrated estimate: the factor the run's estimate already carried,
+    ``memory.calibration_factor``, is divided out, so fitting again on runs made with a fitted file gives the same
+    factor), and on CUDA the same for the reserved figure (``reserved_ratio``) when the run measured it."""
     out: list[dict] = []
-    if not ids:
-        return out
-    for run in client.search_runs(ids, "metrics.`memory.measured_peak_bytes` > 0", max_results=50000):
-        m, t = run.data.metrics, run.data.tags
+    for run in runs:
+        m, t = run["metrics"], run["tags"]
         kind = _kind(t.get("device", ""))
         if kind is None:
             continue
@@ -73,7 +71,7 @@ def collect(client, experiment: str | None = None) -> list[dict]:
         applied = m.get("memory.calibration_factor") or 1.0
         raw = est / applied
         gpu = t.get("cloud.gpu") or t.get("gpu") or (t.get("device") if "(" in t.get("device", "") else "")
-        rec = dict(run_id=run.info.run_id, kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
+        rec = dict(run_id=run["run_id"], kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
                    path=t.get("path", "local"), estimated=raw, measured=measured, ratio=measured / raw,
                    reserved_ratio=None)
         est_r, meas_r = m.get("memory.estimated_reserved_bytes"), m.get("memory.measured_reserved_bytes")
@@ -148,12 +146,12 @@ def fit(records: list[dict], min_runs: int = 3, ooms: list[dict] | None = None) 
 
 
 def main(args) -> int:
-    from mlflow.tracking import MlflowClient
-
-    from fitburst.tracking import tracking_uri
+    # tracking (and the data and model modules it imports) stays off CLI startup: cli.py imports this module
+    # to build its parser
+    from fitburst.tracking import memory_runs, tracking_uri
 
     uri = getattr(args, "tracking_uri", None) or tracking_uri()
-    records = collect(MlflowClient(tracking_uri=uri), getattr(args, "experiment", None))
+    records = collect(memory_runs(uri, getattr(args, "experiment", None)))
     ooms = collect_ooms()
     result = fit(records, getattr(args, "min_runs", 3), ooms)
     path = calibration_path()

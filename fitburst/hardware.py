@@ -1,10 +1,16 @@
-"""Device memory budgets: named GPUs / Apple parts, ``kind:SIZE`` strings, or the local machine as probed."""
+"""Hardware facts, the bottom layer every other module may import: devices and their memory budgets (named GPUs,
+Apple parts, ``kind:SIZE`` strings, or this machine as probed), the cloud providers' names for each GPU, and which
+SDPA kernel a CUDA device runs. Pure Python: importing it never imports torch (probing a GPU does, at call time).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -197,8 +203,6 @@ def _cpu_device() -> Device:
 
 def _apple_chip() -> str:
     """The Mac's chip as macOS names it ("Apple M2 Max"), for throughput tables; "local" when unknown."""
-    import subprocess
-
     try:
         out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
                              timeout=5).stdout.strip()
@@ -211,7 +215,7 @@ def probe_local(want: str = "auto") -> Device:
     """Probe this machine; torch is imported lazily and only when a GPU may be there."""
     if want in ("auto", "local", "cuda", "mps"):
         try:
-            import torch
+            import torch  # torch: heavy and optional here; only a probe for a GPU needs it
         except ImportError:
             torch = None  # type: ignore[assignment]
         if torch is not None and want in ("auto", "local", "cuda") and torch.cuda.is_available():
@@ -231,3 +235,80 @@ def probe_local(want: str = "auto") -> Device:
         if want in ("cuda", "mps"):
             raise ValueError(f"no {want} device on this machine (use a named device such as RTX4090)")
     return _cpu_device()
+
+
+# --- cloud GPUs -----------------------------------------------------------------------------------------
+# fitburst names a GPU as the table above does (``A6000``, ``T4``, ``A100-80GB``); each provider may call it
+# differently in SkyPilot's catalog (RunPod ``RTXA6000``, Lambda ``A6000``).
+
+# provider key (BurstSpec.providers) -> SkyPilot cloud name (InstanceTypeInfo.cloud / `infra:`)
+SKY_CLOUD = {"runpod": "RunPod", "lambda": "Lambda", "aws": "AWS", "gcp": "GCP", "azure": "Azure"}
+
+# fitburst GPU name -> {provider: SkyPilot catalog accelerator name}. Absent provider = not offered.
+SKY_NAMES: dict[str, dict[str, str]] = {
+    "T4": {"aws": "T4", "gcp": "T4", "azure": "T4"},
+    "L4": {"runpod": "L4", "aws": "L4", "gcp": "L4"},
+    "A10G": {"aws": "A10G"},
+    "A6000": {"runpod": "RTXA6000", "lambda": "A6000"},
+    "A100-40GB": {"lambda": "A100", "aws": "A100", "gcp": "A100", "azure": "A100"},
+    "A100-80GB": {
+        "runpod": "A100-80GB",
+        "lambda": "A100-80GB",
+        "aws": "A100-80GB",
+        "gcp": "A100-80GB",
+        "azure": "A100-80GB",
+    },
+    "H100": {"runpod": "H100", "lambda": "H100", "aws": "H100", "gcp": "H100", "azure": "H100"},
+}
+
+
+def canonical_gpu(name: str) -> str:
+    """Map a user's spelling (``RTXA6000``, ``a100-80gb``, ``A100``) to the fitburst name."""
+    up = name.strip().upper()
+    for gpu in SKY_NAMES:
+        if up == gpu.upper():
+            return gpu
+    for gpu, per in SKY_NAMES.items():
+        if up in {n.upper() for n in per.values()}:
+            return gpu
+    raise ValueError(f"unknown GPU {name!r}: choose from {', '.join(SKY_NAMES)}")
+
+
+# --- the SDPA kernel a CUDA device runs -------------------------------------------------------------------
+# The loader (fitburst.models) and the estimates (fitburst.memory) both decide on these facts.
+
+
+@functools.cache
+def efficient_takes_gqa() -> bool:
+    """Whether the installed torch's memory-efficient SDPA kernel takes grouped-query heads: from torch 2.14 on (its
+    docs: "Memory-efficient attention also supports GQA on NVIDIA CUDA"; torch 2.13's: GQA "currently works only for
+    Flash_attention and math kernel on CUDA tensor"). Read from the installed distribution, torch is not imported;
+    with no torch here, the current behaviour."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return found is None or (int(found[1]), int(found[2])) >= (2, 14)
+
+
+def sdpa_kernel_for(device: Device, dtype: str, padded: bool, gqa: bool, efficient_gqa: bool | None = None) -> str:
+    """The kernel torch's SDPA dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs on a CUDA
+    ``device`` for a run computing in ``dtype``: flash | efficient | math. FlashAttention-2 needs sm >= 80
+    (``supports_bf16``), 16-bit q/k/v and no mask. ``gqa``: SDPA gets fewer k/v heads than query heads, as
+    transformers passes them (``enable_gqa=True``) whenever no mask reaches it (``use_gqa_in_sdpa``; a padded
+    batch's mask makes it expand them with ``repeat_kv``). Up to torch 2.13 the memory-efficient kernel takes no
+    grouped-query heads (its dense constraints instantiate ``check_batch_size_and_num_heads_dense<false>``;
+    ``efficient_gqa``: None = as the installed torch, :func:`efficient_takes_gqa`), so such a call with no flash
+    falls to the math kernel: fp32 copies of q, k and v, and b*h*s*s fp32 scores and probabilities in every layer.
+    cuDNN attention (preferred on some sm 9.0 builds) is not modelled."""
+    if device.supports_bf16 and dtype != "fp32" and not padded:
+        return "flash"
+    takes_gqa = efficient_takes_gqa() if efficient_gqa is None else efficient_gqa
+    return "math" if gqa and not padded and not takes_gqa else "efficient"
+
+
+def expands_kv(device: Device, dtype: str, gqa: bool, efficient_gqa: bool | None = None) -> bool:
+    """Whether fitburst's loader gives a grouped-query model (``gqa``) k/v expanded before SDPA on ``device``
+    (:data:`fitburst.models.EXPANDED_KV`): where an unmasked call would otherwise fall to the math kernel, so that
+    the memory-efficient kernel runs it (b*h*s*d copies of k and v instead of b*h*s*s scores)."""
+    return device.kind == "cuda" and gqa and sdpa_kernel_for(device, dtype, False, True, efficient_gqa) == "math"

@@ -1,0 +1,55 @@
+"""Whether an estimate fits: the one rule, used by the planner, the preflight and `fitburst estimate`.
+
+A run fits ``device`` when the upper edge of its estimate's error band (:mod:`fitburst.memory.calibration`) stays
+within the device budget less the headroom (``preflight.safety_margin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitburst.hardware import Device
+from fitburst.spec import SAFETY_MARGIN
+
+from .calibration import band_for
+from .estimator import Estimate
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a plan must stay within on ``device``: budget x (1 - headroom), against the band's upper edge.
+
+    ``scout``: judge an analytic estimate as a predictor of the exact (traced) one that will verify the plan: a
+    plan is worth tracing when the most favourable trace its analytic figure allows (the analytic-vs-traced band's
+    low edge) fits at the traced band's upper edge. The exact check then decides; nothing is accepted on this."""
+
+    device: Device
+    headroom: float = SAFETY_MARGIN
+    scout: bool = False
+
+    @property
+    def limit(self) -> int:
+        return int(self.device.budget_bytes * (1 - self.headroom))
+
+    def judge(self, e: Estimate) -> Estimate:
+        """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing)."""
+        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name)
+        e.safety_margin = self.headroom
+        e.fits = self.needed(e) <= self.limit
+        return e
+
+    def needed(self, e: Estimate) -> int:
+        """The most ``e``'s run may need: its reserved figure at the band's upper edge."""
+        kind, kbit = self.device.kind, _kbit(e)
+        if self.scout:
+            lowest = int(e.reserved_peak_bytes * (1 + band_for("analytic-vs-traced", kind, kbit).low))
+            return band_for("traced", kind, kbit, self.device.name).upper(lowest)
+        return (e.band or band_for(e.method, kind, kbit, self.device.name)).upper(e.reserved_peak_bytes)
+
+    def margin(self, e: Estimate) -> int:
+        """Bytes left under the limit at the band's upper edge (negative: by how much it misses)."""
+        return self.limit - self.needed(e)
+
+
+def _kbit(e: Estimate) -> bool:
+    return e.settings.get("quant", "none") != "none"

@@ -1,0 +1,118 @@
+"""The step-down ladder: the changes people make by hand to fit a run, each with where it applies and its cost.
+
+The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs before a run starts; the OOM step-down
+(:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
+those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
+they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+from fitburst.hardware import Device
+from fitburst.runconfig import TrainSettings
+
+Check = Callable[[TrainSettings, Device], bool]
+Step = Callable[[TrainSettings, Device], TrainSettings]
+Explain = Callable[[TrainSettings, Device], str]
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One change: ``key`` is its ``preflight.allow`` switch; ``cost`` its relative step time (1.0 unchanged; the
+    planner minimises the product); ``midrun``: whether a run resuming its checkpoint may take it (it trains the
+    same model on the same data: no change of dropout, precision, packing or images)."""
+
+    key: str
+    cost: float
+    midrun: bool
+    applies: Check
+    take: Step
+    explain: Explain  # what the change does, said of the settings it is taken from
+
+    def allowed(self, s: TrainSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
+        return (allow or {}).get(self.key, True) and self.applies(s, device)
+
+
+def smaller_batch(s: TrainSettings) -> TrainSettings:
+    """The next micro-batch down (its largest proper divisor: half when even) with gradient accumulation raised
+    so that the effective batch stays exactly the same."""
+    smaller = max(d for d in range(1, s.batch) if s.batch % d == 0)
+    return replace(s, batch=smaller, grad_accum=s.grad_accum * (s.batch // smaller))
+
+
+def _fast_attention(s: TrainSettings, device: Device) -> str:
+    return "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
+
+
+def _lower_resolution(s: TrainSettings, device: Device) -> TrainSettings:
+    """A quarter of the pixels per image: a quarter of the image tokens, and the sequence shorter by the rest."""
+    cut = s.images * (s.image_tokens - s.image_tokens // 4)
+    return replace(s, image_tokens=s.image_tokens // 4, seq_len=max(1, s.seq_len - cut))
+
+
+def _batch_text(s: TrainSettings, device: Device) -> str:
+    t = smaller_batch(s)
+    return (f"micro batch {s.batch} -> {t.batch}, grad_accum {s.grad_accum} -> {t.grad_accum} "
+            f"(same effective batch {s.effective_batch})")
+
+
+# Costs: step time relative to the run as configured. Attention and packing from the kernels' published speed-ups
+# (and benchmarks/packing.py: on the CPU, SDPA with a block mask over one packed row was slower than padded
+# batches, so packing is offered with flash-attn varlen only); checkpointing is one extra forward (~4/3);
+# 4-bit weights dequantize per matmul; a halved micro-batch runs smaller matmuls and more Python per token.
+# Lowering the image resolution or leaving fp32 changes what the model sees or computes: taken after every
+# change that costs only time.
+LADDER: tuple[Rung, ...] = (
+    Rung("attention", 0.9, True,
+         lambda s, d: s.attention == "eager",
+         lambda s, d: replace(s, attention=_fast_attention(s, d)),
+         lambda s, d: f"attention eager -> {_fast_attention(s, d)}: no seq x seq probability matrix kept"),
+    Rung("packing", 0.9, False,
+         lambda s, d: not s.packed_fill and s.batch > 1 and s.attention == "flash" and not s.images,
+         lambda s, d: replace(s, packed_fill=1.0),
+         lambda s, d: "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"),
+    Rung("dropout", 0.98, False,
+         lambda s, d: s.method != "full" and s.dropout > 0,
+         lambda s, d: replace(s, dropout=0.0),
+         lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    Rung("optimizer_8bit", 1.02, True,
+         lambda s, d: s.optimizer == "adamw" and d.supports_bnb,
+         lambda s, d: replace(s, optimizer="adamw8bit"),
+         lambda s, d: "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"),
+    Rung("reduce_batch", 1.12, True,
+         lambda s, d: s.batch > 1,
+         lambda s, d: smaller_batch(s),
+         _batch_text),
+    Rung("gradient_checkpointing", 1.33, True,
+         lambda s, d: not s.grad_checkpointing,
+         lambda s, d: replace(s, grad_checkpointing=True),
+         lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
+                      "(~30 % slower)"),
+    Rung("quantize", 1.4, True,
+         lambda s, d: d.supports_bnb and s.method == "lora" and s.quant == "none",
+         lambda s, d: replace(s, method="qlora", quant="nf4", double_quant=True),
+         lambda s, d: "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"),
+    Rung("precision", 1.5, False,
+         lambda s, d: s.dtype == "fp32" and d.supports_bf16,
+         lambda s, d: replace(s, dtype="bf16"),
+         lambda s, d: "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
+                      "trains stay fp32)"),
+    Rung("resolution", 1.5, False,
+         lambda s, d: s.images > 0 and s.image_tokens >= 4,
+         _lower_resolution,
+         lambda s, d: f"image resolution halved per side: {s.image_tokens} -> {s.image_tokens // 4} language "
+                      f"tokens per image (data.image_max_pixels / 4), "
+                      f"{s.images * (s.image_tokens - s.image_tokens // 4)} fewer per sample"),
+)
+RUNGS = {r.key: r for r in LADDER}
+# each further step of a smaller eval batch: the eval is a small part of the run's time
+EVAL_HALVING_COST = 1.001
+
+
+def next_rung(s: TrainSettings, device: Device, allow: Mapping[str, bool] | None = None,
+              *, midrun: bool = False) -> Rung | None:
+    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run)."""
+    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow)), None)

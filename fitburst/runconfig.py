@@ -1,0 +1,141 @@
+"""One home for a run's settings: :class:`TrainSettings` and the only conversion between it and a PipelineSpec.
+
+The estimator, the trace, the planner and its ladder, the OOM step-down, the probe and `fitburst estimate` all
+read a run as :class:`TrainSettings` made by :func:`settings_from_spec`; whatever changes a run (a plan, a
+step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fitburst.hardware import Device, auto_precision
+from fitburst.spec import PipelineSpec, resolve_quant
+
+# Label positions whose full-vocabulary fp32 logits exist at once in the eval's loss (fitburst.evaluate): the eval
+# never holds batch x seq x vocab logits, and the estimate's eval phase counts one chunk.
+EVAL_CHUNK_TOKENS = 1024
+# Qwen2-VL: 14-pixel patches, 2 x 2 merged into one language token
+QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28
+
+METHODS = ("full", "lora", "qlora")
+QUANTS = ("none", "int8", "nf4", "fp4")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+DTYPES = ("bf16", "fp16", "fp32")
+ATTENTIONS = ("eager", "sdpa", "flash")
+VISION = ("frozen", "projector", "tower")
+
+
+@dataclass
+class TrainSettings:
+    """What decides a training step's memory and speed, as the loop runs it."""
+
+    method: str = "lora"  # full | lora | qlora (LoRA on a quantized base; a quantized "lora" becomes "qlora")
+    quant: str = "none"  # none | int8 | nf4 | fp4
+    double_quant: bool = True
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    batch: int = 1  # micro batch
+    seq_len: int = 512  # padded length (longest sample of the batch)
+    grad_checkpointing: bool = False
+    optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit | sgd
+    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    attention: str = "sdpa"  # eager | sdpa | flash
+    grad_accum: int = 1
+    keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
+    eval_batch: int = 0  # > 0: fitburst's eval step (after training, a fresh load: no optimizer state) at this batch
+    padded: bool | None = None  # batch holds padding (an attention mask reaches the kernel); None: batch > 1
+    packed_fill: float = 0.0  # > 0: padding-free, one packed row per micro-batch of this fraction of batch x seq_len
+    pure_bf16: bool = False  # full fine-tuning steps bf16 weights directly (no autocast, no fp32 master weights)
+    # vision-language models: images per sample and language tokens per image (seq_len already counts them);
+    # what of the vision side trains: frozen | projector | tower
+    images: int = 0
+    image_tokens: int = 0
+    vision: str = "frozen"
+
+    def __post_init__(self) -> None:
+        checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
+                  "optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES),
+                  "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION)}
+        for k, (v, ok) in checks.items():
+            if v not in ok:
+                raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
+        self.quant = resolve_quant(self.method, self.quant)
+        if self.method == "full" and self.quant != "none":
+            raise ValueError("full fine-tuning cannot train quantized weights")
+        if self.method == "lora" and self.quant != "none":
+            self.method = "qlora"
+        if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
+            raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
+
+    @property
+    def kbit(self) -> bool:
+        return self.quant != "none"
+
+    @property
+    def amp(self) -> bool:
+        """The loop runs under autocast (fitburst.device.make_amp): 16-bit precision, not pure bf16."""
+        return self.dtype != "fp32" and not self.pure_bf16
+
+    @property
+    def master_weights(self) -> bool:
+        """Full fine-tuning under autocast keeps fp32 master weights (fitburst.device.weight_dtype)."""
+        return self.method == "full" and self.amp
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch * self.grad_accum
+
+    def describe(self) -> str:
+        m = self.method + (f" r{self.rank}" if self.method != "full" else "")
+        dq = "+dq" if self.double_quant and self.quant in ("nf4", "fp4") else ""
+        q = f" {self.quant}{dq}" if self.kbit else ""
+        ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
+        ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
+        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
+
+
+def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
+                       images: int = 0) -> TrainSettings:
+    """The settings ``spec`` trains with, as fitburst's loop runs it: ``precision: auto`` resolved for ``device``
+    (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample (default
+    ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``: the most
+    images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline."""
+    m, t = spec.method, spec.training
+    dtype = t.precision
+    if dtype == "auto":
+        dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
+    px = spec.data.image_max_pixels
+    vl = {} if px is None else {"images": images, "image_tokens": px // QWEN2_VL_PIXELS_PER_TOKEN, "vision": m.vision}
+    return TrainSettings(
+        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
+        dropout=m.dropout, targets=m.target_modules, batch=t.micro_batch_size, grad_accum=t.grad_accum,
+        seq_len=seq_len or spec.data.max_seq_len, grad_checkpointing=t.gradient_checkpointing,
+        optimizer=t.optimizer, dtype=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
+        keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
+        packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
+        pure_bf16=t.pure_bf16, **vl)
+
+
+def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
+    """``spec`` with ``s`` written into it: what the train, eval and traced steps then run. ``attention: auto``
+    stays auto for SDPA (the loader picks the device's SDPA variant); a lowered image resolution becomes
+    ``data.image_max_pixels``."""
+    method = spec.method.model_copy(update={
+        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "rank": s.rank, "alpha": s.alpha,
+        "dropout": s.dropout, "target_modules": s.targets})
+    attention = "auto" if spec.training.attention == "auto" and s.attention == "sdpa" else s.attention
+    training = spec.training.model_copy(update={
+        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
+        "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
+        "pure_bf16": s.pure_bf16})
+    update = {"method": method, "training": training}
+    px = spec.data.image_max_pixels
+    if s.images and px is not None and s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN < px:
+        update["data"] = spec.data.model_copy(update={"image_max_pixels": s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN})
+    if s.eval_batch:
+        update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})
+    return spec.model_copy(update=update)

@@ -68,7 +68,7 @@ class ErrorBand:
 # CUDA, any other GPU (RTX 4090, A6000, A100, H100, L4 ...): nothing measured. What differs from the T4 and is
 # modelled but unchecked: the attention kernel (FlashAttention-2 on Ampere and newer, for 16-bit compute), the
 # cuBLAS workspaces (32 MiB per handle on Hopper, 4 + 8 MiB before), bitsandbytes' 4-bit kernels per architecture,
-# and the CUDA context, assumed per card, not measured (devices.py; a few hundred MiB, ~1 % of a 24 GB card).
+# and the CUDA context, assumed per card, not measured (fitburst/hardware.py; a few hundred MiB, ~1 % of a 24 GB card).
 # The caching allocator is the same code on every card, but its fragmentation follows the order and sizes of
 # allocations, which other kernels change: the T4's 4-bit rows show how far that alone moves reserved memory
 # (~5 %). So an unmeasured GPU gets its T4 band widened by UNMEASURED_GPU_LOW below and UNMEASURED_GPU_HIGH above.

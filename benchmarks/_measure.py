@@ -66,6 +66,14 @@ ARCHS.update({
     "gemma": dict(model_type="gemma", head_dim=32, tie_word_embeddings=True, **_SMALL),
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0, **{**_SMALL, "num_key_value_heads": 6}),
 })
+# architectures no accuracy figure was taken on before the fresh held-out rows (preflight_accuracy.py --fresh)
+ARCHS.update({
+    "mistral": dict(model_type="mistral", head_dim=32, tie_word_embeddings=False, **_SMALL),
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True, **_SMALL),
+    "stablelm": dict(model_type="stablelm", tie_word_embeddings=False, **_SMALL),
+    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, pad_token_id=0, **_SMALL),
+})
+NEW_ARCHS = ("mistral", "qwen3", "stablelm", "smollm3")
 
 
 def build(arch: str, root: str) -> str:
@@ -145,11 +153,43 @@ def run(cfg: dict) -> dict:
     base = tr_.cur
     losses = []
     amp = make_amp(cfg["dtype"], "cpu")
+    steps = []  # per step: the tracker's and the OS's view (benchmarks/tracker_vs_os.py)
     with tr_:
         for _ in range(cfg.get("steps", 2)):
+            tr_.peak = tr_.cur
+            start, rss_before = tr_.cur, _reset_hwm()
             losses.append(optimizer_step(model, opt, params, [batch], device="cpu",
                                          max_grad_norm=tr.max_grad_norm, amp=amp))
-    return {"peak": tr_.peak, "base": base, "losses": losses}
+            # the process's resident high-water mark since just before the step, and its resident size then
+            steps.append(dict(tracker_start=start, tracker_peak=tr_.peak, rss_before=rss_before,
+                              rss_hwm=_status("VmHWM") if rss_before is not None else None))
+    return {"peak": max(x["tracker_peak"] for x in steps), "base": base, "losses": losses, "steps": steps}
+
+
+def _status(key: str) -> int | None:
+    """A byte figure of /proc/self/status (VmRSS, VmHWM), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> int | None:
+    """Reset the resident high-water mark to the current resident size (Linux: 5 > /proc/self/clear_refs) and
+    return that size; None where it cannot be reset."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status("VmRSS")
 
 
 def _with_images(config, row: dict, images: int, tokens: int, g) -> dict:

@@ -1,22 +1,23 @@
 """T4 rows of ../shared/memory/t4_dev.csv: traced + CUDA rules + allocator replay against the measured allocated
-and reserved figures. The SmolLM2 rows (``fit``) were used to choose the allocator's placement rule, the
-loader's read-ahead and k-bit preparation's cache emptying below; the TinyLlama rows are held out (their errors
-had been seen under earlier models, see the comments). The harness is replayed as it ran: its step, SDPA pinned to
-the memory-efficient kernel with k/v expanded first (:func:`harness_gqa_shim`), and each session's peft."""
+and reserved figures. The SmolLM2 rows (fit) were used to choose the allocator's placement rule, the loader's
+read-ahead and k-bit preparation's cache emptying below; the TinyLlama 4-bit rows were seen while choosing the
+read-ahead (looked-at); the TinyLlama 16-bit rows are held out (:func:`role`). The harness is replayed as it
+ran: its step, SDPA pinned to the memory-efficient kernel with k/v expanded first (:func:`harness_gqa_shim`), and
+each session's peft."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import time
-from pathlib import Path
 from unittest import mock
+
+from _shared import shared_file
 
 from fitburst.memory import TrainSettings, allocator, cuda_kernels, resolve_device
 from fitburst.memory.trace import live_peaks, trace_step
 from fitburst.spec import PipelineSpec
 
-CSV = Path("/work/shared/memory/t4_dev.csv")
 MiB = 1 << 20
 # How the harness's loader and peft behaved (transformers 5.0-5.17, peft 0.19-0.20: both changed in that range).
 # Swept on the SmolLM2 fit rows (4-bit reserved + context, median / worst |error|): read-ahead of the
@@ -48,8 +49,19 @@ EMPTY_CACHE = True
 SESSION_EMPTIES_CACHE = {"t4-sweep-2026-09-15": True, "t4-phase3-2026-09-16": False}
 
 
+def role(r: dict) -> str:
+    """fit, looked-at or held-out (see fitburst/memory/calibration.py): the SmolLM2 rows chose the allocator's
+    placement, the read-ahead and the cache emptying (fit); the TinyLlama 4-bit rows were seen when READ_AHEAD
+    was chosen, and three of them (0-based 8, 20, 21) were read while building the warm-up rule (looked-at); the
+    TinyLlama 16-bit rows chose nothing (held-out)."""
+    if r["model_id"].startswith("HuggingFaceTB/SmolLM2"):
+        return "fit"
+    return "looked-at" if r["quant"] != "none" else "held-out"
+
+
 def rows() -> list[dict]:
-    return list(csv.DictReader(open(CSV)))
+    with open(shared_file("memory/t4_dev.csv")) as f:
+        return list(csv.DictReader(f))
 
 
 def spec_of(r: dict) -> PipelineSpec:

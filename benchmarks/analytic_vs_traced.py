@@ -35,6 +35,12 @@ FIT = ["Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "google/gemma-3-270m", "Q
 HELD_OUT = ["HuggingFaceTB/SmolLM2-135M", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "Qwen/Qwen2.5-3B",
             "meta-llama/Llama-3.2-3B", "microsoft/phi-1_5"]
 MiB = 1 << 20
+# Seeds already printed while the analytic terms were being changed: their rows are looked-at, never held-out
+# (seed 1: two of its configurations were read to find the k-bit terms; seed 2: its phi-1.5 row showed the MLP
+# term; seeds 3 and 4 (--mps): the MPS math-attention terms were re-scored on them; seed 5 was scored once as
+# held-out, --n 40, figures in fitburst/memory/calibration.py). A seed not listed here is held-out the first time it
+# is scored; add it here once it has been.
+LOOKED_AT_SEEDS = {1, 2, 3, 4, 5}
 
 
 def grid(n: int, seed: int, mps: bool = False) -> list[tuple[str, str, TrainSettings]]:
@@ -66,31 +72,37 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mps", action="store_true", help="an Apple MPS device instead of the CUDA GPUs")
     args = ap.parse_args()
+    seen = "looked-at" if args.seed in LOOKED_AT_SEEDS else "held-out"
     rows = []
-    print("| model | device | settings | traced alloc / reserved MiB | analytic alloc / reserved MiB | "
+    print(f"seed {args.seed}: rows of FIT models are fit rows (the reserved term's least squares below); the others "
+          f"are {seen}")
+    print("| model | row | device | settings | traced alloc / reserved MiB | analytic alloc / reserved MiB | "
           "reserved: traced / analytic - 1 |")
-    print("|---|---|---|---:|---:|---:|")
+    print("|---|---|---|---|---:|---:|---:|")
     for model, dev, s in grid(args.n, args.seed, args.mps):
         device = resolve_device(dev)
         spec = PipelineSpec.model_validate(dict(name="g", model=dict(name=model), data=dict(path="x.jsonl")))
         try:
             t = traced_estimate(spec, s, device, seq_len=s.seq_len)
         except TraceUnsupported as e:
-            print(f"| {model} | {dev} | {s.describe()} | refused: {e} | | |")
+            print(f"| {model} | | {dev} | {s.describe()} | refused: {e} | | |")
             continue
         shape = load_shape(model)
         a = estimate(shape, s, device, calibrate=False)
-        rows.append(dict(model=model, ckpt=s.grad_checkpointing, t_alloc=t.allocated_peak_bytes,
-                         t_res=t.reserved_peak_bytes, a_alloc=a.allocated_peak_bytes, a_res=a.reserved_peak_bytes,
+        rows.append(dict(model=model, role="fit" if model in FIT else seen, ckpt=s.grad_checkpointing,
+                         t_alloc=t.allocated_peak_bytes, t_res=t.reserved_peak_bytes,
+                         a_alloc=a.allocated_peak_bytes, a_res=a.reserved_peak_bytes,
                          logits=4 * s.batch * s.seq_len * shape.vocab))
         r = rows[-1]
-        print(f"| {model.split('/')[1]} | {dev} | {s.describe()} | {r['t_alloc'] / MiB:,.0f} / {r['t_res'] / MiB:,.0f} "
-              f"| {r['a_alloc'] / MiB:,.0f} / {r['a_res'] / MiB:,.0f} | {r['t_res'] / r['a_res'] - 1:+.1%} |")
+        print(f"| {model.split('/')[1]} | {r['role']} | {dev} | {s.describe()} | {r['t_alloc'] / MiB:,.0f} / "
+              f"{r['t_res'] / MiB:,.0f} | {r['a_alloc'] / MiB:,.0f} / {r['a_res'] / MiB:,.0f} | "
+              f"{r['t_res'] / r['a_res'] - 1:+.1%} |")
     print("\ntraced / analytic - 1 (the scale of calibration's analytic-vs-traced band):")
-    for name, sel in (("with checkpointing", True), ("without", False)):
-        rr = [r for r in rows if r["ckpt"] == sel]
-        print(f"  {name}: allocated {_range([r['t_alloc'] / r['a_alloc'] - 1 for r in rr])}; "
-              f"reserved {_range([r['t_res'] / r['a_res'] - 1 for r in rr])}")
+    for role in ("fit", seen):
+        for name, sel in (("with checkpointing", True), ("without", False)):
+            rr = [r for r in rows if r["ckpt"] == sel and r["role"] == role]
+            print(f"  {role} rows, {name}: allocated {_range([r['t_alloc'] / r['a_alloc'] - 1 for r in rr])}; "
+                  f"reserved {_range([r['t_res'] / r['a_res'] - 1 for r in rr])}")
     if args.mps:
         return
     fit = np.array([r["model"] in FIT for r in rows])

@@ -6,14 +6,19 @@
     dispatch-level storage tracker (exact live tensor bytes), against the traced estimate
     (fitburst.memory.trace.trace_step: the same functions under FakeTensorMode) and the analytic one;
 (t4) ../shared/memory/t4_dev.csv: the harness's step traced at full size, CUDA-kernel rules, caching-allocator
-    replay, against measured max_memory_allocated and max_memory_reserved + context. The SmolLM2-135M rows were
-    used to choose the allocator's driver-placement rule ("fit row"); the TinyLlama rows are held out;
+    replay, against measured max_memory_allocated and max_memory_reserved + context. Each row is marked fit (the
+    SmolLM2-135M rows chose the allocator's rules), looked-at (TinyLlama 4-bit: seen while choosing the loader's
+    rules) or held-out (TinyLlama 16-bit);
 (c) published peaks in ../shared/memory/calibration.csv (LitGPT and torchtune code paths, not ours) against
     the analytic estimate for the same settings on the GPU they ran on;
 (7b) the time to trace Qwen2.5-7B LoRA (batch 1 x 1024, two steps).
 
 Prints per-row error, median / worst absolute error per group, and the trace time per configuration.
-Usage: python benchmarks/preflight_accuracy.py [--parts a,t4,c,7b] [--quick] [--json out.json]
+Usage: python benchmarks/preflight_accuracy.py [--parts a,t4,c,7b] [--quick] [--json out.json] [--fresh SEED]
+       [--shared DIR]
+Rows are marked fit, looked-at or held-out (see fitburst/memory/calibration.py). Part a's CPU_CASES are looked-at;
+``--fresh SEED`` runs part a on configurations drawn by SEED instead: held-out the first time a seed is scored
+(seed 27 has been). ../shared is found beside the repository, or given with --shared.
 
 Optional comparison with fitcheck-llm (https://pypi.org/project/fitcheck-llm/, T4-calibrated): when the interpreter
 in $FITCHECK_PYTHON (default /tmp/fitcheck-venv/bin/python) can import ``fitcheck``, benchmarks/_fitcheck.py runs
@@ -214,6 +219,32 @@ def attach_fitcheck(rows: list[dict], answers: list[dict]) -> None:
         r["fitcheck"] = f
 
 
+def fresh_cases(seed: int, n: int) -> list[dict]:
+    """``n`` configurations drawn by ``seed``, for rows nothing was ever chosen on (score each seed once, after the
+    last change to the model, and never change the model on what they show). Half of them are architectures no
+    earlier row used (_measure.NEW_ARCHS)."""
+    import random
+
+    from _measure import ARCHS, NEW_ARCHS
+
+    rng = random.Random(seed)
+    old = [a for a in ARCHS if a not in NEW_ARCHS]
+    out = []
+    for i in range(n):
+        arch = rng.choice(NEW_ARCHS if i % 2 == 0 else old)
+        method = rng.choice(["lora", "lora", "qlora", "full"])
+        c = dict(arch=arch, dtype=rng.choice(["fp32", "bf16"]), method="lora" if method == "qlora" else method,
+                 batch=rng.choice([1, 2, 4]), seq_len=rng.choice([64, 128, 256, 512]),
+                 grad_checkpointing=rng.random() < 0.4, optimizer=rng.choice(["adamw", "adamw", "adamw8bit"]))
+        if method != "full":
+            c.update(rank=rng.choice([4, 8, 16, 32]), dropout=rng.choice([0.0, 0.0, 0.05]),
+                     targets="all-linear" if arch in ("gpt_neox", "phi3") or rng.random() < 0.5 else QV)
+        if method == "qlora":
+            c.update(quant="nf4", double_quant=rng.random() < 0.5)
+        out.append(c)
+    return out
+
+
 def settings_of(c: dict) -> TrainSettings:
     return TrainSettings(
         method=c["method"],
@@ -252,9 +283,9 @@ def measure(cases: list[dict], root: str) -> list[dict]:
     return out
 
 
-def part_a(quick: bool) -> list[dict]:
+def part_a(quick: bool, cases: list[dict] | None = None) -> list[dict]:
     """Real CPU steps (the project's build_model + optimizer_step, live tensor bytes) against the traced estimate
-    (and the analytic one)."""
+    (and the analytic one); ``cases`` defaults to CPU_CASES (looked-at rows)."""
     import time
 
     from fitburst.memory.trace import TraceUnsupported, trace_step
@@ -262,7 +293,8 @@ def part_a(quick: bool) -> list[dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from _measure import spec_of
 
-    cases = CPU_CASES[::2] if quick else CPU_CASES
+    if cases is None:
+        cases = CPU_CASES[::2] if quick else CPU_CASES
     dev = resolve_device("cpu:64GiB")
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -294,8 +326,8 @@ def part_a(quick: bool) -> list[dict]:
 
 def part_t4() -> list[dict]:
     """t4_dev.csv: traced step (the harness's step) + CUDA rules + allocator replay vs measured allocated and
-    reserved + context. The SmolLM2-135M rows chose the allocator's placement rule (fit); the rest are held out."""
-    from _t4 import predict, settings_of
+    reserved + context; each row marked fit, looked-at or held-out (``_t4.role``)."""
+    from _t4 import predict, role, settings_of
     from _t4 import rows as t4_rows
 
     from fitburst.memory.trace import TraceUnsupported
@@ -304,7 +336,7 @@ def part_t4() -> list[dict]:
     for r in t4_rows():
         ctx = float(r["cuda_context_mib"])
         row = dict(case=f"{r['model_id'].split('/')[1]} {r['quant']} {r['attention'][:5]} b{r['batch_size']} "
-                        f"s{r['seq_len']}", fit=r["model_id"].startswith("HuggingFaceTB/SmolLM2"),
+                        f"s{r['seq_len']}", role=role(r),
                    measured_alloc=float(r["measured_peak_allocated_mib"]),
                    measured_total=float(r["measured_peak_reserved_mib"]) + ctx)
         try:
@@ -344,8 +376,8 @@ def _stats(errs: list[float]) -> str:
     return f"n={len(a)} median |error| {statistics.median(a):.2%}, worst {max(a):.2%}"
 
 
-def show_a(rows: list[dict]) -> dict:
-    print("\n## (a) CPU training steps: traced vs measured live tensor bytes (analytic error beside)\n")
+def show_a(rows: list[dict], role: str = "looked-at: CPU_CASES") -> dict:
+    print(f"\n## (a) CPU training steps ({role}): traced vs measured live tensor bytes (analytic error beside)\n")
     print("| case | padded | measured MiB | traced MiB | traced error | analytic error | trace s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -366,20 +398,21 @@ def show_a(rows: list[dict]) -> dict:
 
 def show_t4(rows: list[dict]) -> dict:
     print("\n## (b) T4 (t4_dev.csv): predicted vs measured allocated and reserved + context\n")
-    print("| case | fit row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error "
+    print("| case | row | allocated MiB meas / pred | error | reserved+ctx MiB meas / pred | error "
           "| analytic error | trace s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.0f} | {r['error']} | "
+            print(f"| {r['case']} | {r['role']} | {r['measured_alloc']:,.0f} | {r['error']} | "
                   f"{r['measured_total']:,.0f} | | |")
             continue
-        print(f"| {r['case']} | {r['fit']} | {r['measured_alloc']:,.1f} / {r['alloc']:,.1f} | {r['alloc_err']:+.2%} "
+        print(f"| {r['case']} | {r['role']} | {r['measured_alloc']:,.1f} / {r['alloc']:,.1f} | {r['alloc_err']:+.2%} "
               f"| {r['measured_total']:,.0f} / {r['total']:,.0f} | {r['total_err']:+.2%} | {r['analytic_err']:+.1%} "
               f"| {r['trace_s']:.1f} |")
     out = {}
-    for name, sel in (("fit rows", True), ("held-out rows", False)):
-        rr = [r for r in rows if r["fit"] == sel and "error" not in r]
+    for sel in ("fit", "looked-at", "held-out"):
+        name = f"{sel} rows"
+        rr = [r for r in rows if r["role"] == sel and "error" not in r]
         out[name] = dict(allocated=_stats([r["alloc_err"] for r in rr]),
                          total=_stats([r["total_err"] for r in rr]))
         print(f"{name}: allocated {out[name]['allocated']}; reserved + context {out[name]['total']}")
@@ -389,7 +422,8 @@ def show_t4(rows: list[dict]) -> dict:
                 print(f"  {label}: reserved + context {min(errs):+.2%} .. {max(errs):+.2%}")
     an = [r["analytic_err"] for r in rows if "analytic_err" in r]  # nothing of the analytic model is fitted here
     out["analytic"] = f"{_stats(an)}, {min(an):+.1%} .. {max(an):+.1%}" if an else "n=0"
-    print(f"analytic (every row held out): reserved + context {out['analytic']}")
+    # no analytic term is fitted to these rows, but they were re-scored while its terms were changed
+    print(f"analytic (every row looked-at): reserved + context {out['analytic']}")
     print(f"refused by the trace: {sum('error' in r for r in rows)} of {len(rows)}")
     return out
 
@@ -408,9 +442,9 @@ TARGETS = {
 
 
 def part_b() -> list[dict]:
-    path = ROOT.parent / "shared" / "memory" / "calibration.csv"
-    if not path.exists():
-        path = Path("/work/shared/memory/calibration.csv")
+    from _shared import shared_file
+
+    path = shared_file("memory/calibration.csv")
     rows = []
     for r in csv.DictReader(open(path)):
         method = r["method"]
@@ -537,13 +571,22 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="half of the CPU cases")
     ap.add_argument("--parts", default="a,t4,c,7b", help="which parts: a (CPU), t4, c (calibration.csv), 7b")
     ap.add_argument("--json", help="write rows and summaries here")
+    ap.add_argument("--fresh", type=int, metavar="SEED",
+                    help="part a on 12 configurations drawn by SEED instead of CPU_CASES: held-out rows, if the "
+                         "seed was never scored before")
+    ap.add_argument("--shared", help="folder holding memory/t4_dev.csv and memory/calibration.csv "
+                                     "(default: ../shared beside the repository)")
     args = ap.parse_args()
+    if args.shared:
+        os.environ["FITBURST_SHARED"] = args.shared  # read by benchmarks/_shared.py
     parts = set(args.parts.split(","))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     out: dict = {}
     if "a" in parts:
-        a = part_a(args.quick)
-        out.update(a=a, summary_a=show_a(a))
+        fresh = fresh_cases(args.fresh, 12) if args.fresh is not None else None
+        a = part_a(args.quick, fresh)
+        out.update(a=a, summary_a=show_a(a, "held-out: fresh configurations of seed "
+                                               f"{args.fresh}" if fresh else "looked-at: CPU_CASES"))
     if "t4" in parts:
         t = part_t4()
         out.update(t4=t, summary_t4=show_t4(t))

@@ -144,17 +144,26 @@ def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
         return report, None
     import torch
 
+    from fitburst.oom import oom_kind
+
     try:
         result = probe(report.planned, prepared, steps=steps, estimate=report.estimate)
-    except torch.OutOfMemoryError:  # the probe itself did not fit: at least the whole device was needed
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+        kind = oom_kind(e)  # CUDA's OutOfMemoryError, MPS's and the CPU allocator's RuntimeError, MemoryError
+        if kind is None:
+            raise
+        # the probe itself did not fit: at least the whole device was needed
         import gc
 
+        del e
         gc.collect()
-        if torch.cuda.is_available():
+        if kind == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        elif kind == "mps" and torch.backends.mps.is_available():
+            torch.mps.empty_cache()
         est = report.estimate.comparable_bytes(report.device.kind)
         total = report.device.total_bytes
-        result = {"device": report.device.name, "oom": True, "measured_peak_bytes": total,
+        result = {"device": report.device.name, "oom": kind, "measured_peak_bytes": total,
                   "estimated_peak_bytes": est, "ratio": total / est if est else None,
                   "measured_rss_peak_bytes": None, "seq_len": report.seq_len, "seconds": None}
     new = replan(spec, report, result)

@@ -1,7 +1,9 @@
 """A training process for the fault tests (crash, OOM, outage): the flow's local path without Prefect.
 
     python tests/fault_child.py '<json>'   keys: pipelines_file, pipeline, overrides, step_sleep (seconds added to
-                                           each optimizer step, so a test can act mid-run), mlflow (bool)
+                                           each optimizer step, so a test can act mid-run), mlflow (bool),
+                                           device (default "cpu": the faults these tests cause are the CPU's,
+                                           an address-space limit among them, on a GPU host too)
 
 Prints one JSON line (the TrainResult plus the MLflow run id) on success. Environment as the test sets it
 (FITBURST_RUNS_DIR, FITBURST_CACHE, MLFLOW_TRACKING_URI).
@@ -39,7 +41,7 @@ def main() -> int:
     print(json.dumps({"mlflow_run_id": tracker.run_id if tracker else None}), flush=True)
     status = "FAILED"
     try:
-        result = train_local_run(spec, prepared, tracker, progress=False)
+        result = train_local_run(spec, prepared, tracker, device=cfg.get("device", "cpu"), progress=False)
         status = "FINISHED"
     finally:
         if tracker is not None:

@@ -9,8 +9,6 @@ import pytest
 
 from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
 
-pytest.importorskip("mlflow")
-
 # (tags, metrics): measured / estimated ratios known by construction
 RUNS = [
     *[({"device": "cuda", "path": "cloud", "cloud.gpu": "A100-80GB"},

@@ -26,6 +26,13 @@ def monkeypatch_module():
         yield mp
 
 
+def host_device() -> str:
+    """Where the demo trains on this host with ``preflight.device: auto``: the README's own run."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
 def client():
     from mlflow.tracking import MlflowClient
 
@@ -38,7 +45,7 @@ def test_demo_run_is_recorded_in_mlflow(demo_run):
     p, m, t = run.data.params, run.data.metrics, run.data.tags
     assert p["model.name"] == "fitburst/tiny-demo" and p["method.type"] == "lora"
     assert p["training.max_steps"] == "150" and "data.content_hash" in p
-    assert t["pipeline"] == "demo" and t["path"] == "local" and t["device"] == "cpu"
+    assert t["pipeline"] == "demo" and t["path"] == "local" and t["device"] == host_device()
     assert t["verdict"] == "local" and t["fitburst.version"]
     for key in ("memory.estimated_peak_bytes", "memory.measured_peak_bytes", "eval.base_loss", "eval.tuned_loss"):
         assert m[key] > 0, key
@@ -61,8 +68,11 @@ def test_adapter_from_mlflow_reproduces_the_logged_eval_loss(demo_run, demo_spec
 
     run_id = demo_run["mlflow_run_id"]
     adapter = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="adapter", dst_path=str(tmp_path))
-    ev = evaluate(demo_spec, demo_prepared, adapter, device="cpu", precision="fp32")
-    logged = client().get_run(run_id).data.metrics
+    run = client().get_run(run_id)
+    # evaluated again where and how the run evaluated (a GPU host trains and evaluates there, in its precision)
+    ev = evaluate(demo_spec, demo_prepared, adapter, device=run.data.tags["device"],
+                  precision=run.data.tags["precision"])
+    logged = run.data.metrics
     assert ev.tuned_loss == pytest.approx(logged["eval.tuned_loss"], rel=1e-4)
     assert ev.base_loss == pytest.approx(logged["eval.base_loss"], rel=1e-4)
 
@@ -112,6 +122,32 @@ def test_failed_run_ends_failed_in_mlflow(prefect_server, tmp_path):
     runs = client().search_runs([client().get_experiment_by_name("fitburst").experiment_id],
                                 "tags.pipeline = 'broken'")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_pipeline_with_probe_measures_real_steps_before_training(prefect_server, pipelines_file, tmp_path):
+    """``preflight.probe: true`` in a pipeline: the preflight node runs real optimizer steps of the planned run on
+    the longest batch, records the measured peak beside the estimate in the run, and times the run from them."""
+    import mlflow
+
+    from flows.finetune import finetune
+
+    out = finetune(pipeline="demo", pipelines_file=str(pipelines_file),
+                   overrides={"preflight.probe": True, "preflight.device": "cpu", "training.max_steps": 4,
+                              "training.log_every": 2, "eval.samples": 1, "eval.max_new_tokens": 4,
+                              "eval.max_batches": 1})
+    run = client().get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and out["verdict"] == "local"
+    m, t = run.data.metrics, run.data.tags
+    assert t["probe.device"] == "cpu" and m["memory.probe_replanned"] == 0.0
+    assert m["memory.probe_peak_bytes"] > 0 and m["memory.probe_tokens_per_s"] > 0
+    # measured by the probe's tensor tracker on real steps vs the estimate: a real measurement, not a copy
+    assert 0.9 < m["memory.probe_peak_bytes"] / m["memory.probe_estimated_bytes"] < 1.1, m
+    probe = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path),
+                                                                artifact_path="preflight/probe.json")).read_text())
+    assert probe["steps"] == 2 and probe["seq_len"] == m["memory.probe_seq_len"]
+    report = json.loads(Path(mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, dst_path=str(tmp_path), artifact_path="preflight/report.json")).read_text())
+    assert report["local_hours_source"].startswith("probe: "), report["local_hours_source"]  # timed by the probe
 
 
 def test_bad_spec_fails_before_any_run_exists(prefect_server, pipelines_file):

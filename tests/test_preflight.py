@@ -189,9 +189,14 @@ def traced_like(shape, factor: float, calls: list):
 def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_rung_further():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
-    dev = resolve_device("A6000")
+    first: list = []  # the plan the search traces first (the cheapest worth tracing)
+    plan_fit(shape, s, resolve_device("A6000"), exact=traced_like(shape, 1.0, first))
+    need = estimate(shape, first[0], resolve_device("A6000")).reserved_peak_bytes
+    # a card where that plan fits by the traced band's upper edge, whatever the band's width
+    card = band_for("traced", "cuda").upper(need) / 0.97 * 1.01 + resolve_device("cuda:1GiB").context_bytes
+    dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
 
-    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its band's upper edge
+    plain = plan_fit(shape, s, dev)  # analytic alone: planned for its (wider) band's upper edge
     assert plain.settings.grad_checkpointing
     agreed_calls: list = []
     agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))
@@ -213,7 +218,7 @@ def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = TrainSettings(method="lora", rank=16, batch=2, seq_len=2048)
     need = estimate(shape, s, resolve_device("A100-80GB")).reserved_peak_bytes
-    lower = 1 + 0.8 * band_for("analytic-vs-traced", "cuda").low  # a trace that much under the analytic figure
+    lower = 1 + 0.95 * band_for("analytic-vs-traced", "cuda").low  # a trace that much under the analytic figure
     assert lower < 0.97
     ctx = resolve_device("cuda:1GiB").context_bytes
     card = band_for("traced", "cuda").upper(int(need * lower)) / 0.97 / 0.995 + ctx

@@ -24,7 +24,7 @@ def short_runs(pipelines_file, demo_prepared, tmp_path_factory):
         spec = load_pipeline(pipelines_file, "demo", {"training.max_steps": steps, "training.log_every": 1,
                                                       "eval.samples": 0, "tracking.register_as": "tracking-test"})
         result = train(spec, demo_prepared, tmp_path_factory.mktemp(f"run{steps}"), progress=False)
-        ev = evaluate(spec, demo_prepared, result.adapter_dir, device="cpu", precision=result.precision)
+        ev = evaluate(spec, demo_prepared, result.adapter_dir, device=result.device, precision=result.precision)
         out[steps] = (spec, result, ev)
     assert out[40][2].tuned_loss < out[3][2].tuned_loss
     return out

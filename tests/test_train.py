@@ -1,18 +1,22 @@
-"""The training recipe on CPU: it learns, checkpoints, resumes after an interruption or a crash, runs QLoRA
-through real bitsandbytes, and refuses what a device cannot do before loading anything."""
+"""The training recipe on CPU (pinned with ``preflight.device: cpu``, so a GPU host runs the same tests): it learns,
+checkpoints, resumes after an interruption or a crash, runs QLoRA through real bitsandbytes, and refuses what a
+device cannot do before loading anything."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from fitburst.device import DeviceError, check_quant_supported, select_device
 from fitburst.train import latest_checkpoint, train
 
 
 def small(spec, **training):
-    return spec.model_copy(update={"training": spec.training.model_copy(update=training)})
+    """``spec`` with ``training`` changed, on the CPU whatever this host has."""
+    return spec.model_copy(update={"training": spec.training.model_copy(update=training),
+                                   "preflight": spec.preflight.model_copy(update={"device": "cpu"})})
 
 
 def test_train_learns_and_writes_run_folder(tmp_path, demo_spec, demo_prepared):
@@ -63,7 +67,7 @@ def test_quantized_base_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, dem
     from fitburst.train import build_model
 
     qlora = demo_spec.method.model_copy(update={"type": "qlora", "quant": quant})
-    spec = demo_spec.model_copy(update={"method": qlora})
+    spec = small(demo_spec.model_copy(update={"method": qlora}))
     model, _ = build_model(spec, "cpu", "fp32")
     assert any(isinstance(m, getattr(bnb.nn, layer)) for m in model.modules())
     del model
@@ -75,6 +79,11 @@ def test_quantized_base_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, dem
 def test_device_refusals():
     with pytest.raises(DeviceError, match="bitsandbytes .* MPS"):
         check_quant_supported("nf4", "mps")
-    with pytest.raises(DeviceError, match="no cuda device"):
-        select_device("T4")
-    assert select_device("auto") == "cpu"
+    if torch.cuda.is_available():
+        assert select_device("T4") == "cuda"  # a named GPU trains on this host's GPU
+    else:
+        with pytest.raises(DeviceError, match="no cuda device"):
+            select_device("T4")
+    best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert select_device("auto") == best
+    assert select_device("cpu") == "cpu"

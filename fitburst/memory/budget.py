@@ -33,7 +33,7 @@ class Budget:
 
     def judge(self, e: Estimate) -> Estimate:
         """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing)."""
-        e.band = band_for(e.method, self.device.kind, _kbit(e))
+        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name)
         e.safety_margin = self.headroom
         e.fits = self.needed(e) <= self.limit
         return e
@@ -43,8 +43,8 @@ class Budget:
         kind, kbit = self.device.kind, _kbit(e)
         if self.scout:
             lowest = int(e.reserved_peak_bytes * (1 + band_for("analytic-vs-traced", kind, kbit).low))
-            return band_for("traced", kind, kbit).upper(lowest)
-        return (e.band or band_for(e.method, kind, kbit)).upper(e.reserved_peak_bytes)
+            return band_for("traced", kind, kbit, self.device.name).upper(lowest)
+        return (e.band or band_for(e.method, kind, kbit, self.device.name)).upper(e.reserved_peak_bytes)
 
     def margin(self, e: Estimate) -> int:
         """Bytes left under the limit at the band's upper edge (negative: by how much it misses)."""

@@ -150,6 +150,7 @@ def _print_human(shape, settings, device, est, plan) -> None:
     t.add_row(f"upper edge of the error band ({est.band.high:+.0%})", g(est.band.upper(est.reserved_peak_bytes)))
     t.add_row(f"budget (less {est.safety_margin:.0%} headroom)", g(est.budget_bytes * (1 - est.safety_margin)))
     con.print(t)
+    con.print(f"error band: {est.band.describe()}")
     p = est.params
     con.print(f"params: {p['total'] / 1e9:.3f} B total, {p['trainable'] / 1e6:.2f} M trainable")
     if est.fits:

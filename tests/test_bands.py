@@ -1,0 +1,87 @@
+"""Error bands by evidence: a GPU with measured runs gets its own band, any other GPU a wider one the report calls
+"not measured on this GPU", and no band against a CUDA measurement is narrower than two measurements of one
+configuration differ. The measurements are the T4 archive (tests/fixtures/t4_dev.csv, a copy of
+../shared/memory/t4_dev.csv)."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
+from fitburst.memory.calibration import BANDS, GPU_BANDS, band_for, measured_gpu
+
+T4_CSV = Path(__file__).resolve().parent / "fixtures" / "t4_dev.csv"
+SETTINGS = ("model_id", "attention", "quant", "precision", "optimizer", "lora_rank", "lora_alpha", "lora_dropout",
+            "lora_targets", "grad_checkpoint", "batch_size", "seq_len")
+
+
+def run_to_run_spread() -> float:
+    """The largest relative difference in reserved + context between measurements of one configuration."""
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for r in csv.DictReader(open(T4_CSV)):
+        groups[tuple(r[k] for k in SETTINGS)].append(float(r["measured_peak_reserved_mib"])
+                                                    + float(r["cuda_context_mib"]))
+    repeated = [max(v) / min(v) - 1 for v in groups.values() if len(v) > 1]
+    assert len(repeated) >= 2, "the archive holds repeated configurations"
+    return max(repeated)
+
+
+def test_no_cuda_band_is_narrower_than_the_run_to_run_spread():
+    spread = run_to_run_spread()
+    assert 0.01 < spread < 0.02
+    cuda = {k: b for k, b in {**BANDS, **GPU_BANDS}.items() if k[1].startswith("cuda") and k[0] != "analytic-vs-traced"}
+    assert len(cuda) >= 6
+    for key, band in cuda.items():
+        assert band.low <= -spread + 1e-4 and band.high >= spread - 1e-4, (key, band)
+
+
+@pytest.mark.parametrize("name", ["T4", "cuda (Tesla T4)", "cuda (NVIDIA T4)"])
+def test_the_measured_gpu_gets_its_own_band_with_its_row_count(name):
+    assert measured_gpu(name) == "T4"
+    for kbit in (False, True):
+        band = band_for("traced", "cuda", kbit, name)
+        assert band.measured and band.rows > 0 and "T4" in band.source
+    rows = list(csv.DictReader(open(T4_CSV)))
+    assert band_for("analytic", "cuda", gpu=name).rows == len(rows)  # every archived run stands behind it
+    assert band_for("traced", "cuda", gpu=name).rows == sum(
+        r["quant"] == "none" and r["model_id"].startswith("TinyLlama") for r in rows)  # the held-out 16-bit runs
+
+
+@pytest.mark.parametrize("name", ["RTX4090", "A6000", "H100", "cuda (NVIDIA A100-SXM4-80GB)", "cuda:24GiB", None])
+def test_an_unmeasured_gpu_gets_a_wider_band_that_says_so(name):
+    assert measured_gpu(name) is None
+    for method in ("analytic", "traced"):
+        for kbit in (False, True):
+            t4, other = band_for(method, "cuda", kbit, "T4"), band_for(method, "cuda", kbit, name)
+            assert not other.measured and other.rows == 0
+            assert other.low < t4.low and other.high > t4.high
+            assert "not measured on this GPU" in other.describe()
+
+
+def test_the_verdict_and_the_estimate_cli_say_when_the_gpu_was_not_measured(capsys):
+    from fitburst.memory.cli import main
+
+    shape, s = load_shape("Qwen2.5-0.5B"), TrainSettings(method="lora", batch=1, seq_len=512)
+    on_t4, on_4090 = plan_fit(shape, s, resolve_device("T4")), plan_fit(shape, s, resolve_device("RTX4090"))
+    assert on_t4.estimate.band.measured and on_t4.estimate.band.rows == 29
+    assert not on_4090.estimate.band.measured
+    assert on_4090.estimate.to_dict()["band"]["measured"] is False  # what the report and MLflow record
+    assert main(["--model", "Qwen2.5-0.5B", "--seq-len", "512", "--device", "RTX4090"]) == 0
+    assert "not measured on this GPU" in " ".join(capsys.readouterr().out.split())
+    assert main(["--model", "Qwen2.5-0.5B", "--seq-len", "512", "--device", "T4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "not measured on this GPU" not in out and "29 measured runs" in out
+
+
+def test_the_preflight_report_says_when_the_gpu_was_not_measured(demo_spec, demo_prepared):
+    from fitburst.preflight import preflight
+
+    seq = demo_prepared.stats["max"]
+    on_a6000, on_t4 = preflight(demo_spec, seq, "A6000"), preflight(demo_spec, seq, "T4")
+    assert not on_a6000.estimate.band.measured and "not measured on this GPU" in on_a6000.to_markdown()
+    assert on_a6000.to_dict()["estimate"]["band"]["measured"] is False  # report.json in the MLflow run
+    assert on_t4.estimate.band.measured and "not measured on this GPU" not in on_t4.to_markdown()

@@ -245,18 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+HEAVY_COMMANDS = {"run", "prepare", "preflight", "train", "merge"}  # these import transformers anyway
+
+
 def main(argv: list[str] | None = None) -> int:
+    from fitburst import logs
     from fitburst.errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
+        logs.setup("serve", verbose=False)
         from flows.serve import cli as serve_cli
 
         return serve_cli(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
-    for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.setup(args.command, verbose=args.verbose)
+    if args.command in HEAVY_COMMANDS:
+        logs.route_transformers()
     try:
         return args.func(args) or 0
     except UserError as e:

@@ -95,12 +95,26 @@ def quiet_user_errors() -> None:
             logger.addFilter(UserErrorWithoutTraceback())
 
 
-def route_transformers() -> None:
-    """transformers prints through its own stderr handler; hand its records to ours (imports it: ~1 s)."""
-    from transformers.utils import logging as hf_logging
+def _adopt(name: str) -> None:
+    """Make a library logger that prints through its own console handler send its records to ours instead."""
+    logger = logging.getLogger(name)
+    for h in list(logger.handlers):
+        if type(h) is logging.StreamHandler:
+            logger.removeHandler(h)
+    logger.propagate = True
 
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
+
+def route_libraries(transformers: bool = False) -> None:
+    """huggingface_hub (and, with ``transformers``, transformers: an import of about a second, which the commands
+    that load a model pay anyway) print through handlers of their own at import; hand their records to ours."""
+    import huggingface_hub.utils.logging  # noqa: F401  (its import adds the handler _adopt removes)
+
+    _adopt("huggingface_hub")
+    if transformers:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
 
 
 def setup(command: str, verbose: bool = False) -> Path | None:

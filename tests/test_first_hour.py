@@ -1,0 +1,123 @@
+"""A new user's first hour through the real CLI: a data mistake is one message from every command (no Prefect
+traceback), `validate` reads the data, and `fitburst run demo` prints only fitburst's own lines.
+
+*fitburst's line*, precisely: on stderr, a line the console formatter of ``fitburst.logs`` wrote (``fitburst: ``,
+or a two-space continuation of such a record) or the CLI's own ``error: `` / ``warning: `` message; on stdout, the
+run summary (one JSON document). Anything else (Prefect's engine and server, MLflow, alembic, transformers, the hub
+client, progress bars, Python warnings) belongs in the log file under ``logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitburst.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+FITBURST_LINE = re.compile(r"^(fitburst: |  |error: |warning: )")
+
+
+def fitburst(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess with its own run folders, Prefect home and MLflow store. Prefect and MLflow
+    settings of the test session are dropped, so the CLI's own defaults (telemetry off) are what runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env.update(PYTHONPATH=str(REPO), FITBURST_RUNS_DIR=str(cwd / "runs"), PREFECT_HOME=str(cwd / "prefect"),
+               MLFLOW_TRACKING_URI=f"sqlite:///{cwd / 'mlflow.db'}")
+    return subprocess.run([sys.executable, "-m", "fitburst.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def not_fitburst_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and not FITBURST_LINE.match(line)]
+
+
+@pytest.fixture
+def broken_data(tmp_path: Path) -> tuple[Path, Path]:
+    """A pipelines file whose data has a bad JSON line 42 (the demo instructions otherwise)."""
+    lines = (REPO / "fitburst/demo/instructions.jsonl").read_text().splitlines()
+    lines[41] = '{"instruction": "x", "output": '
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    pipelines = tmp_path / "my.yaml"
+    pipelines.write_text(f"""pipelines:
+  broken-data:
+    model: {{name: fitburst/tiny-demo}}
+    data: {{path: {data}, format: alpaca, max_seq_len: 128}}
+    training: {{max_steps: 2}}
+    burst: {{policy: never}}
+""")
+    return pipelines, data
+
+
+def test_run_with_a_bad_data_line_prints_one_message(broken_data, tmp_path):
+    pipelines, data = broken_data
+    proc = fitburst(["run", "broken-data", "--file", str(pipelines)], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"error: {data}:42: not valid JSON: Expecting value (column 32) (fix it, or "
+                                        "set data.skip_invalid: true to count and skip bad records)"]
+    # the engine's records went to the log file, each one line without a traceback
+    log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*-run-*.log"))
+    assert "Task run failed with exception: DataError" in log and "Traceback" not in log
+
+
+def test_validate_reads_the_data(broken_data, capsys):
+    pipelines, data = broken_data
+    assert main(["validate", str(pipelines)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: pipeline 'broken-data': {data}:42: not valid JSON" in err
+    assert main(["validate", str(pipelines), "--no-data"]) == 0
+    assert "1 pipeline(s) valid (settings)" in capsys.readouterr().out
+
+
+def test_validate_of_a_missing_file_advises_what_validate_takes(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nosuchfile.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "nosuchfile.yaml: file not found" in err and "--file" not in err
+    assert "fitburst validate PATH" in err
+
+
+def test_validate_names_an_unknown_chat_role(tmp_path, capsys):
+    data = REPO / "tests/corpus/data/messages_unknown_role.jsonl"
+    pipelines = tmp_path / "p.yaml"
+    pipelines.write_text(f"pipelines:\n  chat:\n    model: {{name: fitburst/tiny-demo}}\n    data: {{path: {data}}}\n")
+    assert main(["validate", str(pipelines)]) == 2
+    assert f"{data}:1: messages[1]: unknown role 'assistnt' (did you mean 'assistant'?)" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`fitburst run demo` through the real CLI, a few steps, its own Prefect server and MLflow store."""
+    cwd = tmp_path_factory.mktemp("demo-run")
+    proc = fitburst(["run", "demo", "--file", str(REPO / "pipelines.yaml"), "--set", "training.max_steps=3",
+                     "--set", "eval.samples=1"], cwd)
+    return proc, cwd
+
+
+def test_run_demo_prints_only_fitburst_lines(demo_run):
+    proc, _ = demo_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not_fitburst_lines(proc.stderr) == [], proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["verdict"] == "local" and summary["steps"] == 3
+    assert "fitburst: step 3/3" in proc.stderr  # the progress is fitburst's and shown
+
+
+def test_run_demo_logged_model_is_in_the_runs_experiment(demo_run):
+    import mlflow
+
+    proc, cwd = demo_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    client = mlflow.MlflowClient(f"sqlite:///{cwd / 'mlflow.db'}")
+    run = client.get_run(summary["mlflow_run_id"])
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert [m.model_id for m in models] == [summary["model_uri"].removeprefix("models:/")]
+    assert models[0].source_run_id == run.info.run_id

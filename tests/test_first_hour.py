@@ -121,3 +121,39 @@ def test_run_demo_logged_model_is_in_the_runs_experiment(demo_run):
     models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
     assert [m.model_id for m in models] == [summary["model_uri"].removeprefix("models:/")]
     assert models[0].source_run_id == run.info.run_id
+
+
+ESTIMATE_7B = ["estimate", "--model", "Qwen2.5-7B", "--method", "lora", "--rank", "128", "--targets", "all-linear",
+               "--batch", "4", "--seq-len", "512", "--device", "RTX4090"]
+
+
+def test_estimate_says_whether_each_answer_fits_and_by_how_much(capsys):
+    main(ESTIMATE_7B)
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines at the terminal's width
+    rows = dict(re.findall(r"│ ([a-z(][^│]*?) *│ +([0-9.,]+) │", out))
+    reserved = float(rows["reserved (allocator)"])
+    edge = next(float(v) for k, v in rows.items() if k.startswith("reserved at the upper edge"))
+    assert edge >= reserved
+    assert re.search(r"as configured, does not fit: [0-9.]+ GiB at the upper edge against [0-9.]+ GiB, "
+                     r"[0-9.]+ GiB over", out)
+    assert re.search(r"-> reserved peak [0-9.]+ GiB; fits: [0-9.]+ GiB at the upper edge within [0-9.]+ GiB, "
+                     r"[0-9.]+ GiB to spare", out)
+
+
+def test_auto_cpu_budget_is_machine_memory_less_a_reserve(monkeypatch, capsys):
+    from fitburst.memory import devices
+
+    monkeypatch.setattr(devices, "_cgroup_limit", lambda: None)
+    monkeypatch.setattr(devices, "_WARNED", set())
+    budgets, errs = [], []
+    for free in (5, 20):  # GiB free right now: the budget must not follow it
+        monkeypatch.setattr(devices, "_meminfo", lambda free=free: (32 * devices.GiB, free * devices.GiB))
+        args = ["estimate", "--model", "Qwen2.5-0.5B", "--method", "lora", "--device", "cpu", "--json"]
+        main(args)
+        out, err = capsys.readouterr()
+        budgets.append(json.loads(out)["budget_bytes"])
+        errs.append(err)
+    assert budgets == [32 * devices.GiB - devices.CPU_RESERVE] * 2
+    assert errs == ["fitburst: warning: this machine has 32.0 GiB; the CPU budget is 30.0 GiB (all of it less 2 GiB "
+                    "for the system), but only 5.0 GiB is free now: close other programs if the run needs more "
+                    "than that\n", ""]

@@ -157,3 +157,24 @@ def test_auto_cpu_budget_is_machine_memory_less_a_reserve(monkeypatch, capsys):
     assert errs == ["fitburst: warning: this machine has 32.0 GiB; the CPU budget is 30.0 GiB (all of it less 2 GiB "
                     "for the system), but only 5.0 GiB is free now: close other programs if the run needs more "
                     "than that\n", ""]
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= 8000
+    assert text.splitlines()[3:5] == [
+        "bash scripts/demo.sh    # set up ./.venv and run the demo pipeline end to end (data prep -> preflight -> "
+        "train -> eval)",
+        "bash scripts/test.sh    # set up ./.venv, lint, and run the test suite (its own Prefect server and MLflow "
+        "store)"]
+    assert "source .venv/bin/activate" in text
+    for page in ("preflight", "training", "families-and-data", "bursting", "reliability", "deployments", "ui"):
+        assert f"](docs/{page}.md)" in text and (REPO / "docs" / f"{page}.md").exists()
+    bundled = sorted(p.stem for p in (REPO / "fitburst/configs").glob("*.json"))
+    assert [name for name in bundled if name not in text] == []
+
+
+def test_deployments_doc_names_the_installed_prefect():
+    import prefect
+
+    assert f"prefect {prefect.__version__}" in (REPO / "docs/deployments.md").read_text()

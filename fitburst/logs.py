@@ -69,6 +69,19 @@ class UserErrorWithoutTraceback(logging.Filter):
         return True
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever ``sys.stderr`` is when a record is written (a test's capture, a redirect).
+    Prefect keeps a root handler like this one (its class name has no leading underscore) instead of its own."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class ConsoleFormatter(logging.Formatter):
     """``fitburst: message`` (``fitburst: warning: message`` above INFO); continuation lines indented."""
 
@@ -122,15 +135,18 @@ def setup(command: str, verbose: bool = False) -> Path | None:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
     root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
+    for h in list(root.handlers):  # a second setup in one process (tests) replaces the first one's handlers
+        if getattr(h, "fitburst", False):
+            root.removeHandler(h)
+            h.close()
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
+    console = StderrHandler()
     if verbose:
         console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     else:
         console.setFormatter(ConsoleFormatter("%(message)s"))
         console.addFilter(FitburstOnly())
+    console.fitburst = True  # type: ignore[attr-defined]
     root.addHandler(console)
     path = log_dir() / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}.log"
     try:
@@ -140,6 +156,7 @@ def setup(command: str, verbose: bool = False) -> Path | None:
         path = None
     else:
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        file.fitburst = True  # type: ignore[attr-defined]
         root.addHandler(file)
     for noisy in ("httpx", "httpcore", "urllib3", "filelock", "aiosqlite", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -83,10 +83,10 @@ def _prepared_dir(value: str) -> str:
 def cmd_validate(args) -> int:
     """Every pipeline's settings, then (unless --no-data) its data read and checked as data prep reads it."""
     from fitburst.errors import UserError
-    from fitburst.spec import load_all
+    from fitburst.spec import SpecError, load_all
 
-    if not Path(args.file).is_file():
-        raise UserError(f"{args.file}: file not found (create it, or give its path: fitburst validate PATH)")
+    if not Path(args.file).is_file():  # the loader's advice names --file, which validate does not take
+        raise SpecError(str(args.file), ["file not found (create it, or give its path: fitburst validate PATH)"])
     specs = load_all(args.file)
     con = _console()
     bad = 0

@@ -80,8 +80,8 @@ def test_validate_reads_the_data(broken_data, capsys):
 def test_validate_of_a_missing_file_advises_what_validate_takes(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "nosuchfile.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "nosuchfile.yaml: file not found" in err and "--file" not in err
-    assert "fitburst validate PATH" in err
+    assert "nosuchfile.yaml: 1 problem" in err and "--file" not in err
+    assert "file not found (create it, or give its path: fitburst validate PATH)" in err
 
 
 def test_validate_names_an_unknown_chat_role(tmp_path, capsys):

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,31 @@ def test_deployments_doc_names_the_installed_prefect():
     import prefect
 
     assert f"prefect {prefect.__version__}" in (REPO / "docs/deployments.md").read_text()
+
+
+def test_a_deployment_run_with_a_bad_data_line_logs_no_traceback(prefect_server, broken_data):
+    """What the Prefect UI shows for a served or deployed run: the flow run Failed, the located message in its
+    logs, and no traceback anywhere in them (the task's failure included)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from flows.finetune import finetune
+
+    pipelines, data = broken_data
+    state = finetune(pipeline="broken-data", pipelines_file=str(pipelines), return_state=True)
+    assert state.is_failed() and f"{data}:42: not valid JSON" in state.message
+
+    async def logs() -> list[str]:
+        async with get_client() as c:
+            flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+            return [m.message for m in await c.read_logs(flt, limit=200)]
+
+    for _ in range(20):  # the API log handler sends in batches
+        lines = asyncio.run(logs())
+        if any("Task run failed" in m for m in lines):
+            break
+        time.sleep(0.5)
+    assert [m for m in lines if f"{data}:42: not valid JSON" in m], lines
+    assert not [m for m in lines if "Traceback" in m], lines

@@ -16,11 +16,13 @@ Call :func:`setup` before Prefect, MLflow or transformers are imported: Prefect 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGES = ("fitburst", "flows", "tasks")
@@ -115,6 +117,25 @@ def _adopt(name: str) -> None:
         if type(h) is logging.StreamHandler:
             logger.removeHandler(h)
     logger.propagate = True
+
+
+@contextlib.contextmanager
+def routed(name: str) -> Iterator[None]:
+    """For a block: the records of a library logger that prints through console handlers of its own (SkyPilot's
+    ``sky``) go to ours instead (the log file; the console with ``-v``); its handlers are put back after."""
+    logger = logging.getLogger(name)
+    own = [h for h in logger.handlers
+           if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    propagate = logger.propagate
+    for h in own:
+        logger.removeHandler(h)
+    logger.propagate = True
+    try:
+        yield
+    finally:
+        for h in own:
+            logger.addHandler(h)
+        logger.propagate = propagate
 
 
 def route_libraries(transformers: bool = False) -> None:

@@ -207,3 +207,19 @@ def test_a_deployment_run_with_a_bad_data_line_logs_no_traceback(prefect_server,
         time.sleep(0.5)
     assert [m for m in lines if f"{data}:42: not valid JSON" in m], lines
     assert not [m for m in lines if "Traceback" in m], lines
+
+
+def test_skypilot_catalog_query_prints_nothing_offline(tmp_path):
+    """The burst path's catalog query with no catalog and no network: SkyPilot's status payloads and its fetch
+    error go to fitburst's log file, not the console (fitburst warns in its own words where it falls back)."""
+    code = ("import sys; from fitburst import logs; logs.setup('test')\n"
+            "from fitburst.cloud.gpus import _catalog_offers\n"
+            "try:\n    _catalog_offers('A6000', 'runpod', False)\nexcept Exception as e:\n"
+            "    sys.exit(0 if 'Connection' in type(e).__name__ else 1)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"),
+           "FITBURST_LOG_DIR": str(tmp_path / "logs")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+    assert "Failed to fetch RunPod catalog" in "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))

@@ -278,13 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     from fitburst.errors import UserError
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        logs.setup("serve", verbose=False)
+    verbose = argv[:1] in (["-v"], ["--verbose"])
+    if argv[verbose:verbose + 1] == ["serve"]:  # `fitburst [-v] serve ...`: flows.serve parses the rest
+        logs.setup("serve", verbose=verbose)
         from flows.serve import cli as serve_cli
 
-        return serve_cli(argv[1:])
+        return serve_cli(argv[verbose + 1:])
     args = build_parser().parse_args(argv)
-    logs.setup(args.command, verbose=args.verbose)
+    pipelines = getattr(args, "file", None)
+    logs.setup(args.command, verbose=args.verbose, base=Path(pipelines).parent if pipelines else None)
     if args.command != "estimate":  # estimate's analytic answer imports neither (about 0.5 s)
         logs.route_libraries(transformers=args.command in HEAVY_COMMANDS)
     try:

@@ -93,12 +93,14 @@ class ConsoleFormatter(logging.Formatter):
         return f"fitburst: {level}" + text.replace("\n", "\n  ")
 
 
-def log_dir() -> Path:
-    """``$FITBURST_LOG_DIR``, else ``logs/`` beside the run folders (``$FITBURST_RUNS_DIR/../logs`` or ./logs)."""
+def log_dir(base: Path | None = None) -> Path:
+    """``$FITBURST_LOG_DIR``, else ``logs/`` beside the run folders: ``$FITBURST_RUNS_DIR/../logs``, or
+    ``<base>/logs`` (the pipelines file's folder, which holds ``runs/``), or ``./logs``."""
     if os.environ.get("FITBURST_LOG_DIR"):
         return Path(os.environ["FITBURST_LOG_DIR"])
-    runs = os.environ.get("FITBURST_RUNS_DIR")
-    return Path(runs).parent / "logs" if runs else Path("logs")
+    if os.environ.get("FITBURST_RUNS_DIR"):
+        return Path(os.environ["FITBURST_RUNS_DIR"]).parent / "logs"
+    return (base or Path(".")) / "logs"
 
 
 def quiet_user_errors() -> None:
@@ -151,7 +153,7 @@ def route_libraries(transformers: bool = False) -> None:
         hf_logging.enable_propagation()
 
 
-def setup(command: str, verbose: bool = False) -> Path | None:
+def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path | None:
     """Configure logging for one CLI command; returns the log file (None if it cannot be written)."""
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
@@ -169,7 +171,7 @@ def setup(command: str, verbose: bool = False) -> Path | None:
         console.addFilter(FitburstOnly())
     console.fitburst = True  # type: ignore[attr-defined]
     root.addHandler(console)
-    path = log_dir() / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}.log"
+    path = log_dir(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}.log"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file = logging.FileHandler(path, delay=True, encoding="utf-8")

@@ -69,6 +69,14 @@ def test_run_with_a_bad_data_line_prints_one_message(broken_data, tmp_path):
     assert "Task run failed with exception: DataError" in log and "Traceback" not in log
 
 
+def test_verbose_shows_the_rest_on_the_console(broken_data, tmp_path):
+    pipelines, data = broken_data
+    proc = fitburst(["-v", "run", "broken-data", "--file", str(pipelines)], tmp_path)
+    assert proc.returncode == 2
+    assert "prefect.task_runs: Task run failed with exception: DataError" in proc.stderr
+    assert "Traceback" not in proc.stderr  # a user's mistake has no traceback even here
+
+
 def test_validate_reads_the_data(broken_data, capsys):
     pipelines, data = broken_data
     assert main(["validate", str(pipelines)]) == 2

@@ -231,3 +231,18 @@ def test_skypilot_catalog_query_prints_nothing_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
     assert "Failed to fetch RunPod catalog" in "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+
+
+def test_preflight_of_a_7b_pipeline_offline_prints_only_fitburst_lines(tmp_path):
+    """The hub, the tokenizer fetch and SkyPilot's catalogs all unreachable (no HF_HUB_OFFLINE, no cached
+    catalog): the report is the whole of stdout and every stderr line is fitburst's (its warnings say what it did
+    instead). The analytic estimate keeps it to seconds; the trace adds minutes, not lines."""
+    env_home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fitburst.cli", "preflight", "qwen7b-lora", "--file", str(REPO / "pipelines.yaml"),
+         "--set", "preflight.exact=false", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}, "PYTHONPATH": str(REPO),
+             "HOME": str(env_home), "FITBURST_RUNS_DIR": str(tmp_path / "runs")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["pipeline"] == "qwen7b-lora"
+    assert not_fitburst_lines(proc.stderr) == [], proc.stderr

@@ -10,6 +10,13 @@ factor the estimate already carried divided out; on CUDA reserved memory gets it
 step-downs (``oom_history.jsonl``) set a floor: a group's factor is never below measured peak / estimate of a
 configuration that ran out of memory, so a calibrated preflight does not pass it again. The result goes to
 ``$FITBURST_CACHE/calibration.json``, which :func:`fitburst.memory.estimate` applies.
+
+A factor is written only where it makes the fit's own reported errors no worse: the median ratio, else the factor
+that minimises the worst error, else 1.0 (kept). Runs whose comparable figure on CPU or MPS is mostly the runtime
+heap rather than tensors (estimated tensor bytes under half of it, e.g. the tiny demo: 11 of 43 MiB) are left out:
+their measured RSS growth is the process's runtime heap, which depends on what ran before in that process (the
+demo measures ~31 MiB in the flow, after the preflight's trace warmed torch, and ~75 MiB in a fresh `fitburst
+train`), so a multiplicative factor fitted on them says nothing about the model and would scale every estimate.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ if TYPE_CHECKING:
     from fitburst.tracking import RunRecord
 
 KINDS = ("cuda", "mps", "cpu")
+TENSOR_SHARE = 0.5  # on CPU / MPS, a run calibrates only when tensors are at least this share of its figure
 _FALLBACK = {k: "memory.estimated_" + v.split("_")[0] + "_bytes" for k, v in MEASURED_COUNTERPART.items()}
 
 
@@ -71,9 +79,11 @@ def collect(runs: Iterable[RunRecord]) -> list[dict]:
         applied = m.get("memory.calibration_factor") or 1.0
         raw = est / applied
         gpu = t.get("cloud.gpu") or t.get("gpu") or (t.get("device") if "(" in t.get("device", "") else "")
+        tensors = m.get("memory.estimated_allocated_bytes")
         rec = dict(run_id=run["run_id"], kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
                    path=t.get("path", "local"), estimated=raw, measured=measured, ratio=measured / raw,
-                   reserved_ratio=None)
+                   reserved_ratio=None,
+                   heap_dominated=kind != "cuda" and bool(tensors) and tensors < TENSOR_SHARE * est)
         est_r, meas_r = m.get("memory.estimated_reserved_bytes"), m.get("memory.measured_reserved_bytes")
         if kind == "cuda" and est_r and meas_r:
             rec["reserved_ratio"] = meas_r / (est_r / (m.get("memory.calibration_reserved_factor") or applied))
@@ -109,29 +119,46 @@ def _errors(ratios: list[float], factor: float) -> dict:
     return {"median": statistics.median(errs), "worst": max(errs)}
 
 
+def _no_worse(ratios: list[float]) -> tuple[float, str]:
+    """The factor to write and how it was chosen: the median ratio, else the one that minimises the worst error
+    (equal errors at the two extreme ratios), whichever first leaves both the median and the worst error no worse
+    than no factor; else 1.0."""
+    before = _errors(ratios, 1.0)
+    minimax = 2 / (1 / min(ratios) + 1 / max(ratios))
+    for f, how in ((statistics.median(ratios), "median"), (minimax, "least worst error")):
+        after = _errors(ratios, f)
+        if after["median"] <= before["median"] + 1e-12 and after["worst"] <= before["worst"] + 1e-12:
+            return f, how
+    return 1.0, "kept 1.0: no factor lowers the errors"
+
+
 def fit(records: list[dict], min_runs: int = 3, ooms: list[dict] | None = None) -> dict:
-    """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, n, before and after errors (errors
-    against the uncalibrated estimate), and reserved_factor where reserved memory was measured. Out-of-memory
-    records (:func:`collect_ooms`) of a group raise its factor to their highest floor (``oom_floor``)."""
+    """{"families": {kind: {...}}, "gpus": {name: {...}}}, each with factor, how it was chosen, n, before and
+    after errors (errors against the uncalibrated estimate), and reserved_factor where reserved memory was
+    measured. Out-of-memory records (:func:`collect_ooms`) of a group raise its factor to their highest floor
+    (``oom_floor``): a configuration that ran out of memory must not pass again. Heap-dominated runs are left out
+    (``skipped`` says how many)."""
     floors: dict[str, list[float]] = defaultdict(list)
     for o in ooms or []:
         floors[o["kind"]].append(o["floor"])
         if o["gpu"]:
             floors["gpu:" + o["gpu"]].append(o["floor"])
+    skipped = sum(1 for r in records if r.get("heap_dominated"))
+    records = [r for r in records if not r.get("heap_dominated")]
 
     def one(rs: list[dict], key: str) -> dict:
         ratios = [r["ratio"] for r in rs]
-        f = statistics.median(ratios)
+        f, how = _no_worse(ratios)
         paths = sorted({r["path"] for r in rs})
-        if floors[key]:
-            f = max(f, max(floors[key]))
-        g = {"factor": round(f, 4), "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
+        if floors[key] and max(floors[key]) > f:
+            f, how = max(floors[key]), "out-of-memory floor"
+        g = {"factor": round(f, 4), "chosen": how, "n": len(rs), "paths": paths, "before": _errors(ratios, 1.0),
              "after": _errors(ratios, f)}
         if floors[key]:
             g["oom_n"], g["oom_floor"] = len(floors[key]), round(max(floors[key]), 4)
         reserved = [r["reserved_ratio"] for r in rs if r.get("reserved_ratio")]
         if reserved:
-            g["reserved_factor"] = round(statistics.median(reserved), 4)
+            g["reserved_factor"] = round(_no_worse(reserved)[0], 4)
             g["reserved_n"] = len(reserved)
         return g
 
@@ -140,7 +167,7 @@ def fit(records: list[dict], min_runs: int = 3, ooms: list[dict] | None = None) 
         fam[r["kind"]].append(r)
         if r["gpu"]:
             gpus[r["gpu"]].append(r)
-    return {"version": 2, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"version": 2, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "skipped": skipped,
             "families": {k: one(v, k) for k, v in sorted(fam.items())},
             "gpus": {k: one(v, "gpu:" + k) for k, v in sorted(gpus.items()) if len(v) >= min_runs}}
 
@@ -160,14 +187,18 @@ def main(args) -> int:
     else:
         print(f"{len(records)} runs with estimated and measured peaks in {uri}; "
               f"{len(ooms)} out-of-memory records in {calibration_path().with_name(OOM_HISTORY_FILE)}")
-        print(f"{'group':24s} {'runs':>5s} {'factor':>7s}  {'before median/worst':>20s}  {'after median/worst':>19s}")
+        if result["skipped"]:
+            print(f"{result['skipped']} CPU/MPS runs left out: their peak is mostly the runtime heap (estimated "
+                  f"tensors under {TENSOR_SHARE:.0%} of it), which a factor on the model cannot correct")
+        print(f"{'group':24s} {'runs':>5s} {'factor':>7s}  {'before median/worst':>20s}  {'after median/worst':>19s}"
+              "  chosen by")
         for scope, groups in (("", result["families"]), ("gpu ", result["gpus"])):
             for k, g in groups.items():
                 b, a = g["before"], g["after"]
                 print(f"{scope + k:24s} {g['n']:5d} {g['factor']:7.3f}  {b['median']:9.1%} / {b['worst']:7.1%}"
-                      f"  {a['median']:8.1%} / {a['worst']:7.1%}")
-    if not records:
-        print("nothing to fit: no run has both memory.measured_peak_bytes and an estimate")
+                      f"  {a['median']:8.1%} / {a['worst']:7.1%}  {g['chosen']}")
+    if not result["families"]:
+        print("nothing to fit: no run has both memory.measured_peak_bytes and an estimate that tensors dominate")
         return 1
     if getattr(args, "dry_run", False):
         print(f"dry run: {path} not written")

@@ -39,11 +39,17 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "model": "assistant"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")  # what chat templates take
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 class DataError(UserError, ValueError):
     """A record or file that cannot be used; the message names file and line."""
+
+
+class DataUnreachable(DataError):
+    """A hub dataset that cannot be fetched from here (offline, or the hub refused): its records are unknown, not
+    known bad."""
 
 
 @dataclass
@@ -86,6 +92,17 @@ def detect_format(record: dict) -> str:
                      "instruction/output, prompt/completion or input/target")
 
 
+def _check_role(role: object, i: int, key: str = "messages") -> None:
+    """A chat turn's role must be one chat templates know: a typo would otherwise surface as a missing reply."""
+    if role in CHAT_ROLES:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(str(role), CHAT_ROLES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{key}[{i}]: unknown role {role!r}{hint}; a role is one of {', '.join(CHAT_ROLES)}")
+
+
 def to_messages(record: dict, fmt: str) -> list[dict]:
     """Normalise one record to a chat ``messages`` list ending with an assistant turn."""
     if not isinstance(record, dict):
@@ -98,6 +115,7 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] needs 'role' and 'content'")
+            _check_role(m["role"], i)
             out.append({"role": m["role"], "content": str(m["content"])})
     elif fmt == "sharegpt":
         conv = record.get("conversations")
@@ -284,11 +302,11 @@ def _open_dataset(source: Path | str, data: DataSpec):
 
 
 def _load_error(source: Path | str, data: DataSpec, e: Exception) -> DataError:
-    hint = ""
     if isinstance(source, str) and isinstance(e, (OSError, RuntimeError)):
         hint = (" (is the hub reachable from here? offline, use a saved or hub-style local folder, or a dataset "
                 "already in the datasets cache with HF_HUB_OFFLINE=1)")
-    return DataError(f"{_name(source, data)}: cannot load the dataset: {e}{hint}")
+        return DataUnreachable(f"{_name(source, data)}: cannot load the dataset: {e}{hint}")
+    return DataError(f"{_name(source, data)}: cannot load the dataset: {e}")
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, object]]:
@@ -628,6 +646,23 @@ def _good_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, lis
             yield where, item
 
 
+def check_pipeline_data(spec) -> tuple[int, int]:
+    """(usable records, skipped) of a pipeline's data, read and checked as data prep reads them (a vision-language
+    model's images opened), with no tokenizer: what ``fitburst validate`` runs. A bad record raises DataError
+    naming its file and line (or is counted, with ``data.skip_invalid``)."""
+    from fitburst.models import model_family
+
+    source, data = spec.data_source(), spec.data
+    try:
+        family = model_family(spec.model)
+    except (OSError, UserError):  # the model's config is not reachable here: its records are still read as text
+        family = "causal"
+    if family == "vision_language":
+        records, skipped = read_image_records(source, data)
+        return len(records), skipped
+    return count_records(source, data)
+
+
 def _in_val(i: int, data: DataSpec) -> bool:
     """Streaming's validation draw: a seeded hash of the record's position, below ``val_split``."""
     if not data.streaming or data.val_split <= 0:
@@ -669,6 +704,7 @@ def image_messages(record: object, base: Path) -> tuple[list[dict], list[Path]]:
     for i, m in enumerate(record["messages"]):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] needs 'role' and 'content'")
+        _check_role(m["role"], i)
         content = m["content"]
         if isinstance(content, str):
             messages.append({"role": m["role"], "content": content})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -93,6 +94,7 @@ ALIASES = {
     "H100-PCIE": "H100",
 }
 CPU_RESERVE = 2 * GiB  # OS + python + torch runtime outside tensors
+FREE_WARN = 0.05  # free memory this far below the CPU budget is worth a warning
 CPU_CONTEXT = 600 * MiB  # torch + transformers imported, measured RSS before the model
 
 
@@ -154,20 +156,14 @@ def resolve_device(name: str = "auto") -> Device:
 
 
 def _cgroup_limit() -> int | None:
+    """The memory limit of this process's cgroup (a container's size), None when unlimited."""
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             txt = open(path).read().strip()
         except OSError:
             continue
         if txt.isdigit() and int(txt) < (1 << 60):
-            usage = None
-            for up in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-                try:
-                    usage = int(open(up).read().strip())
-                    break
-                except (OSError, ValueError):
-                    pass
-            return int(txt) - (usage or 0)
+            return int(txt)
     return None
 
 
@@ -191,14 +187,31 @@ def _meminfo() -> tuple[int, int]:
 
 
 def _cpu_device() -> Device:
+    """This machine as a CPU device. The budget is a stable figure, the machine's memory (or its container's
+    limit) less CPU_RESERVE, so two preflights a minute apart plan alike; when less than that is free right now,
+    a warning says so (5 % below it or more; the run may swap or be killed unless something is closed first)."""
     total, avail = _meminfo()
     cg = _cgroup_limit()
     if cg is not None:
-        avail = min(avail, cg)
-    budget = max(avail - CPU_RESERVE // 2, avail // 2)
+        total = min(total, cg)
+    budget = max(total - CPU_RESERVE, total // 2)
+    if avail < budget * (1 - FREE_WARN):
+        _warn_once("cpu-free", f"this machine has {total / GiB:.1f} GiB; the CPU budget is {budget / GiB:.1f} GiB "
+                   f"(all of it less {CPU_RESERVE / GiB:.0f} GiB for the system), but only {avail / GiB:.1f} GiB is "
+                   "free now: close other programs if the run needs more than that")
     # whether QLoRA is possible here: installed is enough (importing it costs seconds and loads its kernels)
     bnb = importlib.util.find_spec("bitsandbytes") is not None
     return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One warning per process for ``key`` (a run probes the device from several steps)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logging.getLogger(__name__).warning("%s", message)
 
 
 def _apple_chip() -> str:

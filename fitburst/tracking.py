@@ -381,12 +381,18 @@ class Tracker:
             prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
             example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
         local_base = Path(base_ref).is_dir() and spec.method.type != "full"
+        run = self.client.get_run(self.run_id)
         with self._process_uri():
+            # created here in the run's experiment: log_model alone files it under MLflow's active experiment
+            # (Default, as no run is active in this process), where the run's experiment never shows it
+            logged = mlflow.initialize_logged_model(
+                name=spec.name, source_run_id=self.run_id, experiment_id=run.info.experiment_id,
+                params=dict(run.data.params), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
             return mlflow.transformers.log_model(
                 {"model": model, "tokenizer": tok}, name=spec.name, task="llm/v1/chat", run_id=self.run_id,
-                base_model_path=base_ref if local_base else None, torch_dtype=dtype, input_example=example,
-                model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
-                pip_requirements=pip_requirements(), tags={k: redact(str(v)) for k, v in (tags or {}).items()})
+                model_id=logged.model_id, base_model_path=base_ref if local_base else None, torch_dtype=dtype,
+                input_example=example, model_config={"do_sample": False, "max_new_tokens": spec.eval.max_new_tokens},
+                pip_requirements=pip_requirements())
 
     def log_loss_curve(self, run_dir: str | Path, ev=None) -> None:
         """``train/loss.png``: the train loss curve, with the base and tuned validation losses when evaluated."""

@@ -16,6 +16,7 @@ from prefect.states import Failed
 from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
+from fitburst.logs import quiet_user_errors
 from fitburst.oom import OOMLadderExhausted
 from fitburst.preflight import PreflightFailed, PreflightReport, cloud_candidates
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
@@ -28,6 +29,7 @@ from tasks.publish import publish_model
 from tasks.train import LOCAL_TRAIN_TAG, train_local
 
 DEFAULT_FILE = DEFAULT_PIPELINES_FILE
+quiet_user_errors()  # a UserError in a task or the flow: its one line in every log, no traceback
 GIB = 1024**3
 
 

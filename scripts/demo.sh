@@ -9,4 +9,5 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 "$VENV/bin/fitburst" run demo "$@"
 echo
 echo "MLflow record: sqlite store $(pwd)/mlflow.db (artifacts in $(pwd)/mlruns)"
+echo "Next: source $VENV/bin/activate  (puts fitburst and mlflow on PATH; see README: the five commands)"
 echo "Open it with:  $VENV/bin/mlflow ui --backend-store-uri sqlite:///$(pwd)/mlflow.db   then http://127.0.0.1:5000"

@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
 # Create ./.venv (or $FITBURST_VENV) and install fitburst with its dev tools. Idempotent.
-# torch is installed first, pinned to the CPU build on disk here; on a CUDA box install your CUDA torch first.
+#
+# torch (version $FITBURST_TORCH, default 2.13.0) is installed first, only when the venv has none, so a CUDA torch
+# you installed yourself is kept. Which build:
+#   - an NVIDIA GPU (nvidia-smi lists one) or macOS: torch from your configured index (PyPI's Linux wheel is the
+#     CUDA build, macOS's has MPS);
+#   - Linux without one: the CPU build, pinned as torch==X+cpu so nothing else can satisfy it. pip first looks in
+#     the sources it is configured with (a local wheel folder or mirror that has it); only if none does, it adds
+#     PyTorch's CPU index (https://download.pytorch.org/whl/cpu). No network probe decides anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FITBURST_VENV:-.venv}
 PY=${PYTHON:-python3}
+TORCH=${FITBURST_TORCH:-2.13.0}
+CPU_INDEX=${FITBURST_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
 fi
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "$VENV/bin/pip" install -q "torch==${FITBURST_TORCH:-2.13.0}"
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "keeping the installed torch ($("$VENV/bin/python" -c "import torch; print(torch.__version__)"))"
+elif [ "$(uname -s)" = "Darwin" ] || { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
+  "$VENV/bin/pip" install -q "torch==$TORCH"
+else
+  echo "no NVIDIA GPU found: installing the CPU build of torch $TORCH"
+  "$VENV/bin/pip" install -q "torch==$TORCH+cpu" 2>/dev/null \
+    || "$VENV/bin/pip" install -q "torch==$TORCH+cpu" --extra-index-url "$CPU_INDEX"
 fi
 "$VENV/bin/pip" install -q -e '.[dev]'
-echo "fitburst installed in $VENV"
+echo "fitburst installed in $VENV; put it on PATH with: source $VENV/bin/activate"

@@ -164,3 +164,52 @@ def test_an_out_of_memory_record_raises_the_factor_to_its_floor(store, tmp_path)
     assert cuda["factor"] == pytest.approx(1.25) and cuda["oom_n"] == 1  # the runs alone give 1.10
     assert a100["factor"] == pytest.approx(1.25) and a100["oom_floor"] == pytest.approx(1.25)
     assert data["families"]["cpu"]["factor"] == pytest.approx(0.91) and "oom_n" not in data["families"]["cpu"]
+
+
+def _store_with(tmp_path, runs: list[tuple[dict, dict]]) -> str:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("calib")
+    for tags, metrics in runs:
+        run = client.create_run(exp, tags=tags)
+        client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        client.set_terminated(run.info.run_id)
+    return uri
+
+
+def test_cpu_demo_runs_are_heap_dominated_and_fit_nothing(tmp_path, monkeypatch, capsys):
+    """Five demo runs as the flow and a fresh `fitburst train` measure them: 11 MiB of tensors in a 43 MiB
+    estimate, RSS growth 30-33 MiB after the preflight warmed torch, 75 MiB in a fresh process. The figure is the
+    runtime heap, not the model: no factor is fitted (it was 0.753, worsening the worst error)."""
+    from fitburst.cli import main
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "cache"))
+    mib = 1 << 20
+    runs = [({"device": "cpu (local)", "path": "local"},
+             {"memory.estimated_allocated_bytes": 10.77 * mib, "memory.estimated_comparable_bytes": 42.77 * mib,
+              "memory.measured_peak_bytes": m * mib}) for m in (31.0, 32.5, 29.9, 31.6, 75.0)]
+    uri = _store_with(tmp_path, runs)
+    assert main(["calibrate", "--tracking-uri", uri, "--experiment", "calib"]) == 1
+    out = capsys.readouterr().out
+    assert "5 CPU/MPS runs left out: their peak is mostly the runtime heap" in out
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+
+
+def test_calibrate_never_writes_a_factor_that_worsens_its_errors(tmp_path, monkeypatch, capsys):
+    from fitburst.cli import main
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path / "cache"))
+    ratios = {"cuda": (0.70, 0.72, 0.75, 0.76, 3.9), "mps": (1.10, 1.12, 1.15)}
+    runs = [({"device": kind, "path": "local"},
+             {"memory.estimated_allocated_bytes": 1e9, "memory.estimated_comparable_bytes": 1e9,
+              "memory.measured_peak_bytes": r * 1e9}) for kind, rs in ratios.items() for r in rs]
+    uri = _store_with(tmp_path, runs)
+    assert main(["calibrate", "--tracking-uri", uri, "--experiment", "calib"]) == 0
+    fam = json.loads((tmp_path / "cache" / "calibration.json").read_text())["families"]
+    for g in fam.values():
+        assert g["after"]["median"] <= g["before"]["median"] and g["after"]["worst"] <= g["before"]["worst"], g
+    assert fam["cuda"]["factor"] == 1.0 and fam["cuda"]["chosen"].startswith("kept 1.0")
+    assert fam["mps"]["factor"] == pytest.approx(1.12, abs=1e-3) and fam["mps"]["chosen"] == "median"

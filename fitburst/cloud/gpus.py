@@ -57,17 +57,21 @@ class Offer:
 
 def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
     """Ask SkyPilot's catalog (may raise when it cannot be fetched)."""
-    from sky import catalog  # heavy; only on the burst path
+    from sky import catalog, sky_logging  # heavy; only on the burst path
+
+    from fitburst.logs import routed
 
     acc = SKY_NAMES[gpu][provider]
-    found = catalog.list_accelerators(
-        gpus_only=True,
-        name_filter=f"^{re.escape(acc)}$",
-        quantity_filter=1,
-        clouds=SKY_CLOUD[provider],
-        case_sensitive=False,
-        all_regions=True,
-    )
+    # no status lines; its fetch messages to fitburst's log file: the caller says what a failure means
+    with sky_logging.silent(), routed("sky"):
+        found = catalog.list_accelerators(
+            gpus_only=True,
+            name_filter=f"^{re.escape(acc)}$",
+            quantity_filter=1,
+            clouds=SKY_CLOUD[provider],
+            case_sensitive=False,
+            all_regions=True,
+        )
     out = []
     for name, infos in found.items():
         if name.upper() != acc.upper():

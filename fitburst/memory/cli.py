@@ -132,11 +132,26 @@ def run_estimate(args: argparse.Namespace) -> int:
     return 0 if est.fits or plan.fits else 1
 
 
+def _fit_words(needed: int, limit: int) -> str:
+    """Whether ``needed`` (the upper edge of an estimate's error band) fits ``limit``, and by how much."""
+    g = needed / GiB, limit / GiB
+    if needed <= limit:
+        return f"fits: {g[0]:,.2f} GiB at the upper edge within {g[1]:,.2f} GiB, {g[1] - g[0]:,.2f} GiB to spare"
+    return f"does not fit: {g[0]:,.2f} GiB at the upper edge against {g[1]:,.2f} GiB, {g[0] - g[1]:,.2f} GiB over"
+
+
 def _print_human(shape, settings, device, est, plan) -> None:
+    """The breakdown, then the verdict in the terms it is decided in: the reserved peak at the upper edge of the
+    estimate's error band (never below the reserved peak it bounds) against the budget less headroom; the device
+    total (reserved + runtime context, which the budget already leaves out) is shown for reference below."""
     from rich.console import Console
     from rich.table import Table
 
+    from .planner import Budget
+
     g = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+    budget = Budget(device, est.safety_margin)
+    needed = max(budget.needed(est), est.reserved_peak_bytes)
     con = Console()
     t = Table(title=f"{shape.name}: {settings.describe()} on {device.name} (peak phase: {est.peak_phase})")
     t.add_column("component")
@@ -146,24 +161,29 @@ def _print_human(shape, settings, device, est, plan) -> None:
     t.add_section()
     t.add_row("allocated peak", g(est.allocated_peak_bytes))
     t.add_row("reserved (allocator)", g(est.reserved_peak_bytes))
-    t.add_row("device total (+ context)", g(est.device_total_bytes))
-    t.add_row(f"upper edge of the error band ({est.band.high:+.0%})", g(est.band.upper(est.reserved_peak_bytes)))
-    t.add_row(f"budget (less {est.safety_margin:.0%} headroom)", g(est.budget_bytes * (1 - est.safety_margin)))
+    t.add_row(f"reserved at the upper edge of the error band ({est.band.high:+.0%})", g(needed))
+    t.add_row(f"budget (less {est.safety_margin:.0%} headroom; context left out)", g(budget.limit))
+    t.add_section()
+    t.add_row("device total (reserved + context), for reference", g(est.device_total_bytes))
     con.print(t)
     con.print(f"error band: {est.band.describe()}")
     p = est.params
     con.print(f"params: {p['total'] / 1e9:.3f} B total, {p['trainable'] / 1e6:.2f} M trainable")
     if est.fits:
-        con.print("[green]fits[/green] as configured")
-    elif plan.fits:
-        con.print("[yellow]does not fit as configured[/yellow]; plan:")
+        con.print(f"[green]as configured, {_fit_words(needed, budget.limit)}[/green]")
+        for n in est.notes:
+            con.print(f"[dim]{n}[/dim]")
+        return
+    con.print(f"[yellow]as configured, {_fit_words(needed, budget.limit)}[/yellow]")
+    if plan.changes:
+        con.print("plan:")
         for c in plan.changes:
             con.print(f"  - {c}")
-        con.print(f"  -> peak {g(plan.estimate.device_total_bytes)} GiB")
-    else:
-        con.print("[red]does not fit[/red] here: verdict burst")
-        for c in plan.changes:
-            con.print(f"  - {c}")
+        planned = max(budget.needed(plan.estimate), plan.estimate.reserved_peak_bytes)
+        con.print(f"  -> reserved peak {g(plan.estimate.reserved_peak_bytes)} GiB; "
+                  f"{_fit_words(planned, budget.limit)}")
+    if not plan.fits:
+        con.print("[red]nothing tried fits here[/red]: verdict burst")
     for n in est.notes:
         con.print(f"[dim]{n}[/dim]")
 

@@ -53,6 +53,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
         tracker.log_text(redact(res.report), "cloud/plan.txt")
     from fitburst.train import TrainResult
 
+    assert res.run_dir is not None  # a launched burst names its run folder
     run_dir = Path(res.run_dir)
     if res.logged_remotely and not (run_dir / "train_result.json").exists():
         _fetch_train_result(tracker, run_dir)  # the node logged it; nothing was pulled home

@@ -83,7 +83,7 @@ def collect(runs: Iterable[RunRecord]) -> list[dict]:
         rec = dict(run_id=run["run_id"], kind=kind, gpu=gpu_key(gpu) if gpu and kind == "cuda" else "",
                    path=t.get("path", "local"), estimated=raw, measured=measured, ratio=measured / raw,
                    reserved_ratio=None,
-                   heap_dominated=kind != "cuda" and bool(tensors) and tensors < TENSOR_SHARE * est)
+                   heap_dominated=kind != "cuda" and tensors is not None and 0 < tensors < TENSOR_SHARE * est)
         est_r, meas_r = m.get("memory.estimated_reserved_bytes"), m.get("memory.measured_reserved_bytes")
         if kind == "cuda" and est_r and meas_r:
             rec["reserved_ratio"] = meas_r / (est_r / (m.get("memory.calibration_reserved_factor") or applied))

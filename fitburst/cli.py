@@ -158,6 +158,7 @@ def cmd_run(args) -> int:
     from flows.finetune import finetune
 
     summary = finetune(pipeline=args.pipeline, overrides=overrides, pipelines_file=args.file, dry_run=args.dry_run)
+    assert isinstance(summary, dict)  # the spec loaded above; a flow that returns a Failed state raises here
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
     print(json.dumps(summary, indent=2, default=str))

@@ -103,7 +103,7 @@ def _check_role(role: object, i: int, key: str = "messages") -> None:
     raise ValueError(f"{key}[{i}]: unknown role {role!r}{hint}; a role is one of {', '.join(CHAT_ROLES)}")
 
 
-def to_messages(record: dict, fmt: str) -> list[dict]:
+def to_messages(record: object, fmt: str) -> list[dict]:
     """Normalise one record to a chat ``messages`` list ending with an assistant turn."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
@@ -497,7 +497,7 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
     """What identifies the records' content: a file's bytes, a folder's files (a saved dataset's fingerprints),
     or a hub dataset's id, subset, split, revision and builder hash (data files at the revision)."""
     h = hashlib.sha256()
-    if data.dataset is not None and not (isinstance(source, Path) and _is_saved(source)):
+    if isinstance(source, str) or (data.dataset is not None and not _is_saved(source)):  # as _raw_records reads it
         from datasets import load_dataset_builder  # datasets: heavy, only for a hub dataset
         from datasets.exceptions import DatasetsError
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitburst.cache import build_once, cache_root
 from fitburst.spec import CHATML_TEMPLATE
 from fitburst.vision import IMAGE_TOKEN
+
+if TYPE_CHECKING:  # heavy: builders import transformers when they run
+    from transformers import PreTrainedTokenizerBase
 
 DEMO_MODEL = "fitburst/tiny-demo"
 MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)
@@ -93,6 +97,7 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family:
     torch.manual_seed(0)
     common = dict(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=True,
                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **arch)
+    model: MixtralForCausalLM | LlamaForCausalLM
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
     else:
@@ -124,10 +129,6 @@ def demo_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]):
     return bpe
 
 
-# The tiny T5: FLAN-T5's layout (gated-gelu feed-forward, untied head, relative attention bias) at demo size.
-T5_ARCH = dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
-               feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=32,
-               relative_attention_max_distance=128, dropout_rate=0.0)
 T5_SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # T5's ids: pad 0 (also the decoder start), eos 1, unk 2
 
 
@@ -145,9 +146,15 @@ def build_tiny_t5(dest: Path, vocab_size: int = 1024) -> None:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token=eos, unk_token="<unk>")
     tok.save_pretrained(dest)
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(
+    # FLAN-T5's layout (gated-gelu feed-forward, untied head, relative attention bias) at demo size.
+    # transformers' T5Config signature names only T5's own fields; the config still takes the generic
+    # tie_word_embeddings and decoder_start_token_id at construction (set later they derive differently).
+    config = T5Config(  # type: ignore[call-arg]
         vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-        decoder_start_token_id=tok.pad_token_id, **T5_ARCH))
+        decoder_start_token_id=tok.pad_token_id, d_model=128, d_kv=32, d_ff=256, num_layers=2,
+        num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0)
+    model = T5ForConditionalGeneration(config)
     _pretrain(model, tok, [t for t in demo_texts() if t], steps=150, batch=16, add_eos=False)
     model.save_pretrained(dest)
 
@@ -182,6 +189,13 @@ def tiny_vl_dir() -> Path:
     return build_once(cache_root() / "models" / f"tiny-vl-v{VL_VERSION}", build_tiny_vl)
 
 
+def _token_id(tok: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of one token (transformers types the lookup for a list of tokens too)."""
+    i = tok.convert_tokens_to_ids(token)
+    assert isinstance(i, int), token
+    return i
+
+
 def build_tiny_vl(dest: Path, vocab_size: int = 400) -> None:
     """Save a Qwen2-VL (2 text layers of width 64, a 2-block vision tower on 14-pixel patches) pretrained for a few
     seconds on the demo set's sentences alone, a byte-level BPE tokenizer trained on them with Qwen's pre-tokenizer,
@@ -214,7 +228,7 @@ def build_tiny_vl(dest: Path, vocab_size: int = 400) -> None:
                              patch_size=VL_VISION_ARCH["patch_size"],
                              merge_size=VL_VISION_ARCH["spatial_merge_size"]).save_pretrained(dest)
 
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS}
+    ids = {t: _token_id(tok, t) for t in VL_SPECIAL_TOKENS}
     head_dim = VL_TEXT_ARCH["hidden_size"] // VL_TEXT_ARCH["num_attention_heads"]
     section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]  # t, h, w
     config = Qwen2VLConfig(

@@ -59,7 +59,11 @@ class Throughput:
     tflops: float | None = None  # sustained TFLOP/s (table x MFU)
 
     def tokens_per_second(self, flops_per_tok: float) -> float:
-        return self.tokens_per_s if self.tokens_per_s else self.tflops * 1e12 / flops_per_tok
+        if self.tokens_per_s:
+            return self.tokens_per_s
+        if self.tflops is None:
+            raise ValueError(f"{self.source}: neither a measured rate nor a TFLOP/s figure")
+        return self.tflops * 1e12 / flops_per_tok
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ QUIET_ENV = {
 
 def _package_dirs() -> tuple[str, ...]:
     """The folders of fitburst's packages, found without importing them."""
-    dirs = []
+    dirs: list[str] = []
     for name in PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
@@ -76,7 +76,7 @@ class StderrHandler(logging.StreamHandler):
     Prefect keeps a root handler like this one (its class name has no leading underscore) instead of its own."""
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self):
         return sys.stderr
 
     @stream.setter
@@ -153,6 +153,14 @@ def route_libraries(transformers: bool = False) -> None:
         hf_logging.enable_propagation()
 
 
+def _file_handler(path: Path) -> logging.FileHandler | None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return logging.FileHandler(path, delay=True, encoding="utf-8")
+    except OSError:  # no writable log folder: the console alone
+        return None
+
+
 def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path | None:
     """Configure logging for one CLI command; returns the log file (None if it cannot be written)."""
     for k, v in QUIET_ENV.items():
@@ -172,12 +180,8 @@ def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path
     console.fitburst = True  # type: ignore[attr-defined]
     root.addHandler(console)
     path = log_dir(base) / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}.log"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        file = logging.FileHandler(path, delay=True, encoding="utf-8")
-    except OSError:
-        path = None
-    else:
+    file = _file_handler(path)
+    if file is not None:
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         file.fitburst = True  # type: ignore[attr-defined]
         root.addHandler(file)
@@ -185,4 +189,4 @@ def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path
         logging.getLogger(noisy).setLevel(logging.WARNING)
     logging.captureWarnings(True)
     quiet_user_errors()
-    return path
+    return path if file is not None else None

@@ -12,7 +12,7 @@ from typing import Literal
 from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl_dir
 from fitburst.device import check_quant_supported, weight_dtype
 from fitburst.hardware import Device, expands_kv, probe_local
-from fitburst.spec import PipelineSpec, resolve_env
+from fitburst.spec import PipelineSpec, resolve_env, resolve_quant
 from fitburst.vision import is_vision_language
 
 
@@ -38,6 +38,7 @@ def load_tokenizer(name: str, revision: str | None = None, token: str | None = N
 
 
 Family = Literal["causal", "seq2seq", "vision_language"]
+_LOCAL_FAMILIES: dict[str, Family] = {"t5": "seq2seq", "qwen2_vl": "vision_language"}  # the rest are causal
 
 
 def config_family(config) -> Family:
@@ -59,7 +60,7 @@ def model_family(model) -> Family:
     """The family of a pipeline's ``model`` section, from its config.json (its ${ENV} token resolved at use); a
     locally built model's from its architecture, so asking builds nothing (bad data is refused before that)."""
     if model.name in LOCAL_MODELS:
-        return {"t5": "seq2seq", "qwen2_vl": "vision_language"}.get(LOCAL_MODELS[model.name], "causal")
+        return _LOCAL_FAMILIES.get(LOCAL_MODELS[model.name], "causal")
     return config_family(load_config(model.name, model.revision, resolve_env(model.hf_token),
                                      model.trust_remote_code))
 
@@ -166,13 +167,14 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
     """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
     revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`."""
     m, method, tr = spec.model, spec.method, spec.training
-    check_quant_supported(method.quant, device)
+    quant = resolve_quant(method.type, method.quant)
+    check_quant_supported(quant, device)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)
     target = probe_local("cuda") if device.startswith("cuda") else None
     if path is not None:
         return load_model(path, dtype=dtype, device=device, attention=tr.attention, target=target,
                           precision=precision)
-    return load_model(m.name, dtype=dtype, device=device, quant=method.quant, double_quant=method.double_quant,
+    return load_model(m.name, dtype=dtype, device=device, quant=quant, double_quant=method.double_quant,
                       attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
                       trust_remote_code=m.trust_remote_code, target=target, precision=precision)
 

@@ -107,12 +107,13 @@ def free_memory(exc: BaseException) -> None:
     import torch
 
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)
-        exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__
+    e: BaseException | None = exc  # then its causes and contexts down the chain
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

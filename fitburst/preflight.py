@@ -108,7 +108,8 @@ class PreflightReport:
         rows = "\n".join(f"| {k} | {v / GIB:.3f} |" for k, v in sorted(e.components.items(), key=lambda kv: -kv[1]))
         plan = "\n".join(f"- {c}" for c in self.changes) or "- none needed"
         band = f" (error band {e.band.low:+.0%} / {e.band.high:+.0%}: {e.band.source})" if e.band else ""
-        time = f"\n\nTime here: ~{_duration(self.local_hours)} ({self.local_time.source})." if self.local_time else ""
+        t = self.local_time
+        time = f"\n\nTime here: ~{_duration(t.hours)} ({t.source})." if t else ""
         cands = ""
         if self.candidates:
             cands = ("\n\n### Cloud candidates\n| GPU | provider | fits | est. peak GiB | $/h | hours | total $ |\n"
@@ -213,7 +214,8 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
         why = "burst policy is 'always'"
     elif not plan.fits:
         why = "does not fit on the local device"
-    else:
+    else:  # fits but slow: the hours were estimated and are over the cap
+        assert local_time is not None and hours is not None
         why = f"fits locally but needs ~{hours:.1f} h there ({local_time.source}), over max_local_hours {cap:g}"
     candidates = rank()
     usable = [c for c in candidates if c.usable]

@@ -105,11 +105,10 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
     ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``: the most
     images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline."""
     m, t = spec.method, spec.training
-    dtype = t.precision
+    dtype: str = t.precision
     if dtype == "auto":
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
-    vl = {} if px is None else {"images": images, "image_tokens": px // QWEN2_VL_PIXELS_PER_TOKEN, "vision": m.vision}
     return TrainSettings(
         method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
         dropout=m.dropout, targets=m.target_modules, batch=t.micro_batch_size, grad_accum=t.grad_accum,
@@ -117,7 +116,10 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         optimizer=t.optimizer, dtype=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16, **vl)
+        pure_bf16=t.pure_bf16,
+        # the vision-language terms only for a pipeline with images (data.image_max_pixels)
+        images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
+        vision="frozen" if px is None else m.vision)
 
 
 def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:

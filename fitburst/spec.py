@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from fitburst.errors import UserError
 from fitburst.hardware import SKY_NAMES, canonical_gpu, resolve_device
@@ -216,15 +217,17 @@ class PreflightSpec(Strict):
         return v
 
 
+Provider = Literal["runpod", "lambda", "aws", "gcp", "azure"]
+_DEFAULT_PROVIDERS: tuple[Provider, ...] = ("runpod", "lambda")
+
+
 class BurstSpec(Strict):
     """When and where to rent a GPU (fitburst.cloud). GPU names as the memory estimator spells them."""
 
     policy: Literal["auto", "never", "always"] = "auto"
     gpus: list[str] = Field(default_factory=lambda: ["A6000", "T4"],
                             description="T4, L4, A10G, A6000, A100-40GB, A100-80GB, H100 (RTXA6000 = A6000)")
-    providers: list[Literal["runpod", "lambda", "aws", "gcp", "azure"]] = Field(
-        default_factory=lambda: ["runpod", "lambda"]
-    )
+    providers: list[Provider] = Field(default_factory=lambda: list(_DEFAULT_PROVIDERS))
     spot: bool = False
     max_hourly_usd: float | None = Field(default=None, gt=0)
     max_total_usd: float | None = Field(default=None, gt=0)
@@ -324,7 +327,9 @@ class ScheduleSpec(Strict):
         return v
 
 
-NOTIFY_EVENTS = ("failed", "completed", "burst")
+NotifyEvent = Literal["failed", "completed", "burst"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("failed", "completed", "burst")
+_DEFAULT_EVENTS: tuple[NotifyEvent, ...] = ("failed",)
 NOTIFY_SECRETS = ("webhook_url", "slack_webhook_url", "discord_webhook_url")
 
 
@@ -352,7 +357,7 @@ class NotifySpec(Strict):
     (a run trained on a rented GPU, with its cost).
     """
 
-    events: list[Literal["failed", "completed", "burst"]] = Field(default_factory=lambda: ["failed"])
+    events: list[NotifyEvent] = Field(default_factory=lambda: list(_DEFAULT_EVENTS))
     webhook_url: str | None = Field(default=None, description="${ENV_VAR}: any URL that takes a JSON POST")
     slack_webhook_url: str | None = Field(default=None, description="${ENV_VAR}: a Slack incoming-webhook URL")
     discord_webhook_url: str | None = Field(default=None, description="${ENV_VAR}: a Discord webhook URL")
@@ -435,9 +440,11 @@ class PipelineSpec(Strict):
 
     def data_source(self) -> Path | str:
         """Where the records are: a local path (data.path, or a data.dataset naming a local folder) or a hub id."""
-        if self.data.path is not None:
-            return self.data_path()
+        path = self.data_path()
+        if path is not None:
+            return path
         ref = self.data.dataset
+        assert ref is not None  # DataSpec requires exactly one of path and dataset
         local = Path(ref).expanduser()
         local = local if local.is_absolute() else Path(self.base_dir) / local
         return local if ref.startswith((".", "/", "~")) or local.is_dir() else ref
@@ -507,7 +514,7 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _explain(err: dict, where: str, source: str) -> str:
+def _explain(err: ErrorDetails, where: str, source: str) -> str:
     loc = tuple(p for p in err["loc"] if p not in ("function-after",))
     field = ".".join(str(p) for p in loc) or "(pipeline)"
     msg = err["msg"].removeprefix("Value error, ")
@@ -572,9 +579,9 @@ def _check_defaults(doc: dict, lines: dict) -> list[str]:
         return out
 
 
-def _impossible(spec: PipelineSpec) -> list[tuple[tuple, str]]:
+def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
-    out: list[tuple[tuple, str]] = []
+    out: list[tuple[tuple[str, ...], str]] = []
     device = spec.preflight.device
     named = None if device.lower() in ("auto", "cpu", "cuda", "mps") else resolve_device(device)
     kind = "mps" if device.lower() == "mps" else (named.kind if named else None)
@@ -650,13 +657,13 @@ def _build(
             problems.append(f"pipeline '{name}': " + _explain(err, where, src))
         return None, problems
     problems = []
-    for loc, why in _impossible(spec):
-        value = _get(spec, loc)
-        if overrides and _has_path(overrides, loc):
+    for field, why in _impossible(spec):
+        value = _get(spec, field)
+        if overrides and _has_path(overrides, field):
             where, src = "", " (from overrides)"
         else:
-            where, src = f"line {_locate(lines, name, loc)}: ", ""
-        problems.append(f"pipeline '{name}': {where}field '{'.'.join(loc)}'{src} (got {value!r}): {why}")
+            where, src = f"line {_locate(lines, name, field)}: ", ""
+        problems.append(f"pipeline '{name}': {where}field '{'.'.join(field)}'{src} (got {value!r}): {why}")
     source = spec.data_source()
     if isinstance(source, Path) and not source.exists():
         key = "path" if spec.data.path is not None else "dataset"

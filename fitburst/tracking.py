@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from fitburst import __version__
-from fitburst.data import load_split, read_records
+from fitburst.data import DataError, iter_records, load_split
 from fitburst.device import torch_dtype
 from fitburst.memory import Estimate
 from fitburst.models import load_model, load_tokenizer, resolve_model_ref
@@ -325,7 +325,7 @@ class Tracker:
     def log_dataset_inputs(self, prepared, source: str | Path) -> None:
         """Each prepared split as an MLflow dataset input: the data file as source, the content hash (file, data
         settings and tokenizer) as digest, the split's rows (profile: num_rows) and its token columns (schema)."""
-        from mlflow.data import from_huggingface  # heavy: loaded only to log
+        from mlflow.data.huggingface_dataset import from_huggingface  # heavy: loaded only to log
         from mlflow.entities import DatasetInput, InputTag
 
         inputs = []
@@ -374,9 +374,9 @@ class Tracker:
                               trust_remote_code=m.trust_remote_code)
             model = PeftModel.from_pretrained(base, str(adapter_dir))
         example = None
-        conversations, _ = read_records(spec.data_path(), spec.data.format, skip_invalid=True)
-        if conversations:  # the first record's conversation up to its last reply
-            conv = conversations[0]
+        # the first usable record of the pipeline's data as it reads it (a hub dataset and data.columns included)
+        conv = next((c for _, c in iter_records(spec.data_source(), spec.data) if not isinstance(c, DataError)), None)
+        if conv:  # its conversation up to its last reply
             last = max((i for i, msg in enumerate(conv) if msg["role"] == "assistant"), default=len(conv))
             prompt = [{"role": msg["role"], "content": redact(msg["content"])} for msg in conv[:last]]
             example = {"messages": prompt, "max_tokens": spec.eval.max_new_tokens}
@@ -422,7 +422,8 @@ class Tracker:
         try:
             yield
         finally:
-            mlflow.set_tracking_uri(old_global)
+            # None (unset) included: mlflow's annotation leaves it out, its code unsets the URI for it
+            mlflow.set_tracking_uri(old_global)  # type: ignore[arg-type]
             if old_env is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
             else:

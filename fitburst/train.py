@@ -103,8 +103,10 @@ def prepare_for_training(model, spec: PipelineSpec):
         task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
         if vl:  # the language model's layers, the vision side only as method.vision asks
             targets = lora_target_names(model, targets, method.vision)
+        # peft annotates lora_alpha as int; its scaling (alpha / r) takes the spec's real-valued alpha as is
         model = get_peft_model(model, LoraConfig(
-            r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout, task_type=task,
+            r=method.rank, lora_alpha=method.alpha,  # type: ignore[arg-type]
+            lora_dropout=method.dropout, task_type=task,
             target_modules=targets if targets == "all-linear" else list(targets)))
     elif vl:
         freeze_vision(model, method.vision)
@@ -145,7 +147,7 @@ def rng_states() -> dict:
     """The RNG states to resume with: CPU always, CUDA and MPS where that device is available."""
     import torch  # heavy: loaded only when training
 
-    states = {"cpu": torch.get_rng_state()}
+    states: dict[str, torch.Tensor | list[torch.Tensor]] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     if torch.backends.mps.is_available():
@@ -273,7 +275,7 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
         scaler.unscale_(optimizer)
     if max_grad_norm:
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if scaler is not None:
+    if amp is not None and scaler is not None:  # scaler is amp's
         scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()

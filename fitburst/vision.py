@@ -28,7 +28,8 @@ def load_image_processor(ref: str, revision: str | None = None, token: str | Non
         Qwen2VLImageProcessorPil,
     )
 
-    return Qwen2VLImageProcessorPil.from_pretrained(ref, revision=revision, token=token)
+    # the hub's default branch when no revision is pinned (what None means to the hub client)
+    return Qwen2VLImageProcessorPil.from_pretrained(ref, revision=revision or "main", token=token)
 
 
 def image_inputs(processor, images: list, max_pixels: int | None) -> dict:

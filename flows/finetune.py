@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
-from prefect.states import Failed
+from prefect.states import Failed, State
 from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
@@ -21,6 +21,7 @@ from fitburst.oom import OOMLadderExhausted
 from fitburst.preflight import PreflightFailed, PreflightReport, cloud_candidates
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
 from fitburst.tracking import Tracker, redact
+from fitburst.train import TrainResult
 from tasks import artifact_key
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
@@ -82,7 +83,7 @@ def flow_run_name() -> str:
 
 @flow(name="finetune", log_prints=True, flow_run_name=flow_run_name)
 def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file: str = DEFAULT_FILE,
-             dry_run: bool = False) -> dict:
+             dry_run: bool = False) -> dict | State:
     """Run one pipeline from pipelines.yaml; ``overrides`` takes dotted keys, e.g. {"training.max_steps": 20}."""
     try:  # a bad spec fails here, before any compute
         spec = load_pipeline(pipelines_file, pipeline, overrides)
@@ -116,6 +117,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
             return summary
         placement = report.verdict.placement
         if placement == "local":
+            assert prepared is not None  # data_prep returns None only for a dry run, which has returned
             try:
                 result = train_local(planned, prepared, tracker, report.estimate)
             except OOMLadderExhausted as oom:
@@ -197,6 +199,7 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
         release(run_dir)
     if dry_run:
         return result, None
+    assert isinstance(result, TrainResult)  # a real burst returns the pulled-back TrainResult
     ev = EvalResult.load(result.run_dir) if (run_dir / "eval.json").exists() else None
     if ev is not None:
         tracker.log_eval(ev)

@@ -119,29 +119,32 @@ async def ensure_local_train_limit(client) -> None:
 
 def _block(kind: str, value: str, notify: NotifySpec, pipeline: str):
     from prefect.blocks import notifications as nb  # prefect: heavy, kept off `fitburst serve -h`
+    from prefect.types import SecretDict
+    from pydantic import SecretStr
 
+    # the blocks' secret fields typed as such (pydantic would wrap the plain strings the same way)
     if kind == "webhook_url":
         return nb.CustomWebhookNotificationBlock(
-            name=f"fitburst {pipeline}", url="{{url}}", method="POST",
+            name=f"fitburst {pipeline}", url="{{url}}", method="POST", headers=None, cookies=None,
             json_data={"subject": "{{subject}}", "text": "{{body}}", "pipeline": pipeline},
-            secrets={"url": value})
+            secrets=SecretDict({"url": value}))
     if kind == "slack_webhook_url":
-        return nb.SlackWebhook(url=value)
+        return nb.SlackWebhook(url=SecretStr(value))
     if kind == "discord_webhook_url":
         parts = value.rstrip("/").split("/")
         if len(parts) < 2 or "webhooks" not in parts:
             raise ValueError("not a Discord webhook URL (https://discord.com/api/webhooks/<id>/<token>)")
-        return nb.DiscordWebhook(webhook_id=parts[-2], webhook_token=parts[-1])
+        return nb.DiscordWebhook(webhook_id=SecretStr(parts[-2]), webhook_token=SecretStr(parts[-1]))
     if kind == "email":
         assert notify.email is not None
-        return nb.SendgridEmail(api_key=value, sender_email=notify.email.sender, to_emails=notify.email.to)
+        return nb.SendgridEmail(api_key=SecretStr(value), sender_email=notify.email.sender, to_emails=notify.email.to)
     raise ValueError(kind)
 
 
 async def apply_notifications(client, specs: dict[str, PipelineSpec], ids: dict[str, Any]) -> dict[str, list[str]]:
     """Replace every fitburst automation with the ones pipelines.yaml asks for; returns pipeline -> automation names.
     Secrets are resolved here, written only into the blocks (as secret fields) and never logged."""
-    from prefect.events.actions import SendNotification  # prefect: heavy, kept off `fitburst serve -h`
+    from prefect.events.actions import ActionTypesOrUnknown, SendNotification  # prefect: heavy, off `serve -h`
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     for a in await client.read_automations():
@@ -174,8 +177,9 @@ async def apply_notifications(client, specs: dict[str, PipelineSpec], ids: dict[
             trigger = EventTrigger(
                 expect=EXPECT[event], match_related={"prefect.resource.id": f"prefect.deployment.{ids[name]}"},
                 posture=Posture.Reactive, threshold=1, within=timedelta(0))
-            actions = [SendNotification(block_document_id=b, subject=SUBJECT[event].format(name=name),
-                                        body=BODY[event].format(name=name)) for b in blocks]
+            actions: list[ActionTypesOrUnknown] = [
+                SendNotification(block_document_id=b, subject=SUBJECT[event].format(name=name),
+                                 body=BODY[event].format(name=name)) for b in blocks]
             auto = f"{AUTOMATION_PREFIX}{name}/{event}"
             await client.create_automation(AutomationCore(
                 name=auto, description=f"fitburst serve: notify on {event} of finetune/{name}", trigger=trigger,

@@ -22,12 +22,13 @@ from fitburst.data import PreparedData
 from fitburst.memory import Estimate
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
+from fitburst.train import TrainResult  # tasks.train loads it with the flow already
 from tasks import artifact_key
 
 
 @task(name="train-cloud", cache_policy=NONE)
 def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Tracker | None, candidates: list,
-                run_dir: str | Path, *, dry_run: bool = False, local: dict | None = None):
+                run_dir: str | Path, *, dry_run: bool = False, local: dict | None = None) -> TrainResult | BurstResult:
     """Returns the TrainResult read from the pulled-back run folder (or the BurstResult for a dry run)."""
     log = get_run_logger()
 
@@ -51,8 +52,7 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
     if tracker is not None:
         tracker.set_tags(res.tags())
         tracker.log_text(redact(res.report), "cloud/plan.txt")
-    from fitburst.train import TrainResult
-
+    assert res.run_dir is not None  # a launched burst names its run folder
     run_dir = Path(res.run_dir)
     if res.logged_remotely and not (run_dir / "train_result.json").exists():
         _fetch_train_result(tracker, run_dir)  # the node logged it; nothing was pulled home

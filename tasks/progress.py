@@ -32,8 +32,10 @@ class TrainingProgress:
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         self.last: tuple[float, int] | None = None  # (time, step) of the previous update: rates over the window
-        self.artifact_id: UUID = create_progress_artifact(
+        artifact_id = create_progress_artifact(
             progress=0.0, key=self.key, description=f"training {pipeline}: starting (or resuming)")
+        assert isinstance(artifact_id, UUID)  # called from sync code: prefect ran the sync version
+        self.artifact_id = artifact_id
         self.log = get_run_logger()
 
     def __call__(self, row: dict, step: int) -> None:

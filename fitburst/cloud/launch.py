@@ -205,7 +205,7 @@ def _record(run_dir: Path, on_ids: Callable[[dict], Any] | None, **fields: Any) 
 
 def burst_train(
     spec: PipelineSpec,
-    prepared_dir: str | os.PathLike,
+    prepared_dir: str | os.PathLike | None,
     run_dir: str | os.PathLike,
     candidates: list[Candidate],
     *,
@@ -324,6 +324,10 @@ def _cluster_run(spec, task, ok, run_dir: Path, log, remote: bool, base: dict, p
                 result.job_status = "FAILED_SETUP" if setup_failed else "LAUNCH_FAILED"
                 result.message = explain_launch_error(e, ok)
                 raise BurstFailed(result.message, result) from None  # raw SDK text may hold secrets
+            if job_id is None:  # SkyPilot submits no job for a task without a run command
+                result.job_status = "LAUNCH_FAILED"
+                result.message = f"{name} came up but SkyPilot submitted no job (does the task have a run command?)"
+                raise BurstFailed(result.message, result)
             _describe(result, handle)
             _record(run_dir, on_ids, job_id=job_id, state="running")
         result.job_id = job_id

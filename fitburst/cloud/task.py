@@ -194,7 +194,7 @@ def build_task(
         "FITBURST_GPU": ok[0].gpu,
         "FITBURST_PROVIDER": ok[0].provider,
     }
-    if remote:
+    if remote and mlflow_run_id:
         envs["FITBURST_MLFLOW_RUN_ID"] = mlflow_run_id
     task.update_envs(envs)
     secrets = collect_secrets(spec, remote_tracking=bool(remote))
@@ -210,6 +210,8 @@ def build_task(
 
 def bucket_url(spec: PipelineSpec, run_name: str) -> str:
     """Where one run's RUN_DIR lives in ``burst.bucket``: ``<bucket>/<pipeline>/<run folder name>``."""
+    if spec.burst.bucket is None:
+        raise ValueError(f"{spec.name}: burst.bucket is not set")
     return f"{spec.burst.bucket.rstrip('/')}/{spec.name}/{run_name}"
 
 

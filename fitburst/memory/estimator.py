@@ -215,6 +215,7 @@ def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
         c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks()
     )
     rest = total - lin_w  # embeddings, lm_head, norms, biases, vision extras: fp32 after k-bit preparation
+    q: float
     if s.quant == "int8":
         rows = sum(c * sum(lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
         q = lin_w + rows * 4  # int8 weight + fp32 row scale (SCB)

@@ -129,7 +129,7 @@ def plan_fit(
         e.plan = rung_text + _batch_change(settings, s)
         return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
 
-    def checked(s: TrainSettings, e: Estimate) -> Estimate | None:
+    def checked(exact: EstimateFn, s: TrainSettings, e: Estimate) -> Estimate | None:
         """The exact estimate of ``s`` if it fits; else None, and the search learns how far off ``e`` was."""
         x = budget.judge(exact(s, device))
         if x.fits:
@@ -152,7 +152,7 @@ def plan_fit(
                 continue
             if len(rejected) >= _MAX_EXACT_CHECKS:
                 break
-            if (x := checked(s, e)) is not None:
+            if (x := checked(exact, s, e)) is not None:
                 return taken(s, rung_text, x)
         else:
             return None
@@ -161,7 +161,7 @@ def plan_fit(
             return None
         _, s, rung_text, e = min(left, key=lambda f: (scout.needed(f[3]), f[0]))
         n = len(rejected)
-        if (x := checked(s, e)) is None:
+        if (x := checked(exact, s, e)) is None:
             return None
         plan = taken(s, rung_text, x)
         plan.changes.append(f"the exact estimate rejected {n} cheaper plan(s); this is the most frugal one, checked "
@@ -178,6 +178,7 @@ def plan_fit(
         return plan
     # nothing fits here: the closest miss (judged as the analytic estimate it is), and how long a sequence would fit
     base = budget.judge(base)
+    assert base.band is not None  # judge sets it
     longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
     why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
            f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "

@@ -213,8 +213,9 @@ def _recorder_cls():
                 tags[2:] = ["host"] * (len(leaves) - 2)
             for t, t_tag in zip(leaves, tags, strict=True):
                 self.track(t, name, t_tag)
-            if h2f:  # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
-                self.h2f.add(self.sid_of(out))
+            # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
+            if h2f and (sid := self.sid_of(out)) is not None:
+                self.h2f.add(sid)
             # CPU's softmax(fp16 x, dtype=fp32) is x.to(fp32) then _softmax: remember such a copy
             if func is aten._to_copy.default and args[0].dtype == torch.float16 and out.dtype == torch.float32:
                 self._upcast = self.sid_of(out)
@@ -320,7 +321,7 @@ def _quantized(w, compute_dtype, full=None):
                                                  quant_type=w.quant_type, quant_storage=w.quant_storage)
     del full
     p = torch.nn.Parameter(packed, requires_grad=False)
-    p.quant_state = state
+    p.quant_state = state  # type: ignore[attr-defined]  # where bitsandbytes' Params4bit keeps it
     return p
 
 
@@ -469,7 +470,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     rec = _recorder_cls()()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
-    sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if kind == "cuda"
+    sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
             else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
     with (FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), device_autocast(autocast_of),
           sdpa):

@@ -10,21 +10,27 @@ fail. The report keeps these typed objects; :meth:`PreflightReport.to_dict` is i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fitburst.cloud.rank import Candidate, rank_candidates
-from fitburst.data import count_records, images_per_record
+from fitburst.data import PreparedData, count_records, images_per_record
 from fitburst.errors import UserError
 from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, load_shape, plan_fit
+from fitburst.probe import probe
 from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 
+if TYPE_CHECKING:
+    from fitburst.tracking import Tracker
+
 GIB = 1024**3
+log = logging.getLogger(__name__)
 Placement = Literal["local", "burst", "fail"]
 
 
@@ -320,3 +326,65 @@ def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str]
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "
                               "allowed change")
     return spec_with_settings(spec, plan.settings), list(plan.changes), plan.estimate
+
+
+def replan_after_probe(spec: PipelineSpec, report: PreflightReport, result: dict) -> PreflightReport:
+    """The preflight report after a probe: re-timed with the measured throughput when there is one; unchanged
+    in memory when the measured peak fits the budget less the headroom; otherwise re-planned for the budget
+    scaled by estimated / measured (so that the estimate, wrong by the probe's ratio, still lands inside the
+    real budget) and placed again."""
+    rate = result.get("tokens_per_s")
+    limit = report.plan.limit_bytes
+    measured = result.get("measured_peak_bytes") or 0
+    if measured <= limit or not result.get("estimated_peak_bytes"):
+        return retime(spec, report, rate) if rate else report
+    scale = result["estimated_peak_bytes"] / measured
+    budget = int(report.device.budget_bytes * scale)
+    gib = 1024**3
+    why = (f"probe measured {measured / gib:.3f} GiB > {limit / gib:.3f} GiB budget less headroom "
+           f"(estimate x{measured / result['estimated_peak_bytes']:.2f}): re-planned for a "
+           f"{budget / gib:.3f} GiB budget")
+    new = replan_for_budget(spec, report, budget, why, measured_tokens_per_s=rate)
+    if not new.plan.fits:
+        return replace(new, verdict=replace(new.verdict, reason=f"{why}, and nothing allowed fits it; "
+                                                                f"{new.verdict.reason}"))
+    return new
+
+
+def probe_and_replan(spec: PipelineSpec, prepared: PreparedData | None, report: PreflightReport,
+                     tracker: Tracker | None = None, *, steps: int = 2) -> tuple[PreflightReport, dict | None]:
+    """What the preflight task runs when ``preflight.probe`` is set: probe the planned run on the local device,
+    log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
+    if report.verdict.placement != "local" or prepared is None:
+        return report, None
+    from fitburst.oom import free_memory, oom_kind  # torch: the probe trains on the device
+
+    try:
+        result = probe(report.planned, prepared, report.estimate, steps=steps)
+    except (RuntimeError, MemoryError) as e:  # CUDA's OutOfMemoryError is a RuntimeError too
+        kind = oom_kind(e)
+        if kind is None:
+            raise
+        free_memory(e)  # the probe itself did not fit: at least the whole device was needed
+        del e
+        est = report.estimate.comparable_bytes(report.device.kind)
+        total = report.device.total_bytes
+        result = {"device": report.device.name, "oom": kind, "measured_peak_bytes": total,
+                  "estimated_peak_bytes": est, "ratio": total / est if est else None,
+                  "measured_rss_peak_bytes": None, "seq_len": report.seq_len, "seconds": None}
+    new = replan_after_probe(spec, report, result)
+    if tracker is not None:
+        tracker.log_metrics({"memory.probe_peak_bytes": result["measured_peak_bytes"],
+                             "memory.probe_estimated_bytes": result["estimated_peak_bytes"],
+                             "memory.probe_ratio": result["ratio"],
+                             "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
+                             "memory.probe_seq_len": result["seq_len"],
+                             "memory.probe_seconds": result["seconds"],
+                             "memory.probe_tokens_per_s": result.get("tokens_per_s"),
+                             "memory.probe_replanned": float(new.plan is not report.plan)})
+        tracker.set_tags({"probe.device": result["device"]})
+        tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")
+    log.info("probe on %s: measured %s bytes vs estimated %s (x%.2f)%s", result["device"],
+             result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
+             "; re-planned" if new.plan is not report.plan else "")
+    return new, result

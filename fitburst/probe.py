@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
+from fitburst.data import PreparedData
 from fitburst.memory import Estimate
+from fitburst.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 
@@ -28,22 +29,19 @@ def longest_batch(prepared, batch_size: int, pad_id: int) -> dict:
     return collate(rows, pad_id)
 
 
-def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate: Estimate | None = None) -> dict:
+def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device: str | None = None, *,
+          steps: int = 2) -> dict:
     """Run ``steps`` optimizer steps of ``spec`` (as planned) on the longest batch; measured vs estimated peak.
 
     Returns a dict with ``measured_peak_bytes`` (CUDA max_memory_allocated, MPS sampled driver memory, CPU live
     tensor bytes counted by a dispatch tracker), ``estimated_peak_bytes`` (the estimate's figure comparable with it, see
     :meth:`fitburst.memory.Estimate.comparable_bytes`), their ``ratio`` (measured / estimated), the batch
-    shape, seconds, and the meter's record. ``estimate`` (an ``Estimate.to_dict()``) defaults to a fresh estimate
-    of ``spec`` at the probe batch's length.
+    shape, seconds, and the meter's record. ``estimate``: the preflight's estimate of ``spec`` on this device.
     """
     import torch
 
     from fitburst.device import make_amp, resolve_precision, select_device
-    from fitburst.memory import estimate as estimate_fn
-    from fitburst.memory import resolve_device
     from fitburst.meter import MemoryMeter
-    from fitburst.preflight import run_settings, spec_shape
     from fitburst.train import build_model, count_params, make_optimizer, optimizer_step
 
     tr = spec.training
@@ -80,10 +78,6 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
     seconds = time.perf_counter() - t0
     trainable, total = count_params(model)
     del model, optimizer, params
-    if estimate is None:
-        dev = resolve_device(device)
-        settings = run_settings(spec, dev, seq_len)
-        estimate = estimate_fn(spec_shape(spec), settings, dev)
 
     kind = device.split(":")[0]
     # what the measurement compares with: allocated (CUDA allocator, CPU tensor tracker); reserved on MPS
@@ -110,78 +104,6 @@ def probe(spec, prepared, device: str | None = None, *, steps: int = 2, estimate
         "total_params": total,
         "meter": peak,
     }
-
-
-def replan(spec, report, result: dict):
-    """The preflight report after a probe: re-timed with the measured throughput when there is one; unchanged
-    in memory when the measured peak fits the budget less the headroom; otherwise re-planned for the budget
-    scaled by estimated / measured (so that the estimate, wrong by the probe's ratio, still lands inside the
-    real budget) and placed again."""
-    from fitburst.preflight import replan_for_budget, retime
-
-    rate = result.get("tokens_per_s")
-    limit = report.plan.limit_bytes
-    measured = result.get("measured_peak_bytes") or 0
-    if measured <= limit or not result.get("estimated_peak_bytes"):
-        return retime(spec, report, rate) if rate else report
-    scale = result["estimated_peak_bytes"] / measured
-    budget = int(report.device.budget_bytes * scale)
-    gib = 1024**3
-    why = (f"probe measured {measured / gib:.3f} GiB > {limit / gib:.3f} GiB budget less headroom "
-           f"(estimate x{measured / result['estimated_peak_bytes']:.2f}): re-planned for a "
-           f"{budget / gib:.3f} GiB budget")
-    new = replan_for_budget(spec, report, budget, why, measured_tokens_per_s=rate)
-    if not new.plan.fits:
-        return replace(new, verdict=replace(new.verdict, reason=f"{why}, and nothing allowed fits it; "
-                                                                f"{new.verdict.reason}"))
-    return new
-
-
-def probe_and_replan(spec, prepared, report, tracker=None, *, steps: int = 2):
-    """What the preflight task runs when ``preflight.probe`` is set: probe the planned run on the local device,
-    log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
-    if report.verdict.placement != "local" or prepared is None:
-        return report, None
-    import torch
-
-    from fitburst.oom import oom_kind
-
-    try:
-        result = probe(report.planned, prepared, steps=steps, estimate=report.estimate)
-    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
-        kind = oom_kind(e)  # CUDA's OutOfMemoryError, MPS's and the CPU allocator's RuntimeError, MemoryError
-        if kind is None:
-            raise
-        # the probe itself did not fit: at least the whole device was needed
-        import gc
-
-        del e
-        gc.collect()
-        if kind == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        elif kind == "mps" and torch.backends.mps.is_available():
-            torch.mps.empty_cache()
-        est = report.estimate.comparable_bytes(report.device.kind)
-        total = report.device.total_bytes
-        result = {"device": report.device.name, "oom": kind, "measured_peak_bytes": total,
-                  "estimated_peak_bytes": est, "ratio": total / est if est else None,
-                  "measured_rss_peak_bytes": None, "seq_len": report.seq_len, "seconds": None}
-    new = replan(spec, report, result)
-    if tracker is not None:
-        tracker.log_metrics({"memory.probe_peak_bytes": result["measured_peak_bytes"],
-                             "memory.probe_estimated_bytes": result["estimated_peak_bytes"],
-                             "memory.probe_ratio": result["ratio"],
-                             "memory.probe_rss_peak_bytes": result["measured_rss_peak_bytes"],
-                             "memory.probe_seq_len": result["seq_len"],
-                             "memory.probe_seconds": result["seconds"],
-                             "memory.probe_tokens_per_s": result.get("tokens_per_s"),
-                             "memory.probe_replanned": float(new.plan is not report.plan)})
-        tracker.set_tags({"probe.device": result["device"]})
-        tracker.log_dict({k: v for k, v in result.items()}, "preflight/probe.json")
-    log.info("probe on %s: measured %s bytes vs estimated %s (x%.2f)%s", result["device"],
-             result["measured_peak_bytes"], result["estimated_peak_bytes"], result["ratio"] or 0,
-             "; re-planned" if new.plan is not report.plan else "")
-    return new, result
 
 
 def _make_tracker():

@@ -8,7 +8,7 @@ from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
 from fitburst.memory import Estimate
-from fitburst.preflight import PreflightReport, data_facts, preflight
+from fitburst.preflight import PreflightReport, data_facts, preflight, probe_and_replan
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
 from tasks import artifact_key
@@ -20,8 +20,6 @@ def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: T
     seq, n_train, mean = data_facts(spec, prepared)
     report = preflight(spec, seq, n_train=n_train, mean_len=mean)
     if spec.preflight.probe and report.verdict.placement == "local" and prepared is not None:
-        from fitburst.probe import probe_and_replan
-
         report, _ = probe_and_replan(spec, prepared, report, tracker)
     log = get_run_logger()
     log.info("preflight %s: %s (%s)", spec.name, report.verdict.placement, report.verdict.reason)

@@ -23,7 +23,7 @@ def demo_report(cpu_spec, demo_prepared):
 
 
 def test_probe_measures_the_longest_batch_and_logs_to_mlflow(cpu_spec, demo_prepared, demo_report):
-    from fitburst.probe import probe_and_replan
+    from fitburst.preflight import probe_and_replan
     from fitburst.tracking import Tracker
 
     tracker = Tracker.start(cpu_spec)
@@ -47,7 +47,7 @@ def test_probe_measures_the_longest_batch_and_logs_to_mlflow(cpu_spec, demo_prep
 
 
 def test_probe_over_budget_sends_the_planner_one_rung_down(cpu_spec, demo_report):
-    from fitburst.probe import replan
+    from fitburst.preflight import replan_after_probe as replan
 
     budget = demo_report.device.budget_bytes
     est = demo_report.estimate.reserved_peak_bytes
@@ -67,7 +67,7 @@ def test_probe_over_budget_sends_the_planner_one_rung_down(cpu_spec, demo_report
 
 
 def test_probe_under_budget_or_impossible(cpu_spec, demo_report):
-    from fitburst.probe import replan
+    from fitburst.preflight import replan_after_probe as replan
 
     ok = {"measured_peak_bytes": 10 << 20, "estimated_peak_bytes": 10 << 20}
     assert replan(cpu_spec, demo_report, ok) is demo_report  # no measured rate, no re-plan: unchanged
@@ -107,7 +107,7 @@ def test_an_out_of_memory_probe_is_a_measurement_not_a_crash(monkeypatch, cpu_sp
                                                             kind, make_error):
     """A probe that runs out of memory on MPS or CPU (a RuntimeError, not torch.OutOfMemoryError) says the run
     needs at least the whole device: the preflight re-plans for a smaller budget instead of crashing."""
-    from fitburst.probe import probe_and_replan
+    from fitburst.preflight import probe_and_replan
 
     _oom_in_step(monkeypatch, make_error)
     report, res = probe_and_replan(cpu_spec, demo_prepared, demo_report)
@@ -118,7 +118,7 @@ def test_an_out_of_memory_probe_is_a_measurement_not_a_crash(monkeypatch, cpu_sp
 
 
 def test_a_probe_error_that_is_not_out_of_memory_is_raised(monkeypatch, cpu_spec, demo_prepared, demo_report):
-    from fitburst.probe import probe_and_replan
+    from fitburst.preflight import probe_and_replan
 
     _oom_in_step(monkeypatch, lambda: RuntimeError("expected scalar type Float but found Half"))
     with pytest.raises(RuntimeError, match="expected scalar type"):

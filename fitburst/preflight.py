@@ -127,12 +127,20 @@ class PreflightReport:
         return (
             f"## Preflight: `{self.pipeline}` on {self.device.name}\n\n"
             f"**Verdict: {self.verdict.placement}** - {self.verdict.reason}\n\n"
-            f"Estimated peak {e.device_total_bytes / GIB:.3f} GiB (allocated {e.allocated_peak_bytes / GIB:.3f}, "
-            f"reserved {e.reserved_peak_bytes / GIB:.3f}; {self.plan.needed_bytes / GIB:.3f} at the upper edge"
-            f"{band}) against {self.plan.limit_bytes / GIB:.3f} GiB (budget less "
-            f"{e.safety_margin:.0%} headroom); peak phase: {e.peak_phase}; sequence length {self.seq_len}.{time}\n\n"
+            f"Reserved peak {e.reserved_peak_bytes / GIB:.3f} GiB, {self.plan.needed_bytes / GIB:.3f} GiB at the upper "
+            f"edge of its error band{band}, against {self.plan.limit_bytes / GIB:.3f} GiB usable (budget less "
+            f"{e.safety_margin:.0%} headroom): {_fit_words(self.plan)}. For reference: allocated "
+            f"{e.allocated_peak_bytes / GIB:.3f} GiB, device total with the runtime's context "
+            f"{e.device_total_bytes / GIB:.3f} GiB; peak phase: {e.peak_phase}; sequence length "
+            f"{self.seq_len}.{time}\n\n"
             f"Estimate: {self.trace_line()}.\n\n"
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
+
+
+def _fit_words(plan: Plan) -> str:
+    spare = plan.limit_bytes - plan.needed_bytes
+    return (f"fits, {spare / GIB:.3f} GiB to spare" if spare >= 0
+            else f"does not fit, {-spare / GIB:.3f} GiB short")
 
 
 def _duration(hours: float) -> str:

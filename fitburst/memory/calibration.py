@@ -129,8 +129,16 @@ T4_ANALYTIC = _measured(-0.185, 0.110, "analytic estimate vs a Tesla T4's reserv
                                        "TinyLlama-1.1B and SmolLM2-135M, looked-at)", 29)
 T4_16 = _measured(0.0, 0.0026, "traced estimate vs a Tesla T4's reserved + context, 16-bit LoRA (6 held-out runs "
                                "of TinyLlama-1.1B)", 6)
-T4_4BIT = _measured(-0.0509, 0.0423, "traced estimate vs a Tesla T4's reserved + context, 4-bit QLoRA (19 runs of "
-                                     "TinyLlama-1.1B and SmolLM2-135M, in-sample: none held out)", 19)
+# 4-bit on the T4 for models beyond the archive's two: held-out T4 runs of other models, replayed by
+# benchmarks/_t4.py, put reserved + context at -12 % .. +15 % of the traced figure (the rows were measured and scored
+# by the project's lead and are not in this repository); the in-sample band above (-4.9 % .. +5.4 %) would
+# promise more than that. The band takes the wider of the two readings of that range.
+T4_4BIT_OTHER_MODELS = (-0.12, 0.15)
+T4_4BIT = ErrorBand(round(min(-0.0509, T4_4BIT_OTHER_MODELS[0], 1 / (1 + T4_4BIT_OTHER_MODELS[1]) - 1), 4),
+                    round(max(1 / (1 - 0.0509) - 1, T4_4BIT_OTHER_MODELS[1]), 4),
+                    "traced estimate vs a Tesla T4's reserved + context, 4-bit QLoRA: 19 in-sample runs of "
+                    "TinyLlama-1.1B and SmolLM2-135M and held-out runs of other models (-12 % .. +15 %, "
+                    "benchmarks/_t4.py)", 19)
 _MPS = ErrorBand(T4_ANALYTIC.low, T4_ANALYTIC.high, "not measured on MPS: the widest band measured on any device "
                                                   "(the analytic estimate on a T4)", 0, measured=False)
 _VS_TRACE = ErrorBand(-0.02, 0.19, "analytic vs traced estimate, grid of small llama/qwen2 configurations "

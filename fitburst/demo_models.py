@@ -13,8 +13,8 @@ import random
 from pathlib import Path
 
 from fitburst.cache import build_once, cache_root
+from fitburst.families.vision_language import IMAGE_TOKEN
 from fitburst.spec import CHATML_TEMPLATE
-from fitburst.vision import IMAGE_TOKEN
 
 DEMO_MODEL = "fitburst/tiny-demo"
 MOE_MODEL = "fitburst/tiny-moe"  # the demo's tokenizer and data on a tiny Mixtral (4 experts, 2 per token)

@@ -341,7 +341,7 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
         raise DataError(f"{path}:{where}: {msg}") from None
 
 
-# --- tokenization -----------------------------------------------------------------------------------
+# --- cache keys and length statistics -----------------------------------------------------------------
 
 def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()

@@ -1,6 +1,5 @@
 """What every family shares: the interface the core calls (:class:`Family`), the ignored-label id and the padding
-collate. The family modules import only this module (and spec, runconfig, errors); the package's ``__init__``
-imports them, so nothing here imports back up."""
+collate. Its own module, so that the family modules can import it while the package's ``__init__`` imports them."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ Accepted shapes (``format: auto`` detects them per record):
 - ``prompt_completion``: ``{"prompt": ..., "completion": ...}``
 - ``input_target``: ``{"input": ..., "target": ...}`` (sequence-to-sequence records)
 
-For an encoder-decoder model (T5) every format becomes an (input, target) pair (:func:`to_pair`), tokenized
-separately (:func:`tokenize_pair`): encoder ``input_ids`` and decoder ``labels``.
+How records become samples is the model family's (:mod:`fitburst.families`): a causal LM's conversations are
+tokenized with their replies as labels, an encoder-decoder's become (input, target) pairs, a vision-language model's
+image + conversation records carry their pixels.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import csv
 import hashlib
 import json
 import logging
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -29,22 +29,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fitburst.cache import cache_root
-from fitburst.errors import UserError
+from fitburst.errors import DataError, UserError
+from fitburst.families import CAUSAL, IGNORE_INDEX, Family
+from fitburst.families import collate as family_collate
+from fitburst.families.vision_language import RecordImages, load_image_processor
 from fitburst.models import model_family, resolve_model_ref, tokenizer_for
-from fitburst.spec import CHATML_TEMPLATE, DataSpec, resolve_env
-from fitburst.vision import collate_images, expand_image_tokens, image_inputs, image_token_counts, load_image_processor
+from fitburst.spec import DataSpec, resolve_env
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "model": "assistant"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")  # what chat templates take
-ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-
-
-class DataError(UserError, ValueError):
-    """A record or file that cannot be used; the message names file and line."""
 
 
 class DataUnreachable(DataError):
@@ -63,7 +59,7 @@ class PreparedData:
     n_skipped: int
     n_no_target: int
     stats: dict = field(default_factory=dict)
-    seq2seq: bool = False  # encoder-decoder samples: input_ids (encoder) and labels (decoder) of their own lengths
+    family: str = "causal"  # whose samples these are (Family.name); train and eval take the family from the model
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -72,6 +68,8 @@ class PreparedData:
     def from_dir(cls, path: str | Path) -> PreparedData:
         d = json.loads((Path(path) / "prepared.json").read_text())
         d["dir"] = str(Path(path))
+        if "seq2seq" in d:  # a cache that recorded only whether its samples were encoder-decoder ones
+            d["family"] = "seq2seq" if d.pop("seq2seq") else "causal"
         return cls(**d)
 
 
@@ -361,129 +359,7 @@ def _decode(raw: bytes, path: Path, lineno: int) -> str:
         raise DataError(f"{path}:{where}: {msg}") from None
 
 
-# --- tokenization -----------------------------------------------------------------------------------
-
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def chat_template_kwargs(tokenizer, template: str) -> dict:
-    """``apply_chat_template`` arguments for ``data.template`` auto/chatml: the tokenizer's own template, or ChatML."""
-    if template == "chatml" or not getattr(tokenizer, "chat_template", None):
-        return {"chat_template": CHATML_TEMPLATE}
-    return {}
-
-
-def render(messages: list[dict], tokenizer, template: str) -> tuple[str, list[tuple[int, int]], bool]:
-    """Render a conversation to text; return it, the character spans of assistant replies, and whether the
-    text already carries the model's special tokens.
-
-    With a chat template, each reply runs from the end of the rendered prompt before it to the end of the rendered
-    conversation up to it, where both renderings really are prefixes of the whole text. Templates that render
-    history differently (Qwen3 gives only the turns after the last user turn a ``<think>`` block) fail that check;
-    the replies are then located by their content in the whole text (plus the end-of-turn token right after)."""
-    if template in ("auto", "chatml"):
-        kw = chat_template_kwargs(tokenizer, template)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
-        spans = _prefix_spans(messages, tokenizer, kw, text)
-        if spans is None:
-            spans = _content_spans(messages, text, tokenizer.eos_token)
-        return text, spans, True
-    eos = tokenizer.eos_token or ""
-    text, spans = "", []
-    for m in messages:
-        if m["role"] == "assistant":
-            spans.append((len(text), len(text) + len(m["content"]) + len(eos)))
-            text += m["content"] + eos + "\n"
-        elif template == "alpaca":
-            text += ALPACA_PROMPT.format(instruction=m["content"])
-        else:
-            text += m["content"] + "\n"
-    return text, spans, False
-
-
-def _prefix_spans(messages: list[dict], tokenizer, kw: dict, text: str) -> list[tuple[int, int]] | None:
-    """Reply spans from rendered prefixes, or None where a rendered prefix is not a prefix of ``text``."""
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
-        if not (text.startswith(prompt) and text.startswith(upto)):
-            return None
-        spans.append((len(prompt), len(upto)))
-    return spans
-
-
-def _content_spans(messages: list[dict], text: str, eos: str | None) -> list[tuple[int, int]]:
-    """Reply spans found by content: turns are searched from the last backwards (so a reply that also occurs in a
-    header or an earlier turn is found where it really is); a reply takes the end-of-turn token right after it."""
-    spans, limit = [], len(text)
-    for i in range(len(messages) - 1, -1, -1):
-        content = messages[i]["content"].strip()  # templates often trim
-        if not content:
-            continue
-        at = text.rfind(content, 0, limit)
-        if at < 0:
-            raise DataError(f"messages[{i}] ({messages[i]['role']}): the chat template does not render this turn's "
-                            "content verbatim, so its reply tokens cannot be located; set data.template: chatml, or "
-                            "give the tokenizer a template with {% generation %} blocks")
-        if messages[i]["role"] == "assistant":
-            end = at + len(content)
-            if eos and text.startswith(eos, end):
-                end += len(eos)
-            spans.append((at, end))
-        limit = at
-    return spans[::-1]
-
-
-def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, train_on_prompt: bool) -> dict:
-    """Token ids and labels (prompt tokens set to -100 unless ``train_on_prompt``), truncated to max_seq_len.
-
-    A chat template with ``{% generation %}`` blocks gives its own assistant-token mask
-    (``return_assistant_tokens_mask``); otherwise :func:`render` finds the reply spans."""
-    kw = chat_template_kwargs(tokenizer, template) if template in ("auto", "chatml") else None
-    if kw is not None and GENERATION_TAG.search(kw.get("chat_template") or tokenizer.chat_template):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **kw)
-        ids, keep = list(enc["input_ids"]), [bool(k) for k in enc["assistant_masks"]]
-    else:
-        text, spans, has_special = render(messages, tokenizer, template)
-        enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        keep = [any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
-                for s, e in enc["offset_mapping"]]
-    labels = [tok if (train_on_prompt or inside) else IGNORE_INDEX for tok, inside in zip(ids, keep, strict=True)]
-    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
-
-
-def to_pair(messages: list[dict]) -> tuple[str, str]:
-    """An encoder-decoder sample from a conversation: (everything before the last assistant turn, that reply). A
-    single prompt turn is its content; several are written one per line as ``role: content``."""
-    before = messages[:-1]
-    if not before:
-        raise DataError("the record has a reply but no input before it (an encoder-decoder model needs both)")
-    if len(before) == 1:
-        return before[0]["content"], messages[-1]["content"]
-    return "\n".join(f"{m['role']}: {m['content']}" for m in before), messages[-1]["content"]
-
-
-def tokenize_pair(messages: list[dict], tokenizer, max_seq_len: int, max_target_len: int | None = None) -> dict:
-    """Encoder ``input_ids`` and decoder ``labels`` of an encoder-decoder sample (:func:`to_pair`), each ending
-    with eos as T5's tokenizer writes them, truncated to ``max_seq_len`` / ``max_target_len`` tokens (eos kept)."""
-    source, target = to_pair(messages)
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("the tokenizer has no eos token: an encoder-decoder target needs one to end on")
-
-    def ids(text: str, limit: int) -> tuple[list[int], int]:
-        raw = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return raw[: limit - 1] + [eos], len(raw) + 1
-
-    input_ids, n_in = ids(source, max_seq_len)
-    labels, n_out = ids(target, max_target_len or max_seq_len)
-    return {"input_ids": input_ids, "labels": labels, "full_length": max(n_in, n_out)}
-
+# --- cache keys and length statistics -----------------------------------------------------------------
 
 def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
@@ -517,11 +393,11 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
     return h.hexdigest()
 
 
-def content_hash(source: Path | str, data: DataSpec, tokenizer, seq2seq: bool = False) -> str:
+def content_hash(source: Path | str, data: DataSpec, tokenizer, family: Family = CAUSAL) -> str:
+    """The data cache key: the records' content, the data settings, the family's samples and the tokenizer."""
     h = hashlib.sha256(source_fingerprint(source, data).encode())
     h.update(data.model_dump_json(exclude={"path", "dataset"}).encode())
-    if seq2seq:
-        h.update(b"encoder-decoder")
+    h.update(family.hash_salt)
     h.update(tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()[:16]
 
@@ -538,11 +414,11 @@ def length_stats(lengths: list[int], full_lengths: list[int], max_seq_len: int) 
 
 
 def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
-            records: tuple[list[list[dict]], int] | None = None, seq2seq: bool = False) -> PreparedData:
+            records: tuple[list[list[dict]], int] | None = None, family: Family = CAUSAL) -> PreparedData:
     """Tokenize and split the records at ``data_path`` (a local path, or a hub id with ``data.dataset``); reuse the
     cached result when content, settings and tokenizer match. ``records``: :func:`read_records` of the source
-    when the caller has read it already. ``seq2seq``: encoder-decoder samples (:func:`tokenize_pair`); the length
-    statistics are then of the longer side of each pair.
+    when the caller has read it already. ``family``: whose samples the records become (its ``tokenize``); the
+    length statistics are of the longer of a sample's input and labels (an encoder-decoder pair's two sides).
 
     With ``data.streaming`` the records are read, tokenized and written to the cache in one pass that holds no
     more than a writer batch; the validation split is then drawn per record from a seeded hash of its position
@@ -550,7 +426,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     from datasets import Dataset, Features, List, Value  # datasets: heavy, only to read data
     from datasets.exceptions import DatasetsError
 
-    key = content_hash(data_path, data, tokenizer, seq2seq)
+    key = content_hash(data_path, data, tokenizer, family)
     out = cache_dir / key
     if (out / "prepared.json").exists():
         log.info("data cache hit %s", out)
@@ -571,8 +447,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     def rows():
         for i, (where, messages) in enumerate(pairs):
             try:
-                r = tokenize_pair(messages, tokenizer, data.max_seq_len, data.max_target_len) if seq2seq else \
-                    tokenize(messages, tokenizer, data.template, data.max_seq_len, data.train_on_prompt)
+                r = family.tokenize(messages, tokenizer, data)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
             if all(label == IGNORE_INDEX for label in r["labels"]):
@@ -626,7 +501,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
     train.save_to_disk(str(tmp / "train"))
     val.save_to_disk(str(tmp / "val"))
     prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val),
-                            n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats, seq2seq=seq2seq)
+                            n_skipped=seen["skipped"], n_no_target=seen["no_target"], stats=stats, family=family.name)
     (tmp / "prepared.json").write_text(prepared.to_json())
     del ds, train, val
     shutil.rmtree(tmp / "gen", ignore_errors=True)
@@ -650,14 +525,12 @@ def check_pipeline_data(spec) -> tuple[int, int]:
     """(usable records, skipped) of a pipeline's data, read and checked as data prep reads them (a vision-language
     model's images opened), with no tokenizer: what ``fitburst validate`` runs. A bad record raises DataError
     naming its file and line (or is counted, with ``data.skip_invalid``)."""
-    from fitburst.models import model_family
-
     source, data = spec.data_source(), spec.data
     try:
-        family = model_family(spec.model)
+        kind = model_family(spec.model).records
     except (OSError, UserError):  # the model's config is not reachable here: its records are still read as text
-        family = "causal"
-    if family == "vision_language":
+        kind = "text"
+    if kind == "images":
         records, skipped = read_image_records(source, data)
         return len(records), skipped
     return count_records(source, data)
@@ -674,22 +547,24 @@ def _in_val(i: int, data: DataSpec) -> bool:
 def prepare_pipeline(spec, tokenizer=None) -> PreparedData:
     """:func:`prepare` for a pipeline: its data source and settings, its model's tokenizer, the shared cache.
     Bad data is refused before the tokenizer loads (a streamed set is checked in a pass that holds no record).
-    The one place the families part: a vision-language model's records go through :func:`prepare_images`, an
-    encoder-decoder's become (input, target) pairs."""
-    source, data = spec.data_source(), spec.data
+    The model's family says how its records are read (:data:`PREPARERS`) and become samples."""
     family = model_family(spec.model)
-    if family == "vision_language":
-        return prepare_images(spec, tokenizer)
+    return PREPARERS[family.records](spec, tokenizer, family)
+
+
+def prepare_text(spec, tokenizer=None, family: Family = CAUSAL) -> PreparedData:
+    """:func:`prepare` for a pipeline whose records are text conversations."""
+    source, data = spec.data_source(), spec.data
     if data.streaming:
         count_records(source, data)
         records = None
     else:
         records = read_records(source, data.format, data.skip_invalid, data)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
-    return prepare(data, source, tok, cache_root() / "data", records=records, seq2seq=family == "seq2seq")
+    return prepare(data, source, tok, cache_root() / "data", records=records, family=family)
 
 
-# --- image + conversation records (vision-language models, fitburst.vision) ----------------------------------
+# --- image + conversation records (vision-language models, fitburst.families.vision_language) -----------------
 
 def image_messages(record: object, base: Path) -> tuple[list[dict], list[Path]]:
     """An image + conversation record as chat messages whose image parts are bare placeholders, and its image
@@ -780,52 +655,16 @@ def images_per_record(spec) -> int:
     return most
 
 
-def tokenize_images(messages: list[dict], images: list, tokenizer, processor, data: DataSpec) -> dict:
-    """Token ids, labels and pixels of one image + conversation record.
-
-    The chat template renders the conversation with one ``<|image_pad|>`` per image; each is repeated as many
-    times as the image has tokens at ``data.image_max_pixels`` (:mod:`fitburst.vision`). A reply's labels run from
-    the end of the rendered prompt before it to the end of the conversation up to it, both checked to tokenize to
-    prefixes of the whole. A record longer than ``data.max_seq_len`` is cut only after its last image token."""
-    pix = image_inputs(processor, images, data.image_max_pixels) if images else {}
-    counts = image_token_counts(processor, pix["image_grid_thw"]) if images else []
-    kw = chat_template_kwargs(tokenizer, data.template) if data.template in ("auto", "chatml") else {}
-
-    def ids(msgs: list[dict], prompt: bool = False) -> list[int]:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt, **kw)
-        return tokenizer(expand_image_tokens(text, counts)[0], add_special_tokens=False)["input_ids"]
-
-    full = ids(messages)
-    labels = list(full) if data.train_on_prompt else [IGNORE_INDEX] * len(full)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or data.train_on_prompt:
-            continue
-        before, upto = ids(messages[:i], prompt=True), ids(messages[: i + 1])
-        if full[:len(before)] != before or full[:len(upto)] != upto:
-            raise DataError(f"messages[{i}]: the chat template renders earlier turns differently once this reply is "
-                            "added, so its tokens cannot be located: use a template that renders history verbatim")
-        labels[len(before):len(upto)] = full[len(before):len(upto)]
-    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    marks = [int(t == image_id) for t in full]
-    if len(full) > data.max_seq_len and any(marks[data.max_seq_len:]):
-        raise DataError(f"with its images at this resolution the record is {len(full)} tokens and "
-                        f"data.max_seq_len ({data.max_seq_len}) would cut through an image: raise data.max_seq_len "
-                        "or lower data.image_max_pixels")
-    n = data.max_seq_len
-    return {"input_ids": full[:n], "labels": labels[:n], "mm_token_type_ids": marks[:n], "full_length": len(full),
-            "pixel_values": pix["pixel_values"].tolist() if images else [],
-            "image_grid_thw": pix["image_grid_thw"].tolist() if images else [], "image_tokens": counts}
-
-
-def prepare_images(spec, tokenizer=None) -> PreparedData:
+def prepare_images(spec, tokenizer=None, family: Family | None = None) -> PreparedData:
     """:func:`prepare` for a vision-language pipeline: records and every image checked before the tokenizer and
     the image processor load, then tokenized with their pixels (cached by the content of the data file, its
-    images, the settings, the tokenizer and the image processor)."""
+    images, the settings, the tokenizer and the image processor). ``family``: the pipeline model's."""
     from datasets import Dataset, Features, List, Value  # datasets, PIL: heavy, only for image data
     from PIL import Image
 
     source, data = spec.data_source(), spec.data
     records, skipped = read_image_records(source, data)
+    family = family or model_family(spec.model)
     tok = tokenizer if tokenizer is not None else tokenizer_for(spec.model)
     m = spec.model
     processor = load_image_processor(resolve_model_ref(m.name), m.revision, resolve_env(m.hf_token))
@@ -846,7 +685,7 @@ def prepare_images(spec, tokenizer=None) -> PreparedData:
             with Image.open(p) as im:
                 images.append(im.convert("RGB"))
         try:
-            r = tokenize_images(messages, images, tok, processor, data)
+            r = family.tokenize(messages, tok, data, RecordImages(images, processor))
         except (DataError, ValueError) as e:
             raise DataError(f"{source}: record {k}: {e}") from None
         if all(label == IGNORE_INDEX for label in r["labels"]):
@@ -878,13 +717,16 @@ def prepare_images(spec, tokenizer=None) -> PreparedData:
     train.save_to_disk(str(tmp / "train"))
     val.save_to_disk(str(tmp / "val"))
     prepared = PreparedData(dir=str(out), content_hash=key, n_train=len(train), n_val=len(val), n_skipped=skipped,
-                            n_no_target=n_no_target, stats=stats)
+                            n_no_target=n_no_target, stats=stats, family=family.name)
     (tmp / "prepared.json").write_text(prepared.to_json())
     try:
         tmp.rename(out)
     except OSError:  # a concurrent prepare of the same content finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData.from_dir(out)
+
+
+PREPARERS = {"text": prepare_text, "images": prepare_images}  # by Family.records: how a family's records are read
 
 
 def load_split(prepared: PreparedData, split: str):
@@ -894,35 +736,9 @@ def load_split(prepared: PreparedData, split: str):
 
 
 def collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
-    """Pad a batch to its longest sample (right padding); labels padded with -100 to the longest labels (the same
-    length for a causal LM; an encoder-decoder sample's labels are its target, of their own length).
-
-    ``packed``: padding-free, transformers' ``DataCollatorWithFlattening``: the samples concatenated into one row
-    with no attention mask and position ids restarting at each sample, from which the model's mask keeps attention
-    within each sample (sdpa, eager and flash alike); each sample's first label is -100, so no sample is predicted
-    from the one before it (its first token is never a target unpacked either). The model must run with
-    ``config.use_cache = False`` (as :func:`fitburst.train.prepare_for_training` sets): transformers looks for
-    packed positions only when no cache is passed, and with one the samples silently attend to each other."""
-    import torch  # torch: heavy, only when batches are built
-
-    if packed:
-        from transformers import DataCollatorWithFlattening  # transformers: heavy, only for packed batches
-
-        flat = DataCollatorWithFlattening(return_tensors="pt", separator_id=IGNORE_INDEX)
-        return flat([{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batch])
-    n = max(len(b["input_ids"]) for b in batch)
-    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), max(len(b["labels"]) for b in batch)), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for i, b in enumerate(batch):
-        k = len(b["input_ids"])
-        ids[i, :k] = torch.tensor(b["input_ids"])
-        labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
-        mask[i, :k] = 1
-    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    if "mm_token_type_ids" in batch[0]:  # image + conversation samples (fitburst.vision)
-        out.update(collate_images(batch, n))
-    return out
+    """A batch of prepared samples as the model's tensors (:func:`fitburst.families.collate`: the samples' family's
+    collate, for callers with samples and no model)."""
+    return family_collate(batch, pad_id, packed)
 
 
 def batch_tokens(batch: dict) -> int:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fitburst.cache import build_once, cache_root
+from fitburst.families.vision_language import IMAGE_TOKEN
 from fitburst.spec import CHATML_TEMPLATE
-from fitburst.vision import IMAGE_TOKEN
 
 if TYPE_CHECKING:  # heavy: builders import transformers when they run
     from transformers import PreTrainedTokenizerBase

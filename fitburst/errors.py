@@ -7,3 +7,7 @@ traceback.
 
 class UserError(Exception):
     """A problem in the user's input or environment; the message says what and how to fix it."""
+
+
+class DataError(UserError, ValueError):
+    """A record or file that cannot be used; the message names file and line."""

@@ -7,13 +7,13 @@ instant estimate import this module without loading them.
 
 from __future__ import annotations
 
-from typing import Literal
+from types import SimpleNamespace
 
 from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl_dir
 from fitburst.device import check_quant_supported, weight_dtype
+from fitburst.families import Family, family_for
 from fitburst.hardware import Device, expands_kv, probe_local
 from fitburst.spec import PipelineSpec, resolve_env, resolve_quant
-from fitburst.vision import is_vision_language
 
 
 def resolve_model_ref(name: str) -> str:
@@ -37,32 +37,18 @@ def load_tokenizer(name: str, revision: str | None = None, token: str | None = N
     return tok
 
 
-Family = Literal["causal", "seq2seq", "vision_language"]
-_LOCAL_FAMILIES: dict[str, Family] = {"t5": "seq2seq", "qwen2_vl": "vision_language"}  # the rest are causal
-
-
-def config_family(config) -> Family:
-    """The family of a transformers config: data prep, training, eval and the trace part on it (one switch)."""
-    if is_vision_language(config):
-        return "vision_language"
-    return "seq2seq" if config.is_encoder_decoder else "causal"
-
-
 def auto_model_class(config):
     """The transformers Auto class that loads (or, for the trace, builds) a model of this config's family."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM  # heavy
-
-    return {"causal": AutoModelForCausalLM, "seq2seq": AutoModelForSeq2SeqLM,
-            "vision_language": AutoModelForImageTextToText}[config_family(config)]
+    return family_for(config).auto_class()
 
 
 def model_family(model) -> Family:
     """The family of a pipeline's ``model`` section, from its config.json (its ${ENV} token resolved at use); a
     locally built model's from its architecture, so asking builds nothing (bad data is refused before that)."""
     if model.name in LOCAL_MODELS:
-        return _LOCAL_FAMILIES.get(LOCAL_MODELS[model.name], "causal")
-    return config_family(load_config(model.name, model.revision, resolve_env(model.hf_token),
-                                     model.trust_remote_code))
+        arch = LOCAL_MODELS[model.name]
+        return family_for(SimpleNamespace(model_type=arch, is_encoder_decoder=arch == "t5"))
+    return family_for(load_config(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code))
 
 
 def tokenizer_for(model):
@@ -136,7 +122,7 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32"):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
-    an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.vision`): :func:`auto_model_class`.
+    an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.families`): :func:`auto_model_class`.
     ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`)."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
     auto = auto_model_class(config)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fitburst.data import IGNORE_INDEX, PreparedData, batch_tokens, collate, load_split
+from fitburst.data import PreparedData, batch_tokens, collate, load_split
 from fitburst.device import (
     Amp,
     make_amp,
@@ -27,10 +27,10 @@ from fitburst.device import (
     warn_pure_bf16,
 )
 from fitburst.errors import UserError
+from fitburst.families import Family, family_for
 from fitburst.meter import MemoryMeter
-from fitburst.models import load_pipeline_model, tokenizer_for
+from fitburst.models import load_pipeline_model, model_family, tokenizer_for
 from fitburst.spec import PipelineSpec
-from fitburst.vision import freeze_vision, is_vision_language, lora_target_names
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +93,30 @@ def prepare_for_training(model, spec: PipelineSpec):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
             model.enable_input_require_grads()
-    vl = is_vision_language(model.config)
-    if vl and tr.packing:
-        raise TrainError(f"{spec.name}: packed batches carry no images: set training.packing: false")
+    family = family_for(model.config)
+    refuse_packing(spec, family)
     if method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
-        targets = method.target_modules
-        task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
-        if vl:  # the language model's layers, the vision side only as method.vision asks
-            targets = lora_target_names(model, targets, method.vision)
+        targets = family.lora_targets(model, method.target_modules, method)
         # peft annotates lora_alpha as int; its scaling (alpha / r) takes the spec's real-valued alpha as is
         model = get_peft_model(model, LoraConfig(
             r=method.rank, lora_alpha=method.alpha,  # type: ignore[arg-type]
-            lora_dropout=method.dropout, task_type=task,
+            lora_dropout=method.dropout, task_type=family.peft_task_type,
             target_modules=targets if targets == "all-linear" else list(targets)))
-    elif vl:
-        freeze_vision(model, method.vision)
+    else:
+        family.freeze(model, method)
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     return model
+
+
+def refuse_packing(spec: PipelineSpec, family: Family) -> None:
+    """A TrainError where ``training.packing`` asks for packed batches and the family cannot train on them."""
+    if spec.training.packing and family.packing_refusal:
+        raise TrainError(f"pipeline '{spec.name}': {family.packing_refusal}")
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float):
@@ -223,9 +225,11 @@ def total_steps(spec: PipelineSpec, n_train: int) -> int:
     return max(1, math.ceil(per_epoch * (tr.epochs or 1.0) / tr.grad_accum))
 
 
-def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int, packed: bool = False):
+def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int, packed: bool = False,
+            collate: Callable[..., dict] = collate):
     """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume;
-    ``packed``: each micro-batch one padding-free row (:func:`fitburst.data.collate`)."""
+    ``packed``: each micro-batch one padding-free row; ``collate``: the model family's
+    (:meth:`fitburst.families.Family.collate`; by default told from the samples)."""
     import torch  # heavy: loaded only when training
 
     n = len(rows)
@@ -238,12 +242,6 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
-def label_tokens(batch: dict, shifted: bool = True):
-    """How many tokens the loss counts in ``batch`` (-100 ignored; a causal LM's labels are ``shifted`` by one, an
-    encoder-decoder's are the decoder's targets as they are); a tensor, so counting never waits for the device."""
-    return ((batch["labels"][:, 1:] if shifted else batch["labels"]) != IGNORE_INDEX).sum()
-
-
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
                    max_grad_norm: float | None, amp: Amp | None = None) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
@@ -252,23 +250,17 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     transformers' ``num_items_in_batch``), so two micro-batches of 4 give the gradient of one batch of 8. With
     ``amp`` (:func:`fitburst.device.make_amp`) the forward runs under autocast, and fp16 goes through its GradScaler:
     a step whose gradients hold inf/nan is skipped and counted in ``amp.skipped_steps``. The model output is
-    dropped as soon as the loss is taken, so the logits do not live through backward.
-
-    An encoder-decoder model (T5) takes no ``num_items_in_batch`` and returns its micro-batch's mean: that mean is
-    weighted by the micro-batch's share of the window's label tokens, which gives the same token-weighted loss."""
+    dropped as soon as the loss is taken, so the logits do not live through backward. How label tokens are counted
+    and each micro-batch's loss weighted is the model's family's (:class:`fitburst.families.Family`)."""
     import torch  # heavy: loaded only when training
 
     scaler = amp.scaler if amp is not None else None
-    seq2seq = bool(model.config.is_encoder_decoder)
-    n_items = sum(label_tokens(mb, not seq2seq) for mb in micro_batches).to(device).clamp(min=1)
+    family = family_for(model.config)
+    n_items = sum(family.label_tokens(mb) for mb in micro_batches).to(device).clamp(min=1)
     total = torch.zeros((), device=device)
     for mb in micro_batches:
         with amp.autocast() if amp is not None else contextlib.nullcontext():
-            if seq2seq:
-                loss = model(**{k: v.to(device) for k, v in mb.items()}).loss * (
-                    label_tokens(mb, False).to(device) / n_items)
-            else:
-                loss = model(**{k: v.to(device) for k, v in mb.items()}, num_items_in_batch=n_items).loss
+            loss = family.train_loss(model, {k: v.to(device) for k, v in mb.items()}, n_items)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     if scaler is not None:
@@ -300,9 +292,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tr = spec.training
-    if tr.packing and prepared.seq2seq:
-        raise TrainError(f"pipeline '{spec.name}': packed batches are for decoder-only models; an encoder-decoder "
-                         "model's input and target are separate sequences: set training.packing: false")
+    family = model_family(spec.model)
+    refuse_packing(spec, family)  # before the model loads
     device = device or select_device(spec.preflight.device)
     precision = resolve_precision(tr.precision, device)
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
@@ -326,7 +317,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
 
     rows = load_split(prepared, "train").to_list()
-    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum, tr.packing)
+    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum, tr.packing,
+                     collate=family.collate)
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     model.train()
     bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress, unit="step")
@@ -335,7 +327,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
             micro = [next(stream) for _ in range(tr.grad_accum)]
-            n_labels = int(sum(label_tokens(b, not prepared.seq2seq) for b in micro))
+            n_labels = int(sum(family.label_tokens(b) for b in micro))
             loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
                                   amp=amp)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule

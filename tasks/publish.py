@@ -30,11 +30,11 @@ def publish_model(spec: PipelineSpec, result: TrainResult, ev: EvalResult | None
     if ev is not None:
         tags.update({"eval.tuned_loss": f"{ev.tuned_loss:.6f}", "eval.base_loss": f"{ev.base_loss:.6f}",
                      "eval.delta_loss": f"{ev.delta_loss:.6f}"})
-    family = model_family(spec.model) if tr.log_model or tr.register_as else "causal"
-    if family != "causal":
+    family = model_family(spec.model) if tr.log_model or tr.register_as else None
+    if family is not None and not family.logs_model:
         log.warning("tracking.log_model: fitburst logs chat (causal) models with MLflow's transformers flavor; this "
-                    "%s model's adapter stays a run artifact (tracking.log_model: false silences this)", family)
-    elif tr.log_model or tr.register_as:
+                    "%s model's adapter stays a run artifact (tracking.log_model: false silences this)", family.name)
+    elif family is not None:
         info = tracker.log_model(spec, result.adapter_dir, precision=result.precision, tags=tags)
         out["model_uri"] = info.model_uri
         log.info("logged model %s", info.model_uri)

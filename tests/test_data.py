@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fitburst.data import IGNORE_INDEX, DataError, prepare, read_records, to_messages, tokenize
+from fitburst.data import IGNORE_INDEX, DataError, prepare, read_records, to_messages
+from fitburst.families.causal import tokenize
 from fitburst.spec import DataSpec
 
 RECORDS = {
@@ -140,7 +141,7 @@ def test_masks_hold_exactly_the_assistant_tokens(name, eot):
 def test_history_dependent_template_is_detected(demo_tokenizer):
     """The Qwen3-style template renders an earlier reply without the <think> block it gets as the last turn, so
     the rendered prefixes are not prefixes of the whole text (the old spans ran into the next user turn)."""
-    from fitburst.data import _prefix_spans
+    from fitburst.families.chat import _prefix_spans
     from fitburst.models import load_tokenizer
 
     qwen = load_tokenizer(str(TOKENIZERS / "qwen3-style"))

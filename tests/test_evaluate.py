@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fitburst.data import IGNORE_INDEX, collate, load_split
-from fitburst.evaluate import eval_loss
+from fitburst.families import CAUSAL
 
 
 def reference_loss(model, rows, pad_id) -> float:
@@ -50,7 +50,7 @@ def test_chunked_eval_loss_matches_full_logits(demo_spec, demo_prepared, wrapped
     try:
         for batch_size, chunk in [(12, 7), (5, 64), (1, 1024)]:
             seen.clear()
-            loss, n = eval_loss(model, rows, pad, batch_size, "cpu", chunk_tokens=chunk)
+            loss, n = CAUSAL.eval_loss(model, rows, pad, batch_size, "cpu", chunk_tokens=chunk)
             assert loss == pytest.approx(expected, abs=1e-5)
             assert n == sum(sum(x != IGNORE_INDEX for x in r["labels"][1:]) for r in rows)
             assert max(seen) <= chunk and sum(seen) == n  # the head only ever sees a chunk of labelled positions

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fitburst.data import IGNORE_INDEX, DataError, collate, content_hash, prepare
+from fitburst.families import SEQ2SEQ
 from fitburst.spec import DataSpec
 
 
@@ -23,7 +24,7 @@ def _prepare(tmp_path, rows, tok, **data):
     path = tmp_path / "d.jsonl"
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     spec = DataSpec(path=str(path), val_split=0.0, **data)
-    return prepare(spec, path, tok, tmp_path / "cache", seq2seq=True)
+    return prepare(spec, path, tok, tmp_path / "cache", family=SEQ2SEQ)
 
 
 def test_every_format_becomes_an_input_target_pair(tmp_path, t5_tokenizer):
@@ -40,7 +41,7 @@ def test_every_format_becomes_an_input_target_pair(tmp_path, t5_tokenizer):
                       {"role": "assistant", "content": "Blue"}]},
     ]
     prepared = _prepare(tmp_path, rows, tok)
-    assert prepared.seq2seq and prepared.n_train == 3
+    assert prepared.family == "seq2seq" and prepared.n_train == 3
     got = load_split(prepared, "train").to_list()
     pairs = {(tok.decode(r["input_ids"]), tok.decode(r["labels"])) for r in got}
     assert pairs == {

@@ -28,8 +28,8 @@ def test_tiny_vl_loads_through_from_pretrained(vl_spec):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from fitburst.demo_models import VL_SPECIAL_TOKENS
+    from fitburst.families.vision_language import load_image_processor
     from fitburst.models import resolve_model_ref
-    from fitburst.vision import load_image_processor
 
     ref = resolve_model_ref(vl_spec.model.name)
     model = AutoModelForImageTextToText.from_pretrained(ref)

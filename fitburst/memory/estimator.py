@@ -157,7 +157,7 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
 def _vision_linears(shape: ModelShape, vision: str, lora: bool = False) -> list[int]:
     """fan_in and fan_out (LoRA's A and B sizes over the rank), or with ``lora`` false the weights and biases, of
     the vision side's trained linear layers: the merger's two with ``projector``, every block's qkv, proj, fc1
-    and fc2 as well with ``tower`` (fitburst.vision.lora_target_names)."""
+    and fc2 as well with ``tower`` (fitburst.families.vision_language.lora_target_names)."""
     v = shape.vision
     if v is None or vision == "frozen":
         return []
@@ -908,7 +908,7 @@ def _full_tensors(shape: ModelShape, vision: str = "tower") -> list[int]:
         per += shape.expert_numels()
         out += per * c
     out.append(shape.final_norm_params)
-    if shape.vision is not None and vision != "tower":  # fitburst.vision.freeze_vision: merger only, or nothing
+    if shape.vision is not None and vision != "tower":  # vision_language.freeze_vision: merger only, or nothing
         out += _vision_linears(shape, vision) + ([2 * shape.vision.dim] if vision == "projector" else [])
     elif shape.extra_params:
         out.append(shape.extra_params)

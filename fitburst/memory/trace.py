@@ -520,7 +520,7 @@ def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, 
     """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest; for an
     encoder-decoder model the encoder input and the decoder's labels, both ``s`` long); with
     ``settings.images``, each sample opens with its images' tokens (each image a 2 x 2*tokens grid of merged
-    patches, a text token after it) and carries their patches, as fitburst.vision.collate_images builds it. The
+    patches, a text token after it) and carries their patches, as vision_language.collate_images builds it. The
     ids, mask, marks and grids are real tensors (the model reads their values to place the images; the recorder
     runs what only they feed for real), and so are the 3-D rotary positions the model would build from them; the
     labels and patches are fake."""

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from fitburst.memory import Estimate
+from fitburst.meter import MemoryPeak
 
 GIB = 1024**3
 
@@ -64,7 +65,7 @@ def memory_bar_chart(estimate: Estimate, dest: Path, title: str = "") -> Path:
     return dest
 
 
-def comparable_pairs(estimate: Estimate, peak: dict) -> list[tuple[str, int, int]]:
+def comparable_pairs(estimate: Estimate, peak: MemoryPeak) -> list[tuple[str, int, int]]:
     """(quantity, estimated, measured) for each quantity measured on the run's device kind: only like with like.
 
     - the figure :meth:`fitburst.memory.Estimate.comparable_bytes` names for the kind (CUDA: tensor peak,
@@ -72,19 +73,19 @@ def comparable_pairs(estimate: Estimate, peak: dict) -> list[tuple[str, int, int
     - CUDA: allocator reserved vs ``max_memory_reserved``;
     - CPU: device total (runtime floor included) vs the process high-water mark (VmHWM).
     """
-    kind = peak.get("kind") or "cpu"
+    kind = peak.kind or "cpu"
     pairs = []
     label = {"cuda": "tensor peak (allocated)", "cpu": "run's added memory", "mps": "driver-allocated peak"}
-    if peak.get("allocated_bytes"):
-        pairs.append((label.get(kind, "allocated peak"), estimate.comparable_bytes(kind), int(peak["allocated_bytes"])))
-    if kind == "cuda" and peak.get("reserved_bytes"):
-        pairs.append(("allocator reserved", estimate.reserved_peak_bytes, int(peak["reserved_bytes"])))
-    if kind == "cpu" and peak.get("rss_peak_bytes"):
-        pairs.append(("process total (VmHWM)", estimate.device_total_bytes, int(peak["rss_peak_bytes"])))
+    if peak.allocated_bytes:
+        pairs.append((label.get(kind, "allocated peak"), estimate.comparable_bytes(kind), peak.allocated_bytes))
+    if kind == "cuda" and peak.reserved_bytes:
+        pairs.append(("allocator reserved", estimate.reserved_peak_bytes, peak.reserved_bytes))
+    if kind == "cpu" and peak.rss_peak_bytes:
+        pairs.append(("process total (VmHWM)", estimate.device_total_bytes, peak.rss_peak_bytes))
     return pairs
 
 
-def memory_comparison(estimate: Estimate, peak: dict, dest: Path, title: str = "") -> Path:
+def memory_comparison(estimate: Estimate, peak: MemoryPeak, dest: Path, title: str = "") -> Path:
     """Estimated vs measured, one panel (own scale) per quantity measured (see :func:`comparable_pairs`); the
     estimated bar of the first panel is split into the estimate's components, so each component's share is visible."""
     pairs = comparable_pairs(estimate, peak)

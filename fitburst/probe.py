@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from fitburst.data import PreparedData
 from fitburst.memory import Estimate
@@ -72,9 +73,9 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
                                          max_grad_norm=tr.max_grad_norm, amp=amp))
             step_seconds = time.perf_counter() - t_step  # the last step: warm-up (first step) excluded
             meter.sample()
-    peak = meter.peak().to_dict()
+    peak = meter.peak()
     if tracker is not None:
-        peak.update(allocated_bytes=tracker.peak, method="live tensor storages (dispatch tracker)")
+        peak = replace(peak, allocated_bytes=tracker.peak, method="live tensor storages (dispatch tracker)")
     seconds = time.perf_counter() - t0
     trainable, total = count_params(model)
     del model, optimizer, params
@@ -82,7 +83,7 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
     kind = device.split(":")[0]
     # what the measurement compares with: allocated (CUDA allocator, CPU tensor tracker); reserved on MPS
     est_alloc = estimate.allocated_peak_bytes if tracker is not None else estimate.comparable_bytes(kind)
-    measured = peak.get("allocated_bytes")
+    measured = peak.allocated_bytes
     return {
         "device": device,
         "precision": precision,
@@ -90,8 +91,8 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
         "batch": int(batch["input_ids"].shape[0]),
         "seq_len": seq_len,
         "measured_peak_bytes": measured,
-        "measured_reserved_bytes": peak.get("reserved_bytes"),
-        "measured_rss_peak_bytes": peak.get("rss_peak_bytes"),
+        "measured_reserved_bytes": peak.reserved_bytes,
+        "measured_rss_peak_bytes": peak.rss_peak_bytes,
         "estimated_peak_bytes": est_alloc,
         "estimated_reserved_bytes": estimate.reserved_peak_bytes or est_alloc,
         "ratio": (measured / est_alloc) if measured and est_alloc else None,
@@ -102,7 +103,7 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
         "tokens_per_s": tr.grad_accum * int(batch["input_ids"].numel()) / step_seconds if step_seconds else None,
         "trainable_params": trainable,
         "total_params": total,
-        "meter": peak,
+        "meter": peak.to_dict(),
     }
 
 

@@ -287,9 +287,9 @@ class Tracker:
         """Measured peak, run facts, the adapter folder and the loss / memory plots."""
         peak = result.peak
         self.set_tags({"path": path, "device": result.device, "precision": result.precision})
-        self.log_metrics({"memory.measured_peak_bytes": peak.get("allocated_bytes"),
-                          "memory.measured_reserved_bytes": peak.get("reserved_bytes"),
-                          "memory.measured_rss_peak_bytes": peak.get("rss_peak_bytes"),
+        self.log_metrics({"memory.measured_peak_bytes": peak.allocated_bytes,
+                          "memory.measured_reserved_bytes": peak.reserved_bytes,
+                          "memory.measured_rss_peak_bytes": peak.rss_peak_bytes,
                           "train.steps": result.steps, "train.seconds": result.seconds,
                           "train.steps_per_sec": result.steps_per_sec, "train.tokens": result.tokens,
                           "train.final_loss": result.final_loss, "params.trainable": result.trainable_params,
@@ -302,7 +302,7 @@ class Tracker:
             self.log_loss_curve(result.run_dir)
 
     def log_memory_comparison(self, estimate: Estimate, result) -> None:
-        measured, kind = result.peak.get("allocated_bytes"), result.peak.get("kind") or result.device
+        measured, kind = result.peak.allocated_bytes, result.peak.kind or result.device
         comparable = estimate.comparable_bytes(kind)
         self.log_metrics({"memory.estimated_comparable_bytes": comparable,
                           "memory.measured_over_estimated": measured / comparable if measured and comparable else None})

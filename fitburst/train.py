@@ -28,7 +28,7 @@ from fitburst.device import (
 )
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
-from fitburst.meter import MemoryMeter
+from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
 from fitburst.spec import PipelineSpec
 
@@ -57,14 +57,15 @@ class TrainResult:
     total_params: int
     resumed_from: int | None = None
     skipped_steps: int = 0
-    peak: dict = field(default_factory=dict)
+    peak: MemoryPeak = field(default_factory=lambda: MemoryPeak("cpu"))
 
     def save(self) -> None:
         Path(self.run_dir, "train_result.json").write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, run_dir: str | Path) -> TrainResult:
-        return cls(**json.loads(Path(run_dir, "train_result.json").read_text()))
+        d = json.loads(Path(run_dir, "train_result.json").read_text())
+        return cls(**{**d, "peak": MemoryPeak(**d.get("peak") or {"kind": d["device"]})})
 
 
 # --- model setup ---------------------------------------------------------------------------------------
@@ -376,6 +377,6 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
-        skipped_steps=amp.skipped_steps, peak=meter.peak().to_dict())
+        skipped_steps=amp.skipped_steps, peak=meter.peak())
     result.save()
     return result

@@ -137,7 +137,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
         summary.update(publish_model(planned, result, ev, tracker, placement,
                                      "local" if placement == "local" else "cloud"))
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
-                       steps=result.steps, measured_peak_bytes=result.peak.get("allocated_bytes"))
+                       steps=result.steps, measured_peak_bytes=result.peak.allocated_bytes)
         if ev is not None:
             summary.update(eval_base_loss=ev.base_loss, eval_tuned_loss=ev.tuned_loss)
         _publish_summary(summary)

@@ -35,5 +35,5 @@ def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, es
     progress.finish()
     log.info("run folder %s", result.run_dir)
     log.info("%d steps in %.1fs (%.1f steps/s) on %s; measured peak %s bytes", result.steps, result.seconds,
-             result.steps_per_sec, result.device, result.peak.get("allocated_bytes"))
+             result.steps_per_sec, result.device, result.peak.allocated_bytes)
     return result

@@ -140,20 +140,22 @@ def _estimate(allocated: int, reserved: int, total: int, components: dict[str, i
 
 
 def test_memory_plot_pairs_only_like_with_like():
+    from fitburst.meter import MemoryPeak
     from fitburst.plots import comparable_pairs
 
     est = _estimate(100, 130, 600, {"weights": 60, "activations": 40})
-    cpu = comparable_pairs(est, {"kind": "cpu", "allocated_bytes": 120, "rss_peak_bytes": 640})
+    cpu = comparable_pairs(est, MemoryPeak("cpu", allocated_bytes=120, rss_peak_bytes=640))
     assert cpu == [("run's added memory", 130, 120), ("process total (VmHWM)", 600, 640)]
-    cuda = comparable_pairs(est, {"kind": "cuda", "allocated_bytes": 98, "reserved_bytes": 128, "rss_peak_bytes": 9})
+    cuda = comparable_pairs(est, MemoryPeak("cuda", allocated_bytes=98, reserved_bytes=128, rss_peak_bytes=9))
     assert cuda == [("tensor peak (allocated)", 100, 98), ("allocator reserved", 130, 128)]  # host RSS: not GPU
 
 
 def test_memory_comparison_and_loss_plots_render(tmp_path):
+    from fitburst.meter import MemoryPeak
     from fitburst.plots import loss_curve, memory_comparison
 
     est = _estimate(2 << 30, 3 << 30, 4 << 30, {"weights": 1 << 30, "activations": 1 << 30})
-    png = memory_comparison(est, {"kind": "cuda", "allocated_bytes": 2 << 30, "reserved_bytes": 3 << 30},
+    png = memory_comparison(est, MemoryPeak("cuda", allocated_bytes=2 << 30, reserved_bytes=3 << 30),
                             tmp_path / "m.png")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps({"step": s, "train_loss": 3 - s / 10}) for s in range(1, 11)))

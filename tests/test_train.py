@@ -28,7 +28,7 @@ def test_train_learns_and_writes_run_folder(tmp_path, demo_spec, demo_prepared):
     assert curve[-1]["train_loss"] < curve[0]["train_loss"] - 0.5
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
     assert 0 < r.trainable_params < r.total_params
-    assert r.peak["kind"] == "cpu" and r.peak["allocated_bytes"] > 0
+    assert r.peak.kind == "cpu" and r.peak.allocated_bytes > 0
     assert json.loads((tmp_path / "train_result.json").read_text())["steps"] == 40
 
 

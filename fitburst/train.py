@@ -100,6 +100,7 @@ def prepare_for_training(model, spec: PipelineSpec):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
         targets = method.target_modules
+        check_lora_targets(model, targets, spec.name)
         task = "SEQ_2_SEQ_LM" if model.config.is_encoder_decoder else "CAUSAL_LM"
         if vl:  # the language model's layers, the vision side only as method.vision asks
             targets = lora_target_names(model, targets, method.vision)
@@ -115,6 +116,34 @@ def prepare_for_training(model, spec: PipelineSpec):
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     return model
+
+
+def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
+    """Every name of an explicit ``target_modules`` list must name a module of ``model`` (peft would silently
+    skip the others, or fail on none with no hint); a miss says what was meant and lists the linear layers.
+    ``all-linear`` fits every model. Names peft maps onto fused expert parameters (Mixtral's w1/w2/w3) count."""
+    import difflib
+
+    import torch  # heavy: loaded only when training
+
+    from fitburst.memory.shapes import EXPERT_ALIASES
+
+    if targets == "all-linear":
+        return
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n}
+    names |= set(EXPERT_ALIASES.get(getattr(model.config, "model_type", ""), {}))
+    head = model.get_output_embeddings()
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and m is not head})
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in names]
+    if missing:
+        hints = []
+        for t in missing:
+            close = difflib.get_close_matches(t.rsplit(".", 1)[-1], linears, n=1)
+            hints.append(f"{t!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TrainError(f"{where}: method.target_modules {', '.join(hints)} name no layer of this model; its "
+                         f"linear layers: {', '.join(linears)} (or target_modules: all-linear, every one of them "
+                         "but the output head)")
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float):

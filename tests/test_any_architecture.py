@@ -129,3 +129,68 @@ def test_preflight_plans_an_unmodelled_architecture_by_tracing(tmp_path, capsys)
     assert "no analytic estimate" in d["trace"]
     assert d["estimate"]["params"]["base"] == _meta_params("starcoder2")
     assert d["local_hours"] is not None and d["local_hours"] > 0
+
+
+# --- the default LoRA targets: all-linear fits every architecture ------------------------------------------
+
+def _model_folder(tmp_path, arch: str, cfg: dict) -> str:
+    """A random model of ``cfg`` saved with a minimal tokenizer: what a pipeline's model.name points at."""
+    import torch
+    from transformers import AutoConfig
+
+    from fitburst.models import auto_model_class
+
+    kw = dict(cfg)
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    path = tmp_path / arch
+    auto_model_class(config).from_config(config).save_pretrained(path)
+    _tokenizer(str(path))
+    return str(path)
+
+
+PHI3 = dict(model_type="phi3", tie_word_embeddings=False, pad_token_id=0, **{**_SMALL, "num_key_value_heads": 6})
+LINEARS = {  # every linear layer of each family but the output head: what peft's all-linear wraps
+    "t5": {"q", "k", "v", "o", "wi_0", "wi_1", "wo"},  # the tiny T5 is gated (T5 v1.1)
+    "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+}
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt_neox", "phi3"])
+def test_a_pipeline_without_target_modules_trains_every_family(arch, tmp_path, root):
+    """No method.target_modules: LoRA on every linear layer but the head (q_proj, v_proj fit none of these), and
+    the loop trains it."""
+    import json as _json
+
+    from fitburst.data import prepare_pipeline
+    from fitburst.spec import PipelineSpec
+    from fitburst.train import train
+
+    if arch == "t5":
+        model = "fitburst/tiny-t5"
+        data = {"path": str(root / "fitburst/demo/seq2seq.jsonl"), "format": "input_target", "max_seq_len": 64,
+                "max_target_len": 32}
+    else:
+        model = _model_folder(tmp_path, arch, ARCHS["gpt_neox"] if arch == "gpt_neox" else PHI3)
+        data = {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64}
+    spec = PipelineSpec.model_validate({
+        "name": f"{arch}-default-targets", "model": {"name": model}, "data": data,
+        "method": {"type": "lora", "rank": 4}, "eval": {"enabled": False},
+        "training": {"max_steps": 2, "micro_batch_size": 2, "grad_accum": 1, "checkpoint_every": 100,
+                     "log_every": 1, "precision": "fp32"}})
+    assert spec.method.target_modules == "all-linear"
+    result = train(spec, prepare_pipeline(spec), tmp_path / "run", device="cpu", progress=False)
+    assert result.steps == 2 and result.trainable_params > 0
+    config = _json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    wrapped = {name.rsplit(".", 1)[-1] for name in config["target_modules"]}
+    assert wrapped == LINEARS[arch]
+
+
+def test_an_explicit_target_list_is_checked_against_the_real_layers_with_a_hint(tmp_path, capsys):
+    """A typo in an explicit list is refused by the trace (the loop's own preparation) with the closest name."""
+    rc = main(["estimate", "--model", _config(tmp_path, "gpt_neox"), "--targets", "query_key_valu,dense",
+               "--device", "cpu", "--dtype", "fp32", "--exact"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "'query_key_valu' (did you mean 'query_key_value'?)" in err and "dense_4h_to_h" in err

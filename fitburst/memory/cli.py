@@ -34,7 +34,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--dropout", type=float, default=0.05, help="lora dropout")
-    p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated module names, or all-linear")
+    p.add_argument("--targets", default="all-linear",
+                   help="comma-separated module names, or all-linear (default: every linear layer but the output "
+                        "head; a vision-language model's language model only, unless --vision says otherwise)")
     p.add_argument("--batch", type=int, default=1, help="micro batch size")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512, help="padded length (longest sample in a batch)")

@@ -365,7 +365,7 @@ def trace_time_7b() -> float:
 
     spec = PipelineSpec.model_validate(dict(name="7b", model=dict(name="Qwen/Qwen2.5-7B"), data=dict(path="x.jsonl")))
     t0 = time.perf_counter()
-    trace_step(spec, TrainSettings(seq_len=1024, keep_logits=False), seq_len=1024)
+    trace_step(spec, TrainSettings(seq_len=1024, keep_logits=False, targets=QV), seq_len=1024)
     return time.perf_counter() - t0
 
 

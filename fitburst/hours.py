@@ -115,13 +115,15 @@ def throughput(device: Device, measured_tokens_per_s: float | None = None) -> Th
     return Throughput(f"table: CPU {CPU_TFLOPS:g} TFLOP/s sustained", tflops=CPU_TFLOPS)
 
 
-def flops_per_token(shape: ModelShape, settings: TrainSettings) -> float:
+def flops_per_token(shape: ModelShape | int, settings: TrainSettings) -> float:
     """Training FLOPs per token: 2N forward, 2N activation grads, +2N weight grads for full fine-tuning,
-    +2N recompute with gradient checkpointing; dequantizing a 4/8-bit base costs about 25 % more."""
+    +2N recompute with gradient checkpointing; dequantizing a 4/8-bit base costs about 25 % more. ``shape``: the
+    model's shape, or its parameter count N (a traced model the analytic estimate does not model)."""
+    n = shape if isinstance(shape, int) else shape.param_count()
     mult = 6.0 if settings.method == "full" else 4.0
     if settings.grad_checkpointing:
         mult += 2.0
-    return mult * shape.param_count() * (1.25 if settings.kbit else 1.0)
+    return mult * n * (1.25 if settings.kbit else 1.0)
 
 
 def train_tokens(spec, n_train: int | None = None, mean_len: float | None = None) -> int | None:
@@ -135,7 +137,7 @@ def train_tokens(spec, n_train: int | None = None, mean_len: float | None = None
     return None
 
 
-def estimate_hours(shape: ModelShape, settings: TrainSettings, speed: Throughput, tokens: int | None, *,
+def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Throughput, tokens: int | None, *,
                    cloud: bool = False) -> Hours | None:
     """Wall-clock hours for ``tokens`` at ``speed`` (plus provisioning on a cloud node); None without tokens."""
     if not tokens:

@@ -22,6 +22,7 @@ from fitburst.errors import UserError
 from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, load_shape, plan_fit
+from fitburst.memory.shapes import UnmodelledArchitecture
 from fitburst.probe import probe
 from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
@@ -102,6 +103,9 @@ class PreflightReport:
         if e.method == "traced" and a is not None and a.band and e.band:
             return (f"traced estimate {e.reserved_peak_bytes / GIB:.3f} GiB reserved (band {e.band.high:+.1%}) "
                     f"decided; analytic {a.reserved_peak_bytes / GIB:.3f} GiB (band {a.band.high:+.0%})")
+        if e.method == "traced" and a is None and e.band:
+            return (f"traced estimate {e.reserved_peak_bytes / GIB:.3f} GiB reserved (band {e.band.high:+.1%}) "
+                    "decided; no analytic estimate (an architecture it does not model)")
         if self.unchecked:
             return f"not traced ({self.unchecked}): the analytic estimate decided with its wider band"
         return "not traced: no plan passed the analytic search, so the analytic estimate decided"
@@ -155,9 +159,13 @@ def model_ref(spec: PipelineSpec) -> str:
     return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
 
 
-def spec_shape(spec: PipelineSpec) -> ModelShape:
-    """The model's shape from its config.json (at ``model.revision`` when fetched from the hub)."""
-    return load_shape(model_ref(spec), spec.model.revision)
+def spec_shape(spec: PipelineSpec) -> ModelShape | None:
+    """The model's shape from its config.json (at ``model.revision`` when fetched from the hub); None for an
+    architecture the analytic estimate does not model (the traced estimate plans it alone: :func:`plan_checked`)."""
+    try:
+        return load_shape(model_ref(spec), spec.model.revision)
+    except UnmodelledArchitecture:
+        return None
 
 
 def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
@@ -190,14 +198,25 @@ class Checked:
     unchecked: str | None = None  # why the trace did not verify the plan (the analytic band decided)
 
 
-def plan_checked(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSettings, device: Device,
                  seq_len: int) -> Checked:
     """:func:`plan_fit` with the traced estimate behind it; where the trace cannot run (TraceUnsupported: torch
-    missing, int8, an architecture transformers cannot build) the analytic plan with its wider band, and why."""
+    missing, int8, an architecture transformers cannot build) the analytic plan with its wider band, and why.
+    With no ``shape`` (an architecture the analytic estimate does not model) the trace plans alone, and a trace
+    that cannot run fails the preflight with what failed."""
     from fitburst.memory.trace import TraceUnsupported
 
     args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
     exact = exact_estimate(spec, seq_len)
+    if shape is None:
+        what = (f"{spec.name}: {spec.model.name} is an architecture the analytic estimate does not model, so only "
+                "the traced estimate can plan it")
+        if exact is None:
+            raise PreflightFailed(f"{what}, and preflight.exact is false: set preflight.exact: true")
+        try:
+            return Checked(plan_fit(*args, exact=exact), exact)
+        except TraceUnsupported as e:
+            raise PreflightFailed(f"{what}, and it cannot run: {e}") from None
     if exact is None:
         return Checked(plan_fit(*args), None, "preflight.exact is false")
     try:
@@ -243,24 +262,29 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
     return Verdict("fail", f"{why}, and no allowed cloud GPU is usable: {refused}"), candidates
 
 
-def conclude(spec: PipelineSpec, shape: ModelShape, device: Device, checked: Checked, seq_len: int,
+def _size(shape: ModelShape | None, plan: Plan) -> ModelShape | int:
+    """What the time estimate counts FLOPs by: the shape, or the traced model's parameter count without one."""
+    return shape if shape is not None else plan.estimate.params["total"]
+
+
+def conclude(spec: PipelineSpec, shape: ModelShape | None, device: Device, checked: Checked, seq_len: int,
              tokens: int | None, *, measured_tokens_per_s: float | None = None) -> PreflightReport:
     """Time the local plan, place the run (:func:`decide`) and write the report."""
     plan, exact = checked.plan, checked.exact
-    local_time = (estimate_hours(shape, plan.settings, throughput(device, measured_tokens_per_s), tokens)
-                  if plan.fits else None)
+    local_time = (estimate_hours(_size(shape, plan), plan.settings, throughput(device, measured_tokens_per_s),
+                                 tokens) if plan.fits else None)
 
     verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
     planned = spec_with_settings(spec, plan.settings) if plan.fits else spec
     analytic = None
-    if plan.estimate.method == "traced":
+    if plan.estimate.method == "traced" and shape is not None:
         analytic = Budget(device, spec.preflight.safety_margin).judge(estimate(shape, plan.settings, device))
     return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
                            planned=planned, tokens=tokens, local_time=local_time, candidates=candidates,
                            analytic=analytic, unchecked=checked.unchecked)
 
 
-def rank_cloud(spec: PipelineSpec, shape: ModelShape, seq_len: int, tokens: int | None,
+def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, tokens: int | None,
                exact: EstimateFn | None) -> list[Candidate]:
     """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`)."""
     from fitburst.memory.trace import TraceUnsupported
@@ -269,6 +293,8 @@ def rank_cloud(spec: PipelineSpec, shape: ModelShape, seq_len: int, tokens: int 
     try:
         return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
     except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
+        if shape is None:  # no analytic estimate to fall back on: no cloud GPU can be planned
+            return []
         return rank_candidates(spec, shape, cloud, tokens=tokens)
 
 

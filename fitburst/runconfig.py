@@ -7,7 +7,7 @@ step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fitburst.hardware import Device, auto_precision
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -36,7 +36,7 @@ class TrainSettings:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
-    targets: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+    targets: list[str] | str = "all-linear"  # peft's all-linear (fitburst.spec.MethodSpec.target_modules)
     batch: int = 1  # micro batch
     seq_len: int = 512  # padded length (longest sample of the batch)
     grad_checkpointing: bool = False

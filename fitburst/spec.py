@@ -119,8 +119,9 @@ class MethodSpec(Strict):
     rank: int = Field(default=8, ge=1, le=4096)
     alpha: float = Field(default=16, gt=0)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"],
-                                                               min_length=1)
+    # peft's all-linear: every linear layer but the output head (a vision-language model's language model only,
+    # unless ``vision`` says otherwise); the QLoRA paper's recipe, and valid for every architecture
+    target_modules: list[str] | Literal["all-linear"] = Field(default="all-linear", min_length=1)
     quant: Literal["none", "int8", "nf4", "fp4"] | None = Field(
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )

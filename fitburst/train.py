@@ -99,6 +99,7 @@ def prepare_for_training(model, spec: PipelineSpec):
     if method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
+        check_lora_targets(model, method.target_modules, spec.name)
         targets = family.lora_targets(model, method.target_modules, method)
         # peft annotates lora_alpha as int; its scaling (alpha / r) takes the spec's real-valued alpha as is
         model = get_peft_model(model, LoraConfig(
@@ -118,6 +119,34 @@ def refuse_packing(spec: PipelineSpec, family: Family) -> None:
     """A TrainError where ``training.packing`` asks for packed batches and the family cannot train on them."""
     if spec.training.packing and family.packing_refusal:
         raise TrainError(f"pipeline '{spec.name}': {family.packing_refusal}")
+
+
+def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
+    """Every name of an explicit ``target_modules`` list must name a module of ``model`` (peft would silently
+    skip the others, or fail on none with no hint); a miss says what was meant and lists the linear layers.
+    ``all-linear`` fits every model. Names peft maps onto fused expert parameters (Mixtral's w1/w2/w3) count."""
+    import difflib
+
+    import torch  # heavy: loaded only when training
+
+    from fitburst.memory.shapes import EXPERT_ALIASES
+
+    if targets == "all-linear":
+        return
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n}
+    names |= set(EXPERT_ALIASES.get(getattr(model.config, "model_type", ""), {}))
+    head = model.get_output_embeddings()
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and m is not head})
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in names]
+    if missing:
+        hints = []
+        for t in missing:
+            close = difflib.get_close_matches(t.rsplit(".", 1)[-1], linears, n=1)
+            hints.append(f"{t!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TrainError(f"{where}: method.target_modules {', '.join(hints)} name no layer of this model; its "
+                         f"linear layers: {', '.join(linears)} (or target_modules: all-linear, every one of them "
+                         "but the output head)")
 
 
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float):

@@ -72,7 +72,7 @@ class Candidate:
         return f"{self.gpu} on {self.provider} ({self.accelerator})"
 
 
-def _plan_on(gpu: str, shape: ModelShape, settings: TrainSettings, spec, exact: EstimateFn | None
+def _plan_on(gpu: str, shape: ModelShape | None, settings: TrainSettings, spec, exact: EstimateFn | None
              ) -> tuple[Plan | None, list[str], str]:
     """Re-run the planner for ``gpu``: (plan or None when it cannot run there, device changes, reason)."""
     device = resolve_device(gpu)
@@ -91,7 +91,7 @@ def _plan_on(gpu: str, shape: ModelShape, settings: TrainSettings, spec, exact: 
 
 def rank_candidates(
     spec,
-    shape: ModelShape,
+    shape: ModelShape | None,
     settings: TrainSettings,
     est_hours_fn: Callable[[str, TrainSettings], float | None] | None = None,
     *,
@@ -121,10 +121,12 @@ def rank_candidates(
         plan, changes, reason = plans[offer.gpu]
         planned = plan.settings if plan is not None else settings
         hours, source = None, ""
+        # FLOPs are counted from the shape, or without one from the (traced) plan's parameter count
+        size = shape if shape is not None else plan.estimate.params["total"] if plan is not None else None
         if est_hours_fn is not None:
             hours, source = est_hours_fn(offer.gpu, planned), "caller's measured rate"
-        else:
-            h = estimate_hours(shape, planned, throughput(resolve_device(offer.gpu)), tokens, cloud=True)
+        elif size is not None:
+            h = estimate_hours(size, planned, throughput(resolve_device(offer.gpu)), tokens, cloud=True)
             if h is not None:
                 hours, source = h.hours, h.source
         total = round(hours * offer.hourly_usd, 2) if hours is not None and offer.hourly_usd else None

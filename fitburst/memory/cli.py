@@ -14,8 +14,8 @@ from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
 from .estimator import estimate
-from .planner import plan_fit
-from .shapes import load_shape
+from .planner import EstimateFn, plan_fit
+from .shapes import ModelShape, UnmodelledArchitecture, load_shape
 
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--dropout", type=float, default=0.05, help="lora dropout")
-    p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated module names, or all-linear")
+    p.add_argument("--targets", default="all-linear",
+                   help="comma-separated module names, or all-linear (default: every linear layer but the output "
+                        "head; a vision-language model's language model only, unless --vision says otherwise)")
     p.add_argument("--batch", type=int, default=1, help="micro batch size")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512, help="padded length (longest sample in a batch)")
@@ -93,8 +95,16 @@ def spec_from_args(args: argparse.Namespace, device: Device) -> PipelineSpec:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    """Estimate and plan the run the arguments describe. An architecture the analytic estimate does not model is
+    traced (and planned by tracing, a bounded number of times) even without ``--exact``; only a trace that cannot
+    run refuses, saying what failed."""
+    shape: ModelShape | None = None
+    why = ""  # why the analytic estimate cannot answer (an architecture it does not model)
     try:
-        shape = load_shape(args.model)
+        try:
+            shape = load_shape(args.model)
+        except UnmodelledArchitecture as e:  # the trace builds it with transformers: it estimates and plans
+            shape, why = None, f"model_type {e.model_type!r} is not one the analytic estimate models"
         device = resolve_device(args.device)
         try:
             spec = spec_from_args(args, device)
@@ -102,22 +112,24 @@ def run_estimate(args: argparse.Namespace) -> int:
             err = e.errors()[0]
             raise ValueError(f"--{'-'.join(str(p) for p in err['loc'][1:])}: {err['msg']}") from None
         settings = settings_from_spec(spec, device, args.seq_len, images=args.images)
-        if args.images and shape.vision is None:
+        if args.images and shape is not None and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
-        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        exact = _traced(spec, args.seq_len) if args.exact or shape is None else None
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin,
+                        exact=exact if shape is None else None)
+        if exact is not None:
+            est = exact(settings, device)
+        else:
+            assert shape is not None  # an unmodelled architecture is always traced
+            est = estimate(shape, settings, device)
+    except ValueError as e:  # ModelConfigError, TraceUnsupported and bad arguments: a message, no traceback
+        what = f"{args.model}: {why}, and the traced estimate cannot run: " if why else ""
+        print(f"error: {what}{e}", file=sys.stderr)
         return 2
-    if args.exact:
-        from .trace import traced_estimate  # torch: only for --exact, the instant estimate never imports it
-
-        try:
-            est = traced_estimate(spec, settings, device, seq_len=args.seq_len)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    else:
-        est = estimate(shape, settings, device)
+    if why:
+        est.notes.append(f"{why}: traced instead (the real model built by transformers on the meta device and "
+                         "stepped on fake tensors; seconds, not instant)")
+        est.notes += [n for n in plan.estimate.notes if n.startswith("planned by")]
     est = Budget(device, args.safety_margin).judge(est)
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
@@ -128,8 +140,16 @@ def run_estimate(args: argparse.Namespace) -> int:
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
         print(json.dumps(d, indent=2))
         return 0 if est.fits or plan.fits else 1
-    _print_human(shape, settings, device, est, plan)
+    _print_human(shape.name if shape is not None else args.model, settings, device, est, plan)
     return 0 if est.fits or plan.fits else 1
+
+
+def _traced(spec: PipelineSpec, seq_len: int) -> EstimateFn:
+    """The traced estimate of ``spec``'s run (torch: imported only here), one trace per distinct settings."""
+    from .trace import traced_estimate
+
+    cache: dict = {}
+    return lambda s, d: traced_estimate(spec, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
 
 
 def _fit_words(needed: int, limit: int) -> str:
@@ -140,7 +160,7 @@ def _fit_words(needed: int, limit: int) -> str:
     return f"does not fit: {g[0]:,.2f} GiB at the upper edge against {g[1]:,.2f} GiB, {g[0] - g[1]:,.2f} GiB over"
 
 
-def _print_human(shape, settings, device, est, plan) -> None:
+def _print_human(name: str, settings, device, est, plan) -> None:
     """The breakdown, then the verdict in the terms it is decided in: the reserved peak at the upper edge of the
     estimate's error band (never below the reserved peak it bounds) against the budget less headroom; the device
     total (reserved + runtime context, which the budget already leaves out) is shown for reference below."""
@@ -153,7 +173,7 @@ def _print_human(shape, settings, device, est, plan) -> None:
     budget = Budget(device, est.safety_margin)
     needed = max(budget.needed(est), est.reserved_peak_bytes)
     con = Console()
-    t = Table(title=f"{shape.name}: {settings.describe()} on {device.name} (peak phase: {est.peak_phase})")
+    t = Table(title=f"{name}: {settings.describe()} on {device.name} (peak phase: {est.peak_phase})")
     t.add_column("component")
     t.add_column("GiB", justify="right")
     for k, v in sorted(est.components.items(), key=lambda kv: -kv[1]):

@@ -11,6 +11,7 @@ peak. Constants that are measured rather than derived are named.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -126,9 +127,11 @@ def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
     want = {t.split(".")[-1] for t in targets}
     hit = want & names
     if not hit:
+        close = [c for w in sorted(want) for c in difflib.get_close_matches(w, sorted(names), n=1)]
         raise ValueError(
             f"LoRA targets {sorted(want)} match no linear layer of {shape.name} "
-            f"(its layers: {', '.join(sorted(names))})"
+            f"(its layers: {', '.join(sorted(names))}" + (f"; did you mean {', '.join(close)}?" if close else "")
+            + "; or all-linear)"
         )
     return hit
 

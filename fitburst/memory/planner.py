@@ -27,6 +27,9 @@ from .shapes import ModelShape
 EstimateFn = Callable[[TrainSettings, Device], Estimate]
 
 _MAX_EXACT_CHECKS = 4  # plans the exact estimate may reject before the planner gives up on this device
+# an architecture with no analytic estimate is planned by the exact one alone: the run as configured, the most
+# frugal allowed plan, then at most this many plans in between (cheapest first)
+_MAX_EXACT_SEARCH = 4
 
 
 @dataclass
@@ -79,7 +82,7 @@ def _batch_change(base: TrainSettings, s: TrainSettings) -> list[str]:
 
 
 def plan_fit(
-    shape: ModelShape,
+    shape: ModelShape | None,
     settings: TrainSettings,
     device: Device,
     safety_margin: float = SAFETY_MARGIN,
@@ -91,8 +94,14 @@ def plan_fit(
 
     The search walks combinations of the ladder's rungs (:mod:`fitburst.memory.ladder`) and smaller micro-batches.
     ``allow`` switches rungs off (keys of ``PreflightSpec.allow``; ``reduce_batch`` also covers the eval batch).
-    ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search."""
+    ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search. With no
+    ``shape`` (an architecture the analytic estimate does not model) ``exact`` does both (:func:`_plan_exact_only`).
+    """
     allowed = {r.key: True for r in LADDER} | dict(allow or {})
+    if shape is None:
+        if exact is None:
+            raise ValueError("an architecture with no analytic estimate is planned by an exact estimate only")
+        return _plan_exact_only(settings, device, safety_margin, allowed, exact)
     budget = Budget(device, safety_margin)
     # with an exact check behind it, the search only picks plans worth tracing; the trace decides
     scout = Budget(device, safety_margin, scout=True) if exact is not None else budget
@@ -205,3 +214,84 @@ def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
         else:
             hi = mid
     return lo
+
+
+def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: float, allowed: Mapping[str, bool],
+                     exact: EstimateFn) -> Plan:
+    """The fastest plan the exact estimate alone finds, for an architecture the analytic estimate does not model.
+
+    Each check is a trace (seconds), so the search is bounded: the run as configured; if that misses, the most
+    frugal allowed plan (every rung, the smallest micro-batch), and if even that misses, nothing fits; otherwise
+    at most ``_MAX_EXACT_SEARCH`` plans in between, cheapest first, skipping any that takes a subset of the
+    changes of a plan already rejected (fewer changes never need less), and the most frugal one when none of
+    those fit. At most ``2 + _MAX_EXACT_SEARCH`` traces; the plan says how many ran."""
+    budget = Budget(device, safety_margin)
+    traced: list[str] = []
+
+    def judged(s: TrainSettings) -> Estimate:
+        traced.append(s.describe())
+        return budget.judge(exact(s, device))
+
+    def note(plan: Plan) -> Plan:
+        plan.estimate.notes.append(f"planned by the exact estimate alone (no analytic estimate for this "
+                                   f"architecture): {len(traced)} trace(s), at most {2 + _MAX_EXACT_SEARCH}")
+        plan.estimate.plan = list(plan.changes)
+        return plan
+
+    base = judged(settings)
+    if base.fits:
+        return note(Plan(True, settings, [], base, budget.needed(base), budget.limit))
+    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
+    steps = 0
+    while allowed["reduce_batch"] and _batch_steps(settings, steps).batch > 1:
+        steps += 1
+    options: list[tuple[float, frozenset[str], int, TrainSettings, list[str]]] = []
+    for n in range(len(rungs) + 1):
+        for combo in itertools.combinations(rungs, n):
+            s, cost = settings, 1.0
+            for r in combo:
+                s, cost = r.take(s, device), cost * r.cost
+            texts = [r.explain(settings, device) for r in combo]
+            for k in range(steps + 1):
+                if n or k:
+                    sk = _batch_steps(s, k)
+                    options.append((cost * RUNGS["reduce_batch"].cost ** k, frozenset(r.key for r in combo), k,
+                                    sk, texts + _batch_change(settings, sk)))
+    if not options:
+        return _missed(settings, base, budget, "no allowed change applies", traced, note)
+    options.sort(key=lambda o: o[0])
+    frugal = max(options, key=lambda o: (len(o[1]), o[2]))
+    low = judged(frugal[3])
+    if not low.fits:
+        return _missed(settings, base, budget, f"even the most frugal allowed plan ({frugal[3].describe()}) needs "
+                       f"{_gib(budget.needed(low))}", traced, note)
+    rejected: list[tuple[frozenset[str], int]] = []
+    cut = False  # the trace count ran out before the most frugal plan was reached
+    for _, keys, k, s, texts in options:
+        if s == frugal[3]:
+            break
+        if len(traced) >= 2 + _MAX_EXACT_SEARCH:
+            cut = True
+            break
+        if any(keys <= rk and k <= rkk for rk, rkk in rejected):
+            continue
+        e = judged(s)
+        if e.fits:
+            e.plan = texts
+            return note(Plan(True, s, list(texts), e, budget.needed(e), budget.limit))
+        rejected.append((keys, k))
+    low.plan = list(frugal[4])
+    plan = Plan(True, frugal[3], list(frugal[4]), low, budget.needed(low), budget.limit)
+    if cut:
+        plan.changes.append("the most frugal allowed plan: a cheaper plan may fit too (the trace count is bounded)")
+    return note(plan)
+
+
+def _missed(settings: TrainSettings, base: Estimate, budget: Budget, why: str, traced: list[str],
+            note: Callable[[Plan], Plan]) -> Plan:
+    """The run as configured, marked as the closest miss with why nothing allowed fits."""
+    assert base.band is not None  # judge sets it
+    changes = [f"nothing fits {budget.device.name}: as configured it needs {_gib(budget.needed(base))} at the "
+               f"estimate's upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
+               f"{_gib(budget.limit)} (budget less {budget.headroom:.0%} headroom); {why}"]
+    return note(Plan(False, settings, changes, base, budget.needed(base), budget.limit))

@@ -27,6 +27,15 @@ _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_ex
 class ModelConfigError(UserError, ValueError):
     """A model's config.json cannot be found or read, or describes an architecture the estimate cannot model."""
 
+
+class UnmodelledArchitecture(ModelConfigError):
+    """config.json was read, but its architecture is not one the analytic estimate models: the traced estimate
+    (which builds the real model with transformers) still can, so callers with a trace fall back to it."""
+
+    def __init__(self, message: str, model_type: str):
+        super().__init__(message)
+        self.model_type = model_type
+
 # suffixes stripped from a hub id's basename when looking for a bundled config
 _SUFFIXES = ("-instruct", "-it", "-hf", "-chat", "-base", "-4e1t", "-v0.1", "-v0.2", "-v0.3", "-4k", "-128k")
 
@@ -261,15 +270,15 @@ class ModelShape:
         where = f"{name or mt or 'model'}" + (f" ({source})" if source else "")
         experts = next((int(cfg[k]) for k in _MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
         if experts and mt not in MOE_TYPES:
-            raise ModelConfigError(
+            raise UnmodelledArchitecture(
                 f"{where}: model_type {mt!r} is a mixture-of-experts model ({experts} experts); the analytic "
                 "estimate models dense blocks only and would count it wrong. Use the traced estimate "
-                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model")
+                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
         if mt not in SUPPORTED_TYPES:
-            raise ModelConfigError(
+            raise UnmodelledArchitecture(
                 f"{where}: model_type {mt!r} is not one the analytic estimate models ({', '.join(SUPPORTED_TYPES)}); "
                 "its layer names and saved tensors would be guessed. Use the traced estimate "
-                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model")
+                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
         top = cfg
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
         if text and "hidden_size" in text:

@@ -221,8 +221,9 @@ def test_skypilot_catalog_query_prints_nothing_offline(tmp_path):
             "from fitburst.cloud.gpus import _catalog_offers\n"
             "try:\n    _catalog_offers('A6000', 'runpod', False)\nexcept Exception as e:\n"
             "    sys.exit(0 if 'Connection' in type(e).__name__ else 1)\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home"),
-           "FITBURST_LOG_DIR": str(tmp_path / "logs")}
+    # no catalog anywhere: not the one another test module seeds for its own process (SKY_RUNTIME_DIR)
+    env = {**{k: v for k, v in os.environ.items() if k != "SKY_RUNTIME_DIR"}, "PYTHONPATH": str(REPO),
+           "HOME": str(tmp_path / "home"), "FITBURST_LOG_DIR": str(tmp_path / "logs")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr

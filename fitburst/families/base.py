@@ -3,6 +3,7 @@ collate. Its own module, so that the family modules can import it while the pack
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
 IGNORE_INDEX = -100  # labels the loss skips (prompt tokens, padding), as transformers' cross-entropy does
@@ -89,6 +90,15 @@ def pad_collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
         labels[i, : len(b["labels"])] = torch.tensor(b["labels"])
         mask[i, :k] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def eval_batches(collate: Callable[[list[dict], int], dict], rows: list[dict], pad_id: int, batch_size: int,
+                 device: str, max_batches: int | None) -> Iterator[dict]:
+    """The eval rows collated ``batch_size`` at a time and moved to ``device``; at most ``max_batches``."""
+    for i, start in enumerate(range(0, len(rows), batch_size)):
+        if max_batches is not None and i >= max_batches:
+            return
+        yield {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
 
 
 def reference_text(tok, row: dict) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from fitburst.families.base import IGNORE_INDEX, Records, pad_collate, reference_text
+from fitburst.families.base import IGNORE_INDEX, Records, eval_batches, pad_collate, reference_text
 from fitburst.families.chat import GENERATION_TAG, chat_template_kwargs, render
 from fitburst.runconfig import EVAL_CHUNK_TOKENS
 
@@ -84,10 +84,7 @@ class CausalFamily:
         total, count = torch.zeros((), dtype=torch.float64, device=device), 0
         model.eval()
         with torch.no_grad():
-            for i, start in enumerate(range(0, len(rows), batch_size)):
-                if max_batches is not None and i >= max_batches:
-                    break
-                batch = {k: v.to(device) for k, v in self.collate(rows[start:start + batch_size], pad_id).items()}
+            for batch in eval_batches(self.collate, rows, pad_id, batch_size, device, max_batches):
                 with autocast():
                     hidden = body(**{k: v for k, v in batch.items() if k != "labels"},
                                   use_cache=False).last_hidden_state

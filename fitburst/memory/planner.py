@@ -11,7 +11,7 @@ stays within the device budget less the extra headroom. Where to run (local, clo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
@@ -19,7 +19,7 @@ from fitburst.spec import SAFETY_MARGIN
 
 from .budget import Budget
 from .estimator import Estimate, TrainSettings, estimate
-from .ladder import EVAL_HALVING_COST, LADDER, RUNGS, Rung, smaller_batch
+from .ladder import EVAL_HALVING_COST, LADDER, RUNGS, smaller_batch
 from .shapes import ModelShape
 
 # An estimate of one run on one device: (settings, device) -> Estimate. The analytic one is
@@ -81,6 +81,35 @@ def _batch_change(base: TrainSettings, s: TrainSettings) -> list[str]:
             f"(same effective batch {base.effective_batch})"]
 
 
+@dataclass(frozen=True)
+class _Combination:
+    """One candidate plan: rungs taken (by key, with what they change in words), micro-batch steps, its cost."""
+
+    settings: TrainSettings
+    keys: frozenset[str]
+    texts: list[str]
+    steps: int
+    cost: float
+
+
+def _combinations(settings: TrainSettings, device: Device, allowed: Mapping[str, bool]) -> Iterator[_Combination]:
+    """Every combination of the rungs that apply to ``settings`` and every number of micro-batch steps, the run
+    as configured first."""
+    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
+    steps = 0
+    while allowed["reduce_batch"] and _batch_steps(settings, steps).batch > 1:
+        steps += 1
+    for n in range(len(rungs) + 1):
+        for combo in itertools.combinations(rungs, n):
+            s, cost = settings, 1.0
+            for r in combo:
+                s, cost = r.take(s, device), cost * r.cost
+            texts = [r.explain(settings, device) for r in combo]
+            for k in range(steps + 1):
+                yield _Combination(_batch_steps(s, k), frozenset(r.key for r in combo), texts, k,
+                                   cost * RUNGS["reduce_batch"].cost ** k)
+
+
 def plan_fit(
     shape: ModelShape | None,
     settings: TrainSettings,
@@ -117,21 +146,10 @@ def plan_fit(
     def search() -> list[tuple[float, TrainSettings, list[str], Estimate]]:
         """Every rung combination and micro-batch step that fits (analytic), cheapest first."""
         out = []
-        rungs: list[Rung] = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
-        batch = RUNGS["reduce_batch"]
-        steps = 0
-        while allowed["reduce_batch"] and _batch_steps(settings, steps).batch > 1:
-            steps += 1
-        for n in range(len(rungs) + 1):
-            for combo in itertools.combinations(rungs, n):
-                s, cost = settings, 1.0
-                for r in combo:
-                    s, cost = r.take(s, device), cost * r.cost
-                texts = [r.explain(settings, device) for r in combo]
-                for k in range(steps + 1):  # every step that fits (further ones are for the exact check)
-                    sk, e, ev, ek = judged(_batch_steps(s, k))
-                    if e.fits:
-                        out.append((cost * batch.cost**k * EVAL_HALVING_COST**ek, sk, texts + ev, e))
+        for c in _combinations(settings, device, allowed):  # every one that fits (more for the exact check)
+            sk, e, ev, ek = judged(c.settings)
+            if e.fits:
+                out.append((c.cost * EVAL_HALVING_COST**ek, sk, c.texts + ev, e))
         return sorted(out, key=lambda f: f[0])
 
     def taken(s: TrainSettings, rung_text: list[str], e: Estimate) -> Plan:
@@ -241,22 +259,8 @@ def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: flo
     base = judged(settings)
     if base.fits:
         return note(Plan(True, settings, [], base, budget.needed(base), budget.limit))
-    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
-    steps = 0
-    while allowed["reduce_batch"] and _batch_steps(settings, steps).batch > 1:
-        steps += 1
-    options: list[tuple[float, frozenset[str], int, TrainSettings, list[str]]] = []
-    for n in range(len(rungs) + 1):
-        for combo in itertools.combinations(rungs, n):
-            s, cost = settings, 1.0
-            for r in combo:
-                s, cost = r.take(s, device), cost * r.cost
-            texts = [r.explain(settings, device) for r in combo]
-            for k in range(steps + 1):
-                if n or k:
-                    sk = _batch_steps(s, k)
-                    options.append((cost * RUNGS["reduce_batch"].cost ** k, frozenset(r.key for r in combo), k,
-                                    sk, texts + _batch_change(settings, sk)))
+    options = [(c.cost, c.keys, c.steps, c.settings, c.texts + _batch_change(settings, c.settings))
+               for c in _combinations(settings, device, allowed) if c.keys or c.steps]
     if not options:
         return _missed(settings, base, budget, "no allowed change applies", traced, note)
     options.sort(key=lambda o: o[0])

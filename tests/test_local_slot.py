@@ -9,14 +9,11 @@ import time
 from tasks.train import LOCAL_TRAIN_TAG
 
 
-def test_preflight_waits_for_the_local_gpu_slot(prefect_server, pipelines_file, tmp_path, monkeypatch):
+def local_gpu_limit() -> str:
+    """The local-GPU concurrency limit as `fitburst serve` creates it (limit 1), fresh; returns its name."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
 
-    from flows.finetune import finetune
-
-    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
     name = f"tag:{LOCAL_TRAIN_TAG}"
     with get_client(sync_client=True) as c:
         try:
@@ -24,6 +21,17 @@ def test_preflight_waits_for_the_local_gpu_slot(prefect_server, pipelines_file, 
         except Exception:  # noqa: BLE001 - not there yet
             pass
         c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    return name
+
+
+def test_preflight_waits_for_the_local_gpu_slot(prefect_server, pipelines_file, tmp_path, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from flows.finetune import finetune
+
+    monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
+    name = local_gpu_limit()
 
     events: dict[str, float] = {}
     import tasks.preflight as pre_mod
@@ -69,19 +77,12 @@ def test_two_local_runs_never_overlap_from_preflight_to_eval(prefect_server, pip
     model and imports transformers first: two threads importing it at once race in its lazy module.)"""
     from prefect import runtime
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
     import flows.finetune as flow_mod
     import tasks.preflight as pre_mod
 
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
-    name = f"tag:{LOCAL_TRAIN_TAG}"
-    with get_client(sync_client=True) as c:
-        try:
-            c.delete_global_concurrency_limit_by_name(name)
-        except Exception:  # noqa: BLE001 - not there yet
-            pass
-        c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    name = local_gpu_limit()
 
     spans: dict[str, list[float]] = {}
     real_preflight, real_eval = pre_mod.preflight, flow_mod.evaluate_task

@@ -269,7 +269,10 @@ class Tracker:
     def log_preflight(self, report) -> None:
         rep = report.to_dict()  # the report leaves the process here
         est = rep["estimate"]
-        self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"]})
+        band = report.estimate.band
+        self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"],
+                       "memory.band": band.describe() if band else "",
+                       "memory.band_measured": str(bool(band and band.measured)).lower()})
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind

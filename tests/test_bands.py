@@ -85,3 +85,32 @@ def test_the_preflight_report_says_when_the_gpu_was_not_measured(demo_spec, demo
     assert not on_a6000.estimate.band.measured and "not measured on this GPU" in on_a6000.to_markdown()
     assert on_a6000.to_dict()["estimate"]["band"]["measured"] is False  # report.json in the MLflow run
     assert on_t4.estimate.band.measured and "not measured on this GPU" not in on_t4.to_markdown()
+
+
+def test_the_mlflow_run_says_when_the_gpu_was_not_measured(demo_spec, demo_prepared):
+    """The band the verdict used, and whether it was measured on this GPU, as tags of the run (a real store)."""
+    from mlflow.tracking import MlflowClient
+
+    from fitburst.preflight import preflight
+    from fitburst.tracking import Tracker
+
+    seq = demo_prepared.stats["max"]
+    tags = {}
+    for gpu in ("A6000", "T4"):
+        tracker = Tracker.start(demo_spec)
+        tracker.log_preflight(preflight(demo_spec, seq, gpu))
+        tracker.end("FINISHED")
+        tags[gpu] = MlflowClient().get_run(tracker.run_id).data.tags
+    assert tags["A6000"]["memory.band_measured"] == "false" and "not measured on this GPU" in tags["A6000"][
+        "memory.band"]
+    assert tags["T4"]["memory.band_measured"] == "true" and "measured runs" in tags["T4"]["memory.band"]
+
+
+def test_the_docs_table_holds_every_measured_band():
+    """docs/preflight.md's band table shows the figures calibration.py holds (a band changed without the docs fails)."""
+    from fitburst.memory.calibration import BANDS, GPU_BANDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "preflight.md").read_text()
+    bands = list(GPU_BANDS.values()) + [b for (m, _), b in BANDS.items() if m != "analytic-vs-traced"]
+    for band in bands:
+        assert f"| {band.low:+.1%} .. {band.high:+.1%} |" in doc, band

@@ -873,3 +873,21 @@ def test_kbit_trace_records_warmup_bytes_and_gemm_4bit_shapes(model_dir):
     assert {t.split(":")[1] for t in tags} == {str(B * S)}
     assert {int(t.split(":")[2]) for t in tags} == {2 * x for x in numels}
     assert trace_step(spec_for(model_dir), settings(dtype="fp16"), seq_len=S).load_bytes > 0
+
+
+def test_a_qlora_trace_leaves_bitsandbytes_quantizing_for_real(model_dir):
+    """Tracing a 4-bit step quantizes on fake tensors; bitsandbytes' module-wide code table must not keep a fake
+    tensor from it, or a QLoRA run trained after the preflight in the same process quantizes with it (double quant
+    off by 3 % in bytes, a zero training loss)."""
+    import bitsandbytes.functional as bnbf
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    bnbf.name2qmap.pop("dynamic", None)  # as in a fresh process: the trace is the first to quantize
+    trace_step(spec_for(model_dir), settings(method="qlora", quant="nf4", double_quant=True, dtype="bf16"), seq_len=S)
+    assert not any(isinstance(v, FakeTensor) for v in bnbf.name2qmap.values())
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+    assert not isinstance(packed, FakeTensor) and not isinstance(state.state2.code, FakeTensor)
+    back = bnbf.dequantize_4bit(packed, state)
+    assert (back.float() - w.float()).abs().mean() < 0.15 * w.float().abs().mean()  # nf4 keeps ~90 % of the signal

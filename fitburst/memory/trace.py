@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from fitburst.errors import UserError
@@ -309,6 +310,25 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
     return model
 
 
+@contextlib.contextmanager
+def bnb_caches_kept(kbit: bool) -> Iterator[None]:
+    """bitsandbytes keeps its 8-bit code table module-wide from first use (``functional.name2qmap``). Made while
+    tracing it would be a fake tensor that every later real quantization in this process reads: double-quant
+    statistics then come out wrong and a QLoRA run trained after the preflight in the same process sees a zero
+    loss. The table as it was before the trace is put back after it."""
+    if not kbit:
+        yield
+        return
+    import bitsandbytes.functional as bnbf
+
+    kept = dict(bnbf.name2qmap)
+    try:
+        yield
+    finally:
+        bnbf.name2qmap.clear()
+        bnbf.name2qmap.update(kept)
+
+
 def _quantized(w, compute_dtype, full=None):
     """A 4-bit weight as bitsandbytes loads it: the 16-bit weight (``full`` when already read), quantized (packed
     uint8 + QuantState), the 16-bit weight freed."""
@@ -472,8 +492,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     kind = device.kind if device is not None else "cpu"
     sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
             else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
-    with (FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded), device_autocast(autocast_of),
-          sdpa):
+    with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded),
+          device_autocast(autocast_of), sdpa):
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()

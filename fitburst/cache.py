@@ -1,5 +1,5 @@
-"""Where fitburst keeps what it builds: tokenized data and the locally built demo models, under
-``$FITBURST_CACHE`` (default ``~/.cache/fitburst``)."""
+"""Where fitburst keeps what it builds: tokenized data, the locally built demo models and traced estimates
+(``traces/``), under ``$FITBURST_CACHE`` (default ``~/.cache/fitburst``)."""
 
 from __future__ import annotations
 

@@ -647,7 +647,11 @@ def images_per_record(spec) -> int:
     if not isinstance(source, Path) or not source.exists():
         return 1
     most = 0
-    for _, rec in _raw_records(source, spec.data):
+    for _, raw in _raw_records(source, spec.data):
+        try:
+            rec = _map_columns(raw, spec.data.columns)  # data.columns names the messages field as prep reads it
+        except ValueError:  # a record prep would reject: it holds no images the run plans for
+            continue
         msgs = rec.get("messages") if isinstance(rec, dict) else None
         if isinstance(msgs, list):
             most = max(most, sum(1 for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list)

@@ -156,7 +156,7 @@ def route_libraries(transformers: bool = False) -> None:
 def _file_handler(path: Path) -> logging.FileHandler | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return logging.FileHandler(path, delay=True, encoding="utf-8")
+        return logging.FileHandler(path, encoding="utf-8")  # opened here: an unwritable folder fails now
     except OSError:  # no writable log folder: the console alone
         return None
 

@@ -147,7 +147,9 @@ def load_stepdowns(run_dir: Path) -> dict:
     """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken), the rungs
     taken and their records."""
     p = Path(run_dir) / STEPDOWN_FILE
-    return json.loads(p.read_text()) if p.exists() else {"settings": None, "rungs": [], "history": []}
+    state = json.loads(p.read_text()) if p.exists() else {}
+    # a folder stepped down by an earlier fitburst holds the changed spec fields as dotted keys ("fields")
+    return {"settings": None, "rungs": [], "history": [], "fields": {}, **state}
 
 
 def _switch_optimizer_state(ckpt: Path) -> None:
@@ -207,9 +209,11 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     longest = int(prepared.stats["max"])
     images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
     state = load_stepdowns(run_dir)
-    settings = (TrainSettings(**state["settings"]) if state["settings"]
-                else settings_from_spec(spec, dev, longest, images=images))
-    current = spec_with_settings(spec, settings) if state["settings"] else spec
+    if state["settings"]:
+        settings = TrainSettings(**state["settings"])
+    else:  # none taken, or taken by an earlier fitburst that kept the changed fields
+        settings = settings_from_spec(spec.with_overrides(state["fields"]), dev, longest, images=images)
+    current = spec_with_settings(spec, settings) if state["settings"] or state["fields"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
     shape = None

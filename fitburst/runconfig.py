@@ -136,7 +136,7 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
         "pure_bf16": s.pure_bf16})
     update = {"method": method, "training": training}
     px = spec.data.image_max_pixels
-    if s.images and px is not None and s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN < px:
+    if s.images and px is not None and s.image_tokens < px // QWEN2_VL_PIXELS_PER_TOKEN:  # the resolution rung
         update["data"] = spec.data.model_copy(update={"image_max_pixels": s.image_tokens * QWEN2_VL_PIXELS_PER_TOKEN})
     if s.eval_batch:
         update["eval"] = spec.eval.model_copy(update={"batch_size": s.eval_batch})

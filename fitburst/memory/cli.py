@@ -115,8 +115,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         if args.images and shape is not None and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
         exact = _traced(spec, args.seq_len) if args.exact or shape is None else None
-        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin,
-                        exact=exact if shape is None else None)
+        # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact)
         if exact is not None:
             est = exact(settings, device)
         else:
@@ -166,8 +166,6 @@ def _print_human(name: str, settings, device, est, plan) -> None:
     total (reserved + runtime context, which the budget already leaves out) is shown for reference below."""
     from rich.console import Console
     from rich.table import Table
-
-    from .planner import Budget
 
     g = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
     budget = Budget(device, est.safety_margin)

@@ -8,6 +8,7 @@ they choose the same next rung. A smaller micro-batch keeps the effective batch 
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -44,7 +45,11 @@ def smaller_batch(s: TrainSettings) -> TrainSettings:
 
 
 def _fast_attention(s: TrainSettings, device: Device) -> str:
-    return "flash" if device.kind == "cuda" and s.dtype != "fp32" else "sdpa"
+    """FlashAttention-2 where it runs: 16-bit compute on an Ampere or newer card (bf16 marks them) with the
+    ``flash_attn`` package installed; SDPA everywhere else."""
+    flash = (device.kind == "cuda" and device.supports_bf16 and s.dtype != "fp32"
+             and importlib.util.find_spec("flash_attn") is not None)
+    return "flash" if flash else "sdpa"
 
 
 def _lower_resolution(s: TrainSettings, device: Device) -> TrainSettings:

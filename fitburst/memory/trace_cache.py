@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # the code a traced figure depends on: the trace and its kernel rules, the model loading and the training step
 _CODE = ("memory/trace.py", "memory/allocator.py", "memory/cuda_kernels.py", "memory/mps_kernels.py",
          "memory/autocast_policy.py", "memory/estimator.py", "hardware.py", "models.py", "train.py", "device.py",
-         "runconfig.py")
+         "runconfig.py", "families/*.py")
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 
 
@@ -37,9 +37,10 @@ _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 def _fingerprint() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for rel in _CODE:
-        h.update(rel.encode())
-        h.update((root / rel).read_bytes())
+    for pattern in _CODE:
+        for path in sorted(root.glob(pattern)):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
     for lib in _LIBRARIES:
         try:
             h.update(f"{lib}=={metadata.version(lib)}".encode())

@@ -33,8 +33,10 @@ from fitburst.errors import DataError, UserError
 from fitburst.families import CAUSAL, IGNORE_INDEX, Family
 from fitburst.families import collate as family_collate
 from fitburst.families.vision_language import RecordImages, load_image_processor
+from fitburst.hardware import Device
 from fitburst.models import model_family, resolve_model_ref, tokenizer_for
-from fitburst.spec import DataSpec, resolve_env
+from fitburst.runconfig import TrainSettings, settings_from_spec
+from fitburst.spec import DataSpec, PipelineSpec, resolve_env
 
 log = logging.getLogger(__name__)
 
@@ -638,6 +640,13 @@ def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[l
     if not out:
         raise DataError(f"{source}: no usable records")
     return out, skipped
+
+
+def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
+    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language): the
+    settings the preflight plans and the OOM step-down walks from."""
+    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
+    return settings_from_spec(spec, device, seq_len, images=images)
 
 
 def images_per_record(spec) -> int:

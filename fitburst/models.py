@@ -13,6 +13,7 @@ from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl
 from fitburst.device import check_quant_supported, weight_dtype
 from fitburst.families import Family, family_for
 from fitburst.hardware import Device, expands_kv, probe_local
+from fitburst.memory.shapes import ModelShape, UnmodelledArchitecture, load_shape
 from fitburst.spec import PipelineSpec, resolve_env, resolve_quant
 
 
@@ -173,3 +174,12 @@ def _disable_bnb_cpu_repack(model) -> None:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
+
+
+def spec_shape(spec: PipelineSpec) -> ModelShape | None:
+    """The pipeline's model shape from its config.json (at ``model.revision`` when fetched from the hub; the demo
+    models built first); None for an architecture the analytic estimate does not model (the trace plans it)."""
+    try:
+        return load_shape(resolve_model_ref(spec.model.name), spec.model.revision)
+    except UnmodelledArchitecture:
+        return None

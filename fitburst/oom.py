@@ -24,15 +24,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fitburst.data import PreparedData, images_per_record
+from fitburst.data import PreparedData, run_settings
 from fitburst.device import select_device
 from fitburst.hardware import resolve_device
-from fitburst.memory import Device, ModelShape, estimate, load_shape
+from fitburst.memory import Device, ModelShape, estimate
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
-from fitburst.models import resolve_model_ref
-from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
+from fitburst.models import spec_shape
+from fitburst.runconfig import TrainSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError, TrainResult, latest_checkpoint, train
 
@@ -181,8 +181,8 @@ def _estimated(settings: TrainSettings, shape: ModelShape | None, dev: Device) -
 
 def _shape(spec: PipelineSpec) -> ModelShape | None:
     try:
-        return load_shape(resolve_model_ref(spec.model.name), spec.model.revision)
-    except (ValueError, OSError):  # an architecture only the trace knows: records keep the measurement alone
+        return spec_shape(spec)
+    except (ValueError, OSError):  # a config not readable here: the record keeps the measurement alone
         return None
 
 
@@ -207,12 +207,11 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
-    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
     state = load_stepdowns(run_dir)
     if state["settings"]:
         settings = TrainSettings(**state["settings"])
     else:  # none taken, or taken by an earlier fitburst that kept the changed fields
-        settings = settings_from_spec(spec.with_overrides(state["fields"]), dev, longest, images=images)
+        settings = run_settings(spec.with_overrides(state["fields"]), dev, longest)
     current = spec_with_settings(spec, settings) if state["settings"] or state["fields"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from fitburst.cloud.rank import Candidate, rank_candidates
-from fitburst.data import PreparedData, count_records, images_per_record
+from fitburst.data import PreparedData, count_records, run_settings
 from fitburst.errors import UserError
 from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
-from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, load_shape, plan_fit
-from fitburst.memory.shapes import UnmodelledArchitecture
+from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, plan_fit
+from fitburst.models import resolve_model_ref, spec_shape
 from fitburst.probe import probe
-from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
+from fitburst.runconfig import TrainSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -151,29 +151,6 @@ def _duration(hours: float) -> str:
     return f"{hours:.1f} h" if hours >= 1 else f"{max(hours * 60, 0.1):.1f} min"
 
 
-def model_ref(spec: PipelineSpec) -> str:
-    """What the memory model reads the architecture from: the demo folder, a local path, or a hub id."""
-    from fitburst.demo_models import LOCAL_MODELS
-    from fitburst.models import resolve_model_ref
-
-    return resolve_model_ref(spec.model.name) if spec.model.name in LOCAL_MODELS else spec.model.name
-
-
-def spec_shape(spec: PipelineSpec) -> ModelShape | None:
-    """The model's shape from its config.json (at ``model.revision`` when fetched from the hub); None for an
-    architecture the analytic estimate does not model (the traced estimate plans it alone: :func:`plan_checked`)."""
-    try:
-        return load_shape(model_ref(spec), spec.model.revision)
-    except UnmodelledArchitecture:
-        return None
-
-
-def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
-    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language)."""
-    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
-    return settings_from_spec(spec, device, seq_len, images=images)
-
-
 def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     """The estimate that verifies the chosen plan (the planner searches with the analytic one): the traced step
     (:func:`fitburst.memory.trace.traced_estimate`, method "traced", its band in ``fitburst.memory.calibration``),
@@ -184,7 +161,8 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     from fitburst.memory.trace import traced_estimate
 
     cache: dict = {}
-    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
+    ref = resolve_model_ref(spec.model.name)
+    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
     # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
     return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
 

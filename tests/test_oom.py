@@ -238,7 +238,7 @@ def test_oom_step_down_and_planner_take_the_same_next_rung(tmp_path, demo_spec, 
     from dataclasses import replace
 
     from fitburst.memory import Budget, estimate, plan_fit
-    from fitburst.preflight import spec_shape
+    from fitburst.models import spec_shape
     from fitburst.spec import SAFETY_MARGIN
 
     spec = demo_spec.with_overrides({"training.max_steps": 3, "training.micro_batch_size": 4,

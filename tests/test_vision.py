@@ -148,8 +148,9 @@ def test_tiny_vl_trains_through_the_dag(vl_run):
 def test_estimate_counts_what_trains(vl_spec, method, vision):
     """The estimator's trainable parameters (LoRA on the vision side as method.vision asks; a full fine-tune's
     frozen tower left out) equal what build_model really trains; the base count equals the loaded model's."""
+    from fitburst.data import run_settings
     from fitburst.memory import estimate, resolve_device
-    from fitburst.preflight import run_settings, spec_shape
+    from fitburst.models import spec_shape
     from fitburst.train import build_model
 
     spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
@@ -186,8 +187,10 @@ def test_vision_terms_follow_images_and_what_trains(vl_spec):
 def test_seed_qwen2_vl_7b_fp32_on_m2_max(pipelines_file):
     """The seed: Qwen2-VL-7B LoRA in fp32 with 1280-token images does not fit an M2 Max's 42.43 GiB MPS budget; the
     planner proposes a plan that does, with no bitsandbytes (none on MPS)."""
+    from fitburst.data import run_settings
     from fitburst.memory import Budget, estimate, resolve_device
-    from fitburst.preflight import preflight, run_settings, spec_shape
+    from fitburst.models import spec_shape
+    from fitburst.preflight import preflight
 
     spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora", {"preflight.exact": False})  # the trace: minutes at 7B
     dev = resolve_device(spec.preflight.device)
@@ -204,8 +207,9 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     the planned resolution are 4 tokens each and every sample is exactly as much shorter as the plan assumed."""
     from dataclasses import replace
 
+    from fitburst.data import run_settings
     from fitburst.memory import Budget, estimate, plan_fit, resolve_device
-    from fitburst.preflight import run_settings, spec_shape
+    from fitburst.models import spec_shape
     from fitburst.runconfig import spec_with_settings
 
     full = prepare_pipeline(vl_spec)
@@ -256,10 +260,10 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
 
     import torch
 
-    from fitburst.data import collate
+    from fitburst.data import collate, run_settings
     from fitburst.memory import resolve_device
     from fitburst.memory.trace import traced_estimate
-    from fitburst.preflight import model_ref, run_settings
+    from fitburst.models import resolve_model_ref
     from fitburst.probe import TensorTracker
     from fitburst.train import build_model, make_optimizer, optimizer_step
 
@@ -277,7 +281,8 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
             optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0)
     dev = resolve_device("cpu:64GiB")
     s = replace(run_settings(spec, dev, 40), padded=False)  # four samples of 40 tokens: no padding
-    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": model_ref(spec)})})
+    ref = resolve_model_ref(spec.model.name)
+    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
     traced = traced_estimate(local, s, dev, seq_len=40)
     assert traced.method == "traced"
     assert traced.allocated_peak_bytes == pytest.approx(tracker.peak, rel=0.002)

@@ -24,6 +24,12 @@ from fitburst.runconfig import spec_with_settings
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
+# Micro-batches of an accumulation window the trace steps through. The third and later ones repeat the second's
+# allocations exactly (same shapes, gradients already there, the caching allocator already warm); what each one
+# adds is its own input tensors, held by the loop's micro-batch list for the whole step: the trace builds all of
+# those and keeps them alive, and steps through the first TRACED_MICRO (tests/test_trace.py checks the peak
+# equals the full trace's).
+TRACED_MICRO = 2
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
 
 
@@ -446,7 +452,8 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str]):
 
 
 def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
-               kbit_read_ahead: int = 0, autocast_of: str = "cpu", device: Device | None = None) -> StepTrace:
+               kbit_read_ahead: int = 0, autocast_of: str = "cpu", device: Device | None = None,
+               traced_micro: int | None = TRACED_MICRO) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
     ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
@@ -458,7 +465,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     (:func:`fitburst.memory.autocast_policy.device_autocast`). ``device``: the device the model is loaded for,
     whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`); on a CUDA device
     SDPA runs the fused kernel that device picks (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`), on MPS
-    its math composite (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`)."""
+    its math composite (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`). ``traced_micro``: how many
+    micro-batches of each step run (see :data:`TRACED_MICRO`; None: all of them)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
@@ -514,7 +522,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
         try:
-            step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+            step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
         except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
             raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
                                    f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
@@ -524,7 +532,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         rec.phase = "forward"
         start = len(rec.events)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
-        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fitburst.memory import TrainSettings, resolve_device  # noqa: E402
-from fitburst.memory import trace  # noqa: E402
+from fitburst.memory import TrainSettings, resolve_device, trace  # noqa: E402
 from fitburst.spec import PipelineSpec  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M", "google/gemma-3-270m", "meta-llama/Llama-3.2-1B",

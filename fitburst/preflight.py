@@ -169,7 +169,8 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
 
 @dataclass
 class Checked:
-    """A plan and how it was checked: ``exact`` (the traced estimate) when it ran, else why it did not."""
+    """A plan and how it was checked: ``exact``, the traced estimate the cloud plans are verified by (None where it
+    cannot run); ``unchecked``, why it did not verify ``plan`` (None when it did)."""
 
     plan: Plan
     exact: EstimateFn | None
@@ -301,8 +302,33 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
     shape = spec_shape(spec)
-    checked = plan_checked(spec, shape, run_settings(spec, device, seq_len), device, seq_len)
-    return conclude(spec, shape, device, checked, seq_len, train_tokens(spec, n_train, mean_len))
+    settings, tokens = run_settings(spec, device, seq_len), train_tokens(spec, n_train, mean_len)
+    if shape is not None and (why := bursts_anyway(spec, shape, settings, device, tokens)) is not None:
+        args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
+        report = conclude(spec, shape, device, Checked(plan_fit(*args), exact_estimate(spec, seq_len), why), seq_len,
+                          tokens)
+        if report.verdict.placement == "burst":
+            return report
+    checked = plan_checked(spec, shape, settings, device, seq_len)
+    return conclude(spec, shape, device, checked, seq_len, tokens)
+
+
+def bursts_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+                  tokens: int | None) -> str | None:
+    """Why the run bursts whatever the local plan's trace would say (None when the local plan can decide): the
+    burst policy is ``always``, or even the run as configured, the fastest any local plan gets (every rung of the
+    ladder costs time), is over ``burst.max_local_hours``. The trace then verifies the cloud plan, the one that
+    runs, and not the local one."""
+    policy, cap = spec.burst.policy, spec.burst.max_local_hours
+    if policy == "always":
+        return "the run bursts whatever it says: the burst policy is 'always'; the cloud plan is traced"
+    if policy != "auto" or cap is None:
+        return None
+    fastest = estimate_hours(shape, settings, throughput(device), tokens)
+    if fastest is None or fastest.hours <= cap:
+        return None
+    return (f"the run bursts whatever it says: even as configured it needs ~{_duration(fastest.hours)} here, over "
+            f"max_local_hours {cap:g}; the cloud plan is traced")
 
 
 def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes: int, why: str, *,

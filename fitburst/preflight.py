@@ -161,10 +161,15 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     from fitburst.memory.trace import traced_estimate
 
     cache: dict = {}
-    ref = resolve_model_ref(spec.model.name)
-    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
+    local = local_spec(spec)
     # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
     return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
+
+
+def local_spec(spec: PipelineSpec) -> PipelineSpec:
+    """``spec`` with its model named as the estimates read it (a demo model's folder, built on first use)."""
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(
+        spec.model.name)})})
 
 
 @dataclass
@@ -192,8 +197,10 @@ def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSe
                 "the traced estimate can plan it")
         if exact is None:
             raise PreflightFailed(f"{what}, and preflight.exact is false: set preflight.exact: true")
+        from fitburst.memory.sliced import quick_estimate
+
         try:
-            return Checked(plan_fit(*args, exact=exact), exact)
+            return Checked(plan_fit(*args, exact=exact, quick=quick_estimate(local_spec(spec), seq_len)), exact)
         except TraceUnsupported as e:
             raise PreflightFailed(f"{what}, and it cannot run: {e}") from None
     if exact is None:

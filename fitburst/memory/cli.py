@@ -114,9 +114,15 @@ def run_estimate(args: argparse.Namespace) -> int:
         settings = settings_from_spec(spec, device, args.seq_len, images=args.images)
         if args.images and shape is not None and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
-        exact = _traced(spec, args.seq_len) if args.exact or shape is None else None
+        quick = None
+        if shape is None:  # the sliced estimate answers in seconds; --exact traces the whole model to verify it
+            from .sliced import quick_estimate
+
+            quick = quick_estimate(spec, args.seq_len)
+        exact = _traced(spec, args.seq_len) if args.exact or (shape is None and quick is None) else quick
         # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
-        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact)
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact,
+                        quick=quick if args.exact else None)
         if exact is not None:
             est = exact(settings, device)
         else:
@@ -126,7 +132,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         what = f"{args.model}: {why}, and the traced estimate cannot run: " if why else ""
         print(f"error: {what}{e}", file=sys.stderr)
         return 2
-    if why:
+    if why and est.method == "sliced":
+        est.notes.append(f"{why}: estimated from its real model traced at two and three blocks and scaled to its "
+                         "depth (seconds, not instant; --exact traces the whole model)")
+    elif why:
         est.notes.append(f"{why}: traced instead (the real model built by transformers on the meta device and "
                          "stepped on fake tensors; seconds, not instant)")
         est.notes += [n for n in plan.estimate.notes if n.startswith("planned by")]

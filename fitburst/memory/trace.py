@@ -466,11 +466,13 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                                "dependencies, or use the analytic estimate") from None
 
     from fitburst.device import make_amp, torch_dtype
+    from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     from . import cuda_kernels, mps_kernels
     from .autocast_policy import device_autocast
+    from .loss_kernels import loss_kernel_of, traced_fused_loss
 
     s = settings
     if s.quant == "int8":
@@ -493,7 +495,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
             else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded),
-          device_autocast(autocast_of), sdpa):
+          device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -513,8 +515,13 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
+        # the fused loss as its kernel's rule allocates (loss_kernels), offloading as cuda_kernels models it
+        lean: dict = {"loss": loss_kernel_of(s, device or resolve_device("cpu"))} if s.fused_loss else {}
+        if s.offload and kind == "cuda":
+            lean["offload"] = cuda_kernels.offloaded_activations(rec)
+        stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
         try:
-            step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+            step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp, **lean)
         except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
             raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
                                    f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
@@ -524,7 +531,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         rec.phase = "forward"
         start = len(rec.events)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
-        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        step(model, opt, params, micro, device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp, **lean)
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)

@@ -776,11 +776,11 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     pixels = 4 * s.batch * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
     shared += pixels  # the batch's pixel_values (fp32) live through the step
     vis_saved, vis_fwd = vision_activations(shape, s, a, attention, c.mask_b)
-    # activation offloading (CUDA, TRL's context): what each layer saves waits in host memory; on the device, the
-    # layer being worked on and the one whose tensors are on their way (the forward's stash of the last few offloaded
-    # tensors, the backward's copy of the next layer's ahead of it); the loss head is never offloaded
+    # activation offloading (CUDA, TRL's context): what each layer saves waits in host memory; on the device, one
+    # layer's worth (the forward's stash of the last few tensors being copied out, the layer whose tensors came
+    # back in backward); the loss head is never offloaded
     offload = s.offload and device.kind == "cuda"
-    window = 2 * max(A_layers_kept, default=0) if offload else 0
+    window = max(A_layers_kept, default=0) if offload else 0
     A_dev = window if offload else sum(A_layers_kept)
     A_all = A_dev + A_final + shared + lora_cast + vis_saved
     G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
@@ -823,8 +823,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     # eager attention's float mask is read by additions only: freed after the forward unless checkpointing keeps
     # it as a block input
     shared_bwd = shared - (mask_bytes if attention == "eager" and not ckpt else 0)
-    # offloaded: the next layer's tensors on their way back beside the current one's (``back`` below)
-    remaining = (window // 2 if offload else A_dev) + shared_bwd + lora_cast + vis_saved
+    # offloaded: only the current layer's tensors are back (``back`` below)
+    remaining = (0 if offload else A_dev) + shared_bwd + lora_cast + vis_saved
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
     mlp_t, att_t = _layer_backward_transient(shape, c)

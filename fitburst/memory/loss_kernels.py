@@ -82,7 +82,8 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
     if kernel == "chunked":
         c = min(n, EVAL_CHUNK_TOKENS)
         upcast = 4 * c * v if a != 4 else 0
-        return LossTerms(0, a * c * v + upcast + 4 * c * v, n * h * a + a * c * v + upcast + 12 * c * v)
+        # backward of a chunk: its recomputed logits (and fp32 copy) and log-softmax output, and their gradients
+        return LossTerms(0, a * c * v + upcast + 4 * c * v, n * h * a + a * c * v + upcast + 8 * c * v)
     raise ValueError(f"unknown fused loss kernel {kernel!r}")
 
 

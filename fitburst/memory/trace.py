@@ -428,14 +428,30 @@ def _load_order(model, kbit: bool):
     return [(store, k) for _, _, store, k in slots]
 
 
-def _phase_hooks(model, optimizer, rec, prefix: list[str]):
+def _phase_hooks(model, optimizer, rec, prefix: list[str], fused_loss: bool = False):
     """Mark phases: forward (model call), loss (after the output head), backward (after the model returns),
-    optimizer_step (from optimizer.step)."""
+    optimizer_step (from optimizer.step). The fused loss calls the body, never the head nor the whole model:
+    forward from the body's call, loss from its return (the loss's forward and backward), backward from the
+    gradient of its hidden states."""
     head = model.get_output_embeddings()
 
     def setp(p):
         rec.phase = prefix[0] + p
 
+    if fused_loss:
+        from fitburst.families import family_for
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        body = family_for(base.config).body(base)
+
+        def body_done(module, args, out):
+            setp("loss")
+            hidden = out.last_hidden_state
+            if hidden.requires_grad:
+                hidden.register_hook(lambda g: setp("backward"))
+
+        return [body.register_forward_pre_hook(lambda *a: setp("forward")), body.register_forward_hook(body_done),
+                optimizer.register_step_pre_hook(lambda *a: setp("optimizer_step"))]
     hs = [
         model.register_forward_pre_hook(lambda *a: setp("forward")),
         head.register_forward_hook(lambda *a: setp("loss")),
@@ -505,7 +521,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         if foreach and "foreach" in opt.defaults:
             for g in opt.param_groups:
                 g["foreach"] = True
-        hooks = _phase_hooks(model, opt, rec, prefix)
+        hooks = _phase_hooks(model, opt, rec, prefix, fused_loss=s.fused_loss)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
         # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
         # SDPA) and caches the casts of fp32 leaf weights alike; the ops those run in fp32 and CPU's does not

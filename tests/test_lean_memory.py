@@ -90,7 +90,8 @@ def test_both_estimates_drop_the_loss_term_with_the_fused_loss(model_dir, no_com
     shape = load_shape(str(model_dir))
     seq = 1024
     logits = 4 * 2 * seq * CFG["vocab_size"]
-    for dev_name, kw, saved in (("cpu:8GiB", {}, 2), ("A100-80GB", dict(dtype="bf16"), 5), ("T4", dict(dtype="fp16"), 5)):
+    cases = (("cpu:8GiB", {}, 2), ("A100-80GB", dict(dtype="bf16"), 5), ("T4", dict(dtype="fp16"), 5))
+    for dev_name, kw, saved in cases:
         dev = resolve_device(dev_name)
         std, fused = settings(loss="standard", seq_len=seq, **kw), settings(loss="fused", seq_len=seq, **kw)
         t_std, t_fused = (traced_estimate(spec_for(model_dir), x, dev, seq_len=seq) for x in (std, fused))
@@ -197,3 +198,24 @@ def test_trainer_runs_and_records_the_fused_loss(tmp_path, demo_spec, demo_prepa
     assert (fused.loss, std.loss) == ("chunked", "standard")
     assert fused.final_loss == pytest.approx(std.final_loss, rel=1e-4)
     assert json.loads((tmp_path / "f" / "train_result.json").read_text())["loss"] == "chunked"
+
+
+def test_cli_estimate_takes_the_loss_and_offloading_and_prints_the_planned_breakdown(capsys):
+    """`fitburst estimate --json`: --loss fused drops the loss term; a plan that changes settings prints its own
+    components and device total beside the as-configured ones."""
+    from fitburst.memory.cli import main
+
+    args = ["--model", "Qwen/Qwen2.5-7B", "--rank", "16", "--batch", "4", "--seq-len", "2048", "--device", "RTX4090",
+            "--json"]
+    main(args + ["--loss", "standard"])
+    std = json.loads(capsys.readouterr().out)
+    main(args + ["--loss", "fused"])
+    fused = json.loads(capsys.readouterr().out)
+    assert std["settings"]["loss"] == "standard" and fused["settings"]["loss"] == "fused"
+    assert fused["device_total_bytes"] < std["device_total_bytes"] - 4 * 2**30
+    assert std["planned_components"] is not None and std["planned_device_total_bytes"] < std["device_total_bytes"]
+    assert sum(std["planned_components"].values()) <= std["planned_device_total_bytes"]
+    main(args + ["--activation-offloading"])
+    assert json.loads(capsys.readouterr().out)["settings"]["offload"] is True
+    assert main(args[:-3] + ["--device", "cpu", "--activation-offloading", "--json"]) == 2  # refused off CUDA
+    assert "activation-offloading" in capsys.readouterr().err

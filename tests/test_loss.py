@@ -18,7 +18,6 @@ from fitburst.hardware import fused_loss_kernel, resolve_device
 from fitburst.memory.loss_kernels import fused_loss_terms, liger_chunk_rows
 
 
-
 def _standard(hidden, weight, labels, softcap=None):
     logits = (hidden @ weight.T).float()
     if softcap:
@@ -79,8 +78,9 @@ def test_softcap_is_applied_as_the_model_applies_it():
 def test_fused_training_step_equals_the_standard_one(autocast):
     """Two micro-batches of a LoRA-free tiny Llama with padding: the window's token-weighted loss and every
     gradient match the model's own loss (chunked kernel, which runs everywhere)."""
-    from fitburst.train import optimizer_step
     from transformers import AutoModelForCausalLM
+
+    from fitburst.train import optimizer_step
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir())
@@ -192,7 +192,7 @@ def test_cce_compile_rule_matches_inductors_allocations():
     for autocast, a in ((False, 4), (True, 2)):
         hidden = torch.randn(n, h, requires_grad=True)
 
-        def step(rows: int) -> None:
+        def step(rows: int, hidden=hidden, autocast=autocast) -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = linear_cross_entropy(hidden[:rows], weight, labels[:rows], kernel="cce_compile")
             loss.backward()

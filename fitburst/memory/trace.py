@@ -440,9 +440,12 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str], fused_loss: bool = Fa
 
     if fused_loss:
         from fitburst.families import family_for
+        from fitburst.families.causal import CausalFamily
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        body = family_for(base.config).body(base)
+        family = family_for(base.config)
+        assert isinstance(family, CausalFamily)  # the families that take the fused loss (fused_loss_refusal)
+        body = family.body(base)
 
         def body_done(module, args, out):
             setp("loss")

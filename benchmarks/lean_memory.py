@@ -108,7 +108,6 @@ RUNS = (  # the issue's four runs: model config, device, settings
 
 def part2() -> None:
     from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
-
     from fitburst.memory.estimator import fused_loss_terms, loss_kernel_of
     from fitburst.memory.ladder import LADDER
 

@@ -210,3 +210,17 @@ def test_cce_compile_rule_matches_inductors_allocations():
         # beyond the rule: the inputs cast to bf16 under autocast (n x h and v x h)
         inputs = (n * h + v * h) * a if autocast else 0
         assert peak == pytest.approx(rule.peak + inputs, rel=0.15), (autocast, peak, rule)
+
+
+def test_eval_loss_with_the_fused_kernel_equals_the_standard_one(demo_spec, demo_prepared):
+    """The eval runs the same loss kernel as training: the chunked one gives the eval's standard figure."""
+    from fitburst.data import load_split
+    from fitburst.models import load_pipeline_model, load_tokenizer
+
+    rows = load_split(demo_prepared, "val").to_list()[:16]
+    model = load_pipeline_model(demo_spec, "cpu", "fp32")
+    pad = load_tokenizer(demo_spec.model.name).pad_token_id
+    std = CAUSAL.eval_loss(model, rows, pad, 4, "cpu", chunk_tokens=64)
+    fused = CAUSAL.eval_loss(model, rows, pad, 4, "cpu", chunk_tokens=64, kernel="chunked")
+    assert fused[1] == std[1] > 64
+    assert fused[0] == pytest.approx(std[0], rel=1e-5)

@@ -22,6 +22,7 @@ from fitburst.errors import UserError
 from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, plan_fit
+from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
 from fitburst.models import resolve_model_ref, spec_shape
 from fitburst.probe import probe
 from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -93,6 +94,8 @@ class PreflightReport:
             "local_hours_source": self.local_time.source if self.local_time else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "estimate_method": self.estimate.method, "trace": self.trace_line(),
+            "loss": loss_kernel_of(self.plan.settings, self.device),
+            "activation_offloading": self.plan.settings.offload, "lean": describe_lean(self.plan.settings, self.device),
             "analytic_estimate": self.analytic.to_dict() if self.analytic else None,
             "analytic_needed_bytes": self.analytic.band.upper(self.analytic.reserved_peak_bytes)
             if self.analytic and self.analytic.band else None}
@@ -138,6 +141,7 @@ class PreflightReport:
             f"{e.device_total_bytes / GIB:.3f} GiB; peak phase: {e.peak_phase}; sequence length "
             f"{self.seq_len}.{time}\n\n"
             f"Estimate: {self.trace_line()}.\n\n"
+            f"Training: {describe_lean(self.plan.settings, self.device)}.\n\n"
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
 
 

@@ -24,6 +24,8 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTIONS = ("eager", "sdpa", "flash")
 VISION = ("frozen", "projector", "tower")
+# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
+LOSSES = ("auto", "standard", "fused")
 
 
 @dataclass
@@ -54,11 +56,14 @@ class TrainSettings:
     images: int = 0
     image_tokens: int = 0
     vision: str = "frozen"
+    loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
+    offload: bool = False  # saved activations offloaded to pinned host memory (CUDA)
 
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
                   "optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES),
-                  "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION)}
+                  "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION),
+                  "loss": (self.loss, LOSSES)}
         for k, (v, ok) in checks.items():
             if v not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
@@ -85,6 +90,11 @@ class TrainSettings:
         return self.method == "full" and self.amp
 
     @property
+    def fused_loss(self) -> bool:
+        """The loss runs as a fused linear cross-entropy (no full logits)."""
+        return self.loss == "fused"
+
+    @property
     def effective_batch(self) -> int:
         return self.batch * self.grad_accum
 
@@ -94,6 +104,7 @@ class TrainSettings:
         q = f" {self.quant}{dq}" if self.kbit else ""
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
         return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
 
@@ -116,7 +127,7 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         optimizer=t.optimizer, dtype=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16,
+        pure_bf16=t.pure_bf16, loss=t.loss, offload=t.activation_offloading,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision)
@@ -133,7 +144,7 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
         "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16})
+        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload})
     update = {"method": method, "training": training}
     px = spec.data.image_max_pixels
     if s.images and px is not None and s.image_tokens < px // QWEN2_VL_PIXELS_PER_TOKEN:  # the resolution rung

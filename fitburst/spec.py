@@ -157,6 +157,12 @@ class TrainingSpec(Strict):
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
     packing: bool = Field(default=False, description="padding-free batches: each micro-batch's samples in one row, "
                           "positions restarting and attention kept within each sample")
+    loss: Literal["auto", "standard", "fused"] = Field(
+        default="auto", description="standard: the model's output head and cross-entropy (full logits); fused: a "
+        "linear cross-entropy that never holds the logits (Cut Cross-Entropy or Liger Kernel on CUDA, CCE's "
+        "torch.compile path elsewhere); auto: standard unless the preflight needs the memory (preflight.allow)")
+    activation_offloading: bool = Field(default=False, description="CUDA only: keep the activations saved for "
+                                        "backward in pinned host memory (TRL's offloading context)")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -192,6 +198,8 @@ class AllowSpec(Strict):
     packing: bool = True
     resolution: bool = True  # vision-language: lower data.image_max_pixels (fewer image tokens)
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
+    fused_loss: bool = True  # training.loss: auto -> fused (a fused linear cross-entropy)
+    activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
@@ -592,6 +600,10 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     if kind == "mps" and spec.method.quant != "none":
         out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
                                          "use method.type: lora with quant: none on MPS, or a CUDA device"))
+    if (device.lower() in ("cpu", "mps") or kind in ("cpu", "mps")) and spec.training.activation_offloading:
+        out.append((("training", "activation_offloading"), "activation offloading moves saved activations from a "
+                                                          "CUDA GPU to pinned host memory: set it false on "
+                                                          f"{device}"))
     if spec.data.image_max_pixels is not None and spec.training.packing:
         out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
                                              "pipeline with data.image_max_pixels (a vision-language one)"))

@@ -435,14 +435,33 @@ def _load_order(model, kbit: bool):
     return [(store, k) for _, _, store, k in slots]
 
 
-def _phase_hooks(model, optimizer, rec, prefix: list[str]):
+def _phase_hooks(model, optimizer, rec, prefix: list[str], fused_loss: bool = False):
     """Mark phases: forward (model call), loss (after the output head), backward (after the model returns),
-    optimizer_step (from optimizer.step)."""
+    optimizer_step (from optimizer.step). The fused loss calls the body, never the head nor the whole model:
+    forward from the body's call, loss from its return (the loss's forward and backward), backward from the
+    gradient of its hidden states."""
     head = model.get_output_embeddings()
 
     def setp(p):
         rec.phase = prefix[0] + p
 
+    if fused_loss:
+        from fitburst.families import family_for
+        from fitburst.families.causal import CausalFamily
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        family = family_for(base.config)
+        assert isinstance(family, CausalFamily)  # the families that take the fused loss (fused_loss_refusal)
+        body = family.body(base)
+
+        def body_done(module, args, out):
+            setp("loss")
+            hidden = out.last_hidden_state
+            if hidden.requires_grad:
+                hidden.register_hook(lambda g: setp("backward"))
+
+        return [body.register_forward_pre_hook(lambda *a: setp("forward")), body.register_forward_hook(body_done),
+                optimizer.register_step_pre_hook(lambda *a: setp("optimizer_step"))]
     hs = [
         model.register_forward_pre_hook(lambda *a: setp("forward")),
         head.register_forward_hook(lambda *a: setp("loss")),
@@ -475,11 +494,13 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                                "dependencies, or use the analytic estimate") from None
 
     from fitburst.device import make_amp, torch_dtype
+    from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
     from . import cuda_kernels, mps_kernels
     from .autocast_policy import device_autocast
+    from .loss_kernels import loss_kernel_of, traced_fused_loss
 
     s = settings
     if s.quant == "int8":
@@ -502,7 +523,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
             else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded),
-          device_autocast(autocast_of), sdpa):
+          device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
         load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
         _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
@@ -512,7 +533,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         if foreach and "foreach" in opt.defaults:
             for g in opt.param_groups:
                 g["foreach"] = True
-        hooks = _phase_hooks(model, opt, rec, prefix)
+        hooks = _phase_hooks(model, opt, rec, prefix, fused_loss=s.fused_loss)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
         # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
         # SDPA) and caches the casts of fp32 leaf weights alike; the ops those run in fp32 and CPU's does not
@@ -522,8 +543,14 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
+        # the fused loss as its kernel's rule allocates (loss_kernels), offloading as cuda_kernels models it
+        lean: dict = {"loss": loss_kernel_of(s, device or resolve_device("cpu"))} if s.fused_loss else {}
+        if s.offload and kind == "cuda":
+            lean["offload"] = cuda_kernels.offloaded_activations(rec)
+        stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
         try:
-            step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+            step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
+                 **lean)
         except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
             raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
                                    f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
@@ -533,7 +560,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         rec.phase = "forward"
         start = len(rec.events)
         micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
-        step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp)
+        step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
+             **lean)
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)

@@ -8,10 +8,11 @@ logits and the loss) stays put. So the figures of the two- and three-block model
 the full depth by a line: ``x(L) = x(3) + (L - 3) * (x(3) - x(2))``. Not so the caching allocator's overhead on CUDA
 (reserved less allocated): the rounding of its large segments jumps from one depth to the next (Llama-3.2-1B,
 LoRA on an A100: 178, 282, 168, 172 MiB at two to five blocks, 203 MiB at sixteen), so the reserved figure is the
-line's allocated one plus the larger overhead of the two slices. Two small traces take
-seconds where the full one takes up to minutes; both are kept in the trace cache. How far the line lies from the
-full trace is measured by ``benchmarks/sliced_vs_traced.py`` (its band: :mod:`fitburst.memory.calibration`, method
-"sliced").
+line's allocated one plus the larger overhead of the two slices; and the allocated figure is the largest of the
+phases' lines, not the line of the slices' peaks (where one phase overtakes another with depth). Two small traces
+take seconds where the full one takes up to minutes; both are kept in the trace cache. How far the line lies from
+the full trace is measured by ``benchmarks/sliced_vs_traced.py`` (its band: :mod:`fitburst.memory.calibration`,
+method "sliced").
 
 Only a config whose depth is one number (``num_hidden_layers``, ``n_layer`` or ``num_layers``, at the top or in
 its ``text_config``) and whose other per-layer fields are lists of that length is sliced; anything else (an
@@ -102,12 +103,16 @@ def sliced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     def line(x: dict[str, int], y: dict[str, int]) -> dict[str, int]:
         return {k: _line(x.get(k, 0), y.get(k, 0), n) for k in {*x, *y}}
 
-    allocated = _line(a.allocated_peak_bytes, b.allocated_peak_bytes, n)
+    phases = line(a.phases, b.phases)
+    # each phase's peak grows on its own line: at full depth another phase may peak (the optimizer step's
+    # temporaries, which grow with every block's parameters, overtake backward's activations)
+    allocated = max(_line(a.allocated_peak_bytes, b.allocated_peak_bytes, n), max(phases.values(), default=0))
     reserved = allocated + max(e.reserved_peak_bytes - e.allocated_peak_bytes for e in ests)
     return replace(
         b, allocated_peak_bytes=allocated, reserved_peak_bytes=reserved,
         device_total_bytes=reserved + b.device_total_bytes - b.reserved_peak_bytes,
-        components=line(a.components, b.components), phases=line(a.phases, b.phases), params=line(a.params, b.params),
+        components=line(a.components, b.components), phases=phases, params=line(a.params, b.params),
+        peak_phase=max(phases, key=lambda k: phases[k]) if phases else b.peak_phase,
         model=spec.model.name, method="sliced", band=None, fits=None,
         notes=[f"sliced: traced at {SLICES[0]} and {SLICES[1]} of its {n} blocks (full width) and scaled to {n}: "
                "seconds, where the full trace takes up to minutes"])

@@ -157,12 +157,22 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
 def local_gpu_slot() -> Iterator[None]:
     """The slot of the ``tag:fitburst-local-train`` concurrency limit (`fitburst serve` creates it, limit 1), held
     by this flow run so a second scheduled run neither budgets against this run's memory nor trains beside it.
-    Without the limit (a plain `fitburst run`) nothing is held."""
+    Without the limit (a plain `fitburst run`) nothing is held, and nothing is said about it (Prefect would log a
+    warning the user has nothing to do about)."""
+    from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
 
+    name = f"tag:{LOCAL_TRAIN_TAG}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            yield
+            return
     holder = ConcurrencyLeaseHolder(type="flow_run", id=runtime.flow_run.id) if runtime.flow_run.id else None
-    with concurrency(f"tag:{LOCAL_TRAIN_TAG}", occupy=1, holder=holder):
+    with concurrency(name, occupy=1, holder=holder):
         yield
 
 

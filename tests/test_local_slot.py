@@ -112,3 +112,35 @@ def test_two_local_runs_never_overlap_from_preflight_to_eval(prefect_server, pip
     assert b_start >= a_end, f"the second run's preflight began {a_end - b_start:.1f}s before the first's eval ended"
     with get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(name).active_slots == 0
+
+
+def test_without_the_limit_a_run_holds_nothing_and_logs_no_warning(prefect_server):
+    """A plain `fitburst run` (no `fitburst serve`, so no limit): the slot is a no-op, and the flow run's logs carry
+    no "do not exist - skipping acquisition" warning."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    from flows.finetune import local_gpu_slot
+
+    name = f"tag:{LOCAL_TRAIN_TAG}"
+    with get_client(sync_client=True) as c:
+        try:
+            c.delete_global_concurrency_limit_by_name(name)
+        except Exception:  # noqa: BLE001 - not there
+            pass
+
+    @flow
+    def holds_the_slot() -> str:
+        from prefect import runtime
+
+        with local_gpu_slot():
+            return str(runtime.flow_run.id)
+
+    run_id = holds_the_slot()
+    time.sleep(1.5)  # the API log handler sends in batches
+    with get_client(sync_client=True) as c:
+        assert c.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+    assert logs, "the flow run's logs were not sent"
+    assert not [log.message for log in logs if "do not exist" in log.message]

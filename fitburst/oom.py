@@ -34,7 +34,7 @@ from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import spec_shape
 from fitburst.runconfig import TrainSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
-from fitburst.train import TrainError, TrainResult, latest_checkpoint, train
+from fitburst.train import TrainError, TrainResult, drop_optimizer_state, latest_checkpoint, train
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +152,6 @@ def load_stepdowns(run_dir: Path) -> dict:
     return {"settings": None, "rungs": [], "history": [], "fields": {}, **state}
 
 
-def _switch_optimizer_state(ckpt: Path) -> None:
-    """Keep the step, schedule and hyper-parameters of a checkpoint when its optimizer class changes (AdamW ->
-    AdamW8bit): the moments cannot be carried across formats, so the new optimizer starts them fresh."""
-    import torch
-
-    state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
-    state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
-    torch.save(state, ckpt / "optim.pt")
-
-
 def _record_history(entry: StepDown) -> None:
     path = calibration_path().with_name(OOM_HISTORY_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +230,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             if rung is None:
                 raise _exhausted(current, record, run_dir, would_fit(spec, settings, shape, dev, longest)) from None
             if rung.key == "optimizer_8bit" and ckpt is not None:
-                _switch_optimizer_state(ckpt)
+                drop_optimizer_state(ckpt)
             settings = rung.take(settings, dev)
             current = spec_with_settings(spec, settings)
             state["settings"], state["rungs"] = asdict(settings), [*state["rungs"], rung.key]

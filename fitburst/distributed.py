@@ -28,6 +28,7 @@ torch is imported inside the functions: this module is on the import path of tra
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -236,7 +237,9 @@ def load_sharded(src: Path, model, optimizer=None) -> None:
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(ignore_frozen_params=True)
+    # the state holds the trainable weights only, and loading it must leave the frozen ones as they are; a trainable
+    # weight the checkpoint lacks fails in dcp.load
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
     state = _state(model, optimizer) if optimizer is not None else {
         "model": get_model_state_dict(model, options=options)}
     dcp.load(state, checkpoint_id=str(src / SHARDED_DIR), no_dist=not dist.is_initialized())
@@ -282,3 +285,93 @@ def local_shards(model) -> Iterator[tuple[str, Any]]:
     """(name, this rank's local tensor) of every parameter: a sharded parameter's shard, else the tensor."""
     for name, p in model.named_parameters():
         yield name, p.to_local() if hasattr(p, "to_local") else p
+
+
+# --- several processes on this machine ---------------------------------------------------------------------
+
+RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.train)
+RANKS_LOG = "ranks.log"  # torchrun's and the ranks' output, in the run folder
+
+
+class RanksFailed(UserError, RuntimeError):
+    """A rank of a local multi-process run stopped (torchrun then ended the others). ``records``: what each failed
+    rank wrote (:data:`RANK_FAILED`); ``oom_kind`` and ``peak_bytes``: a rank's out-of-memory error, when that was
+    the cause (the step-down, :mod:`fitburst.oom`, then acts for all ranks together)."""
+
+    def __init__(self, message: str, records: list[dict]):
+        super().__init__(message)
+        self.records = records
+        oom = next((r for r in records if r.get("oom_kind")), None)
+        self.oom_kind: str | None = oom["oom_kind"] if oom else None
+        self.peak_bytes: int | None = oom.get("peak_bytes") if oom else None
+
+
+def local_ranks(spec) -> int:
+    """The processes a local run of ``spec`` starts: one per visible CUDA GPU with ``training.distributed: fsdp``
+    on CUDA, else one (auto stays on one device until a plan asks for more)."""
+    if spec.training.distributed != "fsdp" or spec.preflight.device.lower() not in ("auto", "cuda"):
+        return 1
+    import torch  # heavy: loaded only when training
+
+    return max(1, torch.cuda.device_count())
+
+
+def run_local(spec, prepared_dir: str | Path, run_dir: str | Path, nproc: int, *, device: str | None = None,
+              on_metrics=None, poll_s: float = 0.5) -> None:
+    """Train ``spec`` in ``nproc`` processes on this machine: torchrun (``--standalone``) starting the node command
+    (``fitburst train``) once per rank. Rank 0's loss curve (``metrics.jsonl``) is passed on to ``on_metrics`` while
+    it trains, so this process keeps MLflow and Prefect; the ranks' output goes to ``ranks.log`` in the run folder.
+    Raises :class:`RanksFailed` when a rank stops (torchrun ends the others); an interrupt here ends them all."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(RANK_FAILED.format(rank="*")):
+        stale.unlink()
+    spec_path = run_dir / "ranks-spec.yaml"
+    spec_path.write_text(spec.to_yaml())
+    metrics = run_dir / "metrics.jsonl"
+    offset = metrics.stat().st_size if metrics.exists() else 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", str(prepared_dir),
+           "--run-dir", str(run_dir), "--quiet", *(["--device", device] if device else [])]
+    # the ranks log nothing to MLflow themselves: this process does (and holds the run)
+    env = {k: v for k, v in os.environ.items() if k != "FITBURST_MLFLOW_RUN_ID"}
+
+    def relay() -> None:
+        nonlocal offset
+        if on_metrics is None or not metrics.exists():
+            return
+        with metrics.open() as f:
+            f.seek(offset)
+            for line in iter(f.readline, ""):
+                if not line.endswith("\n"):
+                    break  # rank 0 is still writing it
+                offset += len(line)
+                row = json.loads(line)
+                on_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+
+    with (run_dir / RANKS_LOG).open("a") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                relay()
+                time.sleep(poll_s)
+            relay()
+        except BaseException:  # Ctrl-C, cancellation, an error in on_metrics: no rank outlives this process
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+    if proc.returncode != 0:
+        records = [json.loads(p.read_text()) for p in sorted(run_dir.glob(RANK_FAILED.format(rank="*")))]
+        what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or (
+            f"torchrun exited with {proc.returncode}, no rank recorded an error (killed?)")
+        raise RanksFailed(f"{spec.name}: training on {nproc} processes stopped ({what}); the log is "
+                          f"{run_dir / RANKS_LOG}, and a rerun resumes from the last checkpoint", records)

@@ -196,7 +196,8 @@ def count_params(model) -> tuple[int, int]:
 # --- checkpoints -----------------------------------------------------------------------------------------
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists()]
+    ckpts = [p for p in (run_dir / "checkpoints").glob("step-*")
+             if not p.name.endswith(".tmp") and (p / "state.json").exists()]  # a .tmp: a save cut short
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 

@@ -113,7 +113,7 @@ def make_amp(precision: str, device: str, *, pure_bf16: bool = False, sharded: b
     if precision == "fp32" or pure_bf16:
         return Amp(device)
     kind = device.split(":")[0]
-    scaler = None
+    scaler: Any = None
     if precision == "fp16":
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

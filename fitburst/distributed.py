@@ -240,7 +240,7 @@ def load_sharded(src: Path, model, optimizer=None) -> None:
     # the state holds the trainable weights only, and loading it must leave the frozen ones as they are; a trainable
     # weight the checkpoint lacks fails in dcp.load
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
-    state = _state(model, optimizer) if optimizer is not None else {
+    state: dict[str, Any] = _state(model, optimizer) if optimizer is not None else {
         "model": get_model_state_dict(model, options=options)}
     dcp.load(state, checkpoint_id=str(src / SHARDED_DIR), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=options)

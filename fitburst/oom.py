@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fitburst.data import PreparedData, run_settings
 from fitburst import distributed
+from fitburst.data import PreparedData, run_settings
 from fitburst.device import select_device
 from fitburst.distributed import RanksFailed
 from fitburst.hardware import resolve_device

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 from fitburst import distributed
 from fitburst.data import PreparedData, batch_tokens, collate, load_split
@@ -31,12 +32,13 @@ from fitburst.device import (
     select_device,
     warn_pure_bf16,
 )
+from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
+from fitburst.hardware import resolve_device
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
 from fitburst.spec import PipelineSpec
-from fitburst.distributed import SINGLE, World
 
 log = logging.getLogger(__name__)
 
@@ -365,9 +367,11 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
     world-size-th sample of it, so the ranks' k-th micro-batches together hold the samples one process takes in its
     k-th micro-batch of world size x ``batch_size`` (an epoch whose samples do not divide evenly repeats a few, as
     the sampler pads)."""
-    from torch.utils.data import DistributedSampler  # heavy: loaded only when training
+    from torch.utils.data import Dataset, DistributedSampler  # heavy: loaded only when training
 
-    sampler = DistributedSampler(range(len(rows)), num_replicas=world.size, rank=world.rank, shuffle=True, seed=seed)
+    indices = cast("Dataset[int]", range(len(rows)))  # the sampler needs only len()
+    sampler: DistributedSampler[int] = DistributedSampler(indices, num_replicas=world.size, rank=world.rank,
+                                                          shuffle=True, seed=seed)
     per_epoch = math.ceil(len(sampler) / batch_size)
     epoch, offset = divmod(start_micro, per_epoch)
     while True:
@@ -571,6 +575,44 @@ def refuse_sharding(spec: PipelineSpec, w: World) -> None:
     if spec.training.distributed == "none":
         raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
                          "processes: start one process, or set training.distributed: fsdp (or auto)")
+    if spec.training.fsdp.cpu_offload:
+        need, have = offload_host_bytes(spec, w), available_host_bytes()
+        if need is not None and have is not None and need > have:
+            gib = 2**30
+            raise TrainError(f"pipeline '{spec.name}': training.fsdp.cpu_offload keeps this node's shards of the "
+                             f"weights, gradients and optimizer state in host RAM: about {need / gib:.1f} GiB for "
+                             f"its {w.local_size} rank(s), but {have / gib:.1f} GiB is available: set "
+                             "training.fsdp.cpu_offload: false, or spread the run over more nodes")
+
+
+def offload_host_bytes(spec: PipelineSpec, w: World) -> int | None:
+    """Host RAM this node's ranks hold with FSDP's CPU offload: their share of the weights as loaded, of the
+    trainable weights' fp32 gradients and of the optimizer state (the analytic estimate's figures); None for an
+    architecture it does not model."""
+    from fitburst.memory.estimator import optimizer_bytes, param_counts, weight_bytes
+    from fitburst.models import spec_shape
+    from fitburst.runconfig import settings_from_spec
+
+    shape = spec_shape(spec)
+    if shape is None:
+        return None
+    s = settings_from_spec(spec)
+    trainable = param_counts(shape, s)["trainable"]
+    state, _, paged = optimizer_bytes(s, [trainable], 4, resolve_device("cpu"))
+    whole = sum(weight_bytes(shape, s).values()) + 4 * trainable + state + paged
+    return whole * w.local_size // w.size
+
+
+def available_host_bytes() -> int | None:
+    """Memory the OS can give this node now (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _record_rank_failure(run_dir: Path, w: World, step: int, exc: BaseException, meter: MemoryMeter) -> None:

@@ -60,8 +60,9 @@ def tokenizer_for(model):
 def quantization_config(quant: str, double_quant: bool, compute_dtype, *, sharded: bool = False):
     """The bitsandbytes config for a quant setting, or None for unquantized weights. ``sharded`` (FSDP): the packed
     4-bit weights are stored in the compute dtype (``bnb_4bit_quant_storage``) instead of uint8, so that FSDP shards
-    them as ordinary weights of the block's dtype; uint8 storage would be cast to the compute dtype by FSDP's mixed
-    precision (the packed bytes become garbage numbers: a loss of 0 or NaN gradients) or refused as a mixed dtype."""
+    them as ordinary weights of the block's one dtype, the setup PEFT documents for FSDP QLoRA (FSDP1 needs one dtype
+    per flat parameter and its mixed precision would cast the packed bytes into garbage numbers; FSDP2 on torch 2.13
+    was measured to cope with uint8 too)."""
     if quant == "none":
         return None
     from transformers import BitsAndBytesConfig  # transformers: heavy

@@ -561,6 +561,10 @@ def save_trained(model, tok, dest: Path, spec: PipelineSpec, w: World) -> None:
         tok.save_pretrained(dest)
         return
     state = distributed.gathered_state(model, trainable_only=spec.method.type != "full")
+    # a tied weight (an output head sharing the embeddings) is gathered under both names, as two tensors that
+    # save_pretrained cannot tell are one: keep the name it saves from one process
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    state = {k: v for k, v in state.items() if k not in aliases}
     if w.main:
         model.save_pretrained(dest, state_dict=state)
         tok.save_pretrained(dest)

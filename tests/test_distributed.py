@@ -2,10 +2,10 @@
 node run: ``fitburst train`` under torchrun, the local path's launcher, and SkyPilot's run block.
 
 Tolerances, against one process training the same samples per step (N ranks x micro-batch b vs one process x N*b):
-fp32 losses within 1e-5 relative and trained weights within 1e-5 absolute (they differ only in the order sums are
-taken: measured up to 2e-7 relative and 7e-7 absolute); QLoRA's bf16 step within 5e-3 relative, since FSDP's mixed
-precision gathers every weight in bf16 where one process keeps the norms and LoRA weights in fp32 under autocast
-(measured 1e-3)."""
+fp32 losses within 1e-5 relative (they differ only in the order sums are taken: measured up to 2e-7) and trained
+weights within 1 % of the learning rate (:func:`assert_same_run`); QLoRA's bf16 step within 5e-3 relative, since
+FSDP's mixed precision gathers every weight in bf16 where one process keeps the norms and LoRA weights in fp32 under
+autocast (measured 1e-3)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from fitburst.spec import load_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).with_name("rank_hooks")  # sitecustomize: test instrumentation inside the ranks
 CHILD = Path(__file__).with_name("fault_child.py")
-FP32_REL, FP32_ABS, BF16_REL = 1e-5, 1e-5, 5e-3
+FP32_REL, BF16_REL = 1e-5, 5e-3
 BASE = {"training.max_steps": 4, "training.log_every": 1, "training.checkpoint_every": 100, "eval.enabled": False,
         "preflight.device": "cpu"}
 
@@ -80,7 +80,11 @@ def trained(run_dir: Path) -> dict:
     return load_file(str(folder / name))
 
 
-def assert_same_run(one: Path, many: Path, rel: float = FP32_REL, atol: float = FP32_ABS) -> None:
+def assert_same_run(one: Path, many: Path, lr: float) -> None:
+    """The same loss curve (:data:`FP32_REL`) and the same trained weights, within 1 % of the largest update one
+    step can make: AdamW moves a weight by about the learning rate at most, and where a gradient is near zero its
+    normalised update turns on the gradient's last bits (measured: 2e-8 .. 1.1e-5, T5 at lr 5e-3 the largest)."""
+    rel, atol = FP32_REL, 1e-2 * lr
     a, b = losses(one), losses(many)
     assert a.keys() == b.keys() and len(a) >= 2
     for step in a:
@@ -89,6 +93,43 @@ def assert_same_run(one: Path, many: Path, rel: float = FP32_REL, atol: float = 
     assert wa.keys() == wb.keys()
     for k in wa:
         assert (wa[k].float() - wb[k].float()).abs().max().item() <= atol, k
+
+
+# --- refused before the model loads -------------------------------------------------------------------------
+
+def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file, monkeypatch):
+    import fitburst.train as train_mod
+    from fitburst.distributed import World
+    from fitburst.errors import UserError
+
+    four = World(rank=0, size=4, local_rank=0, local_size=4)
+    with pytest.raises(UserError, match="training.distributed is none but torchrun started 4"):
+        train_mod.refuse_sharding(spec_for(pipelines_file, "demo", training__distributed="none"), four)
+    offload = spec_for(pipelines_file, "qwen7b-lora", training__distributed="fsdp", training__fsdp__cpu_offload=True)
+    two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
+    need = train_mod.offload_host_bytes(offload, two_nodes)
+    # half of 15.2 GB of bf16 weights and of 161M LoRA weights' fp32 gradients and AdamW moments (12 bytes each)
+    assert need == pytest.approx((15.23e9 + 161.5e6 * 12) / 2, rel=0.01)
+    assert train_mod.offload_host_bytes(offload, four) == pytest.approx(2 * need, abs=1)  # one node holds it all
+    monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
+        train_mod.refuse_sharding(offload, two_nodes)
+    monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need)
+    train_mod.refuse_sharding(offload, two_nodes)
+
+
+def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
+    from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
+
+    spec = spec_for(pipelines_file, "demo", training__distributed="fsdp", training__fsdp__reshard_after_forward=False)
+    s = settings_from_spec(spec)
+    assert (s.distributed, s.reshard_after_forward, s.cpu_offload) == ("fsdp", False, False)
+    assert s.describe().endswith("fsdp keep-gathered adamw sdpa")
+    back = spec_with_settings(spec, s)
+    assert back.training.distributed == "fsdp" and back.training.fsdp == spec.training.fsdp
+    assert spec.config_hash() == spec_for(pipelines_file, "demo").config_hash()  # the same run folder, any sharding
+    with pytest.raises(ValueError, match="int8 weights cannot be sharded"):
+        TrainSettings(method="qlora", quant="int8", distributed="fsdp")
 
 
 # --- N ranks x b train as one process x N*b ----------------------------------------------------------------
@@ -108,7 +149,7 @@ def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path
     one_process(spec, prepared, tmp_path / "one")
     sharded = spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"})
     result = torchrun(2, sharded, prepared, tmp_path / "two")
-    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert_same_run(tmp_path / "one", tmp_path / "two", spec.training.learning_rate)
     assert result["world_size"] == 2 and len(result["rank_peaks"]) == 2
     assert all(p["allocated_bytes"] > 0 for p in result["rank_peaks"])
     assert result["peak"]["allocated_bytes"] == max(p["allocated_bytes"] for p in result["rank_peaks"])
@@ -132,7 +173,7 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks_and_in_one_process(tmp_path
     assert len(list((ckpt / "sharded").glob("*.distcp"))) == 4 and (ckpt / "sharded" / ".metadata").exists()
     assert json.loads((ckpt / "state.json").read_text()) == {"step": 2, "samples": 16, "world_size": 4}
     one_process(spec.with_overrides({"training.micro_batch_size": 8}), demo_prepared, tmp_path / "one")
-    assert_same_run(tmp_path / "one", tmp_path / "four")  # 4 ranks x 2 as one process x 8
+    assert_same_run(tmp_path / "one", tmp_path / "four", spec.training.learning_rate)  # 4 ranks x 2 as 1 x 8
 
     for name, nproc, batch in (("two", 2, 4), ("single", 1, 8)):
         resumed = tmp_path / name

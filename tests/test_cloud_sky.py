@@ -397,7 +397,8 @@ def test_node_spec_trains_for_its_own_device_and_holds_no_tracking_uri(demo, tmp
     # burst_train writes it to a temp file that is gone after the launch, dry runs included
     written = []
     real = cloud.launch.write_node_spec
-    monkeypatch.setattr(cloud.launch, "write_node_spec", lambda s, d: written.append(real(s, d)) or written[-1])
+    monkeypatch.setattr(cloud.launch, "write_node_spec",
+                        lambda s, d, **kw: written.append(real(s, d, **kw)) or written[-1])
     burst_train(spec, prepared, tmp_path / "run", _candidates(), dry_run=True, log=lambda s: None)
     FakeSky(monkeypatch)
     burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, pull=_pull)

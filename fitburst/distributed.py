@@ -306,6 +306,15 @@ class RanksFailed(UserError, RuntimeError):
         self.peak_bytes: int | None = oom.get("peak_bytes") if oom else None
 
 
+def _refusal(log: Path, start: int) -> str | None:
+    """The first ``error: ...`` line a rank printed after ``start`` (fitburst's one-line refusals, made before
+    training starts)."""
+    with log.open("rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    return next((line.split("error: ", 1)[1] for line in lines if "error: " in line), None)
+
+
 def local_ranks(spec) -> int:
     """The processes a local run of ``spec`` starts: one per visible CUDA GPU with ``training.distributed: fsdp``
     on CUDA, else one (auto stays on one device until a plan asks for more)."""
@@ -355,6 +364,7 @@ def run_local(spec, prepared_dir: str | Path, run_dir: str | Path, nproc: int, *
                 on_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
 
     with (run_dir / RANKS_LOG).open("a") as out:
+        log_start = out.tell()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while proc.poll() is None:
@@ -371,7 +381,7 @@ def run_local(spec, prepared_dir: str | Path, run_dir: str | Path, nproc: int, *
             raise
     if proc.returncode != 0:
         records = [json.loads(p.read_text()) for p in sorted(run_dir.glob(RANK_FAILED.format(rank="*")))]
-        what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or (
-            f"torchrun exited with {proc.returncode}, no rank recorded an error (killed?)")
+        what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or _refusal(
+            run_dir / RANKS_LOG, log_start) or f"torchrun exited with {proc.returncode} and no rank said why (killed?)"
         raise RanksFailed(f"{spec.name}: training on {nproc} processes stopped ({what}); the log is "
                           f"{run_dir / RANKS_LOG}, and a rerun resumes from the last checkpoint", records)

@@ -616,6 +616,10 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
         out.append((("method", "quant"), "int8 weights (bitsandbytes Int8Params) cannot be sharded by FSDP: use "
                                          "quant: nf4 (its 4-bit weights shard in the compute dtype), or "
                                          "training.distributed: none"))
+    if fsdp and spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        out.append((("training", "optimizer"), "bitsandbytes' 8-bit optimizers do not run on FSDP's sharded "
+                                               "parameters: use optimizer: adamw (FSDP shards its state over the "
+                                               "GPUs already), or training.distributed: none"))
     if spec.training.fsdp.cpu_offload and spec.training.distributed == "none":
         out.append((("training", "fsdp", "cpu_offload"), "CPU offload is FSDP's: set training.distributed: fsdp "
                                                          "(or auto), or cpu_offload: false"))

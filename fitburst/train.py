@@ -579,6 +579,10 @@ def refuse_sharding(spec: PipelineSpec, w: World) -> None:
     if spec.training.distributed == "none":
         raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
                          "processes: start one process, or set training.distributed: fsdp (or auto)")
+    if spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        raise TrainError(f"pipeline '{spec.name}': training.optimizer {spec.training.optimizer} (bitsandbytes) does "
+                         "not run on FSDP's sharded parameters: use optimizer: adamw (its state is sharded "
+                         f"{w.size} ways already), or train in one process")
     if spec.training.fsdp.cpu_offload:
         need, have = offload_host_bytes(spec, w), available_host_bytes()
         if need is not None and have is not None and need > have:

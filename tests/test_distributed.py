@@ -118,6 +118,17 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     train_mod.refuse_sharding(offload, two_nodes)
 
 
+def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
+    from fitburst.distributed import RanksFailed, run_local
+
+    spec = spec_for(pipelines_file, "demo", training__distributed="none")
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match="training.distributed is none but torchrun started 2 processes") as e:
+        run_local(spec, demo_prepared.dir, tmp_path / "run", 2)
+    assert e.value.oom_kind is None and time.monotonic() - started < 120
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
     from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
 

@@ -151,6 +151,9 @@ def test_cli_validate_exit_codes(tmp_path, pipelines_file):
     # bitsandbytes' int8 weights do not shard
     ("    method: {type: qlora, quant: int8}\n    training: {max_steps: 10, distributed: fsdp}\n", 9,
      ["method.quant", "'int8'", "cannot be sharded", "nf4"]),
+    # bitsandbytes' optimizers do not step DTensors
+    ("    training: {max_steps: 10, distributed: fsdp, optimizer: paged_adamw8bit}\n", 9,
+     ["training.optimizer", "8-bit optimizers", "optimizer: adamw"]),
     # offload is FSDP's
     ("    training: {max_steps: 10, distributed: none, fsdp: {cpu_offload: true}}\n", 9,
      ["training.fsdp.cpu_offload", "training.distributed: fsdp"]),

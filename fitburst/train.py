@@ -542,6 +542,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     rank_peaks = distributed.gather(peak) if w.sharded else []
     if rank_peaks:
         peak = max(rank_peaks, key=lambda p: p.allocated_bytes or 0)
+        tokens = int(distributed.all_sum(tokens, device).item())  # every rank's samples
     done = step - start_step
     result = TrainResult(
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,

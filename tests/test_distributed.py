@@ -157,10 +157,11 @@ def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path
                                                                         overrides):
     spec = spec_for(pipelines_file, pipeline, **overrides, training__micro_batch_size=8)
     prepared = prepared_for(spec)
-    one_process(spec, prepared, tmp_path / "one")
+    one = one_process(spec, prepared, tmp_path / "one")
     sharded = spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"})
     result = torchrun(2, sharded, prepared, tmp_path / "two")
     assert_same_run(tmp_path / "one", tmp_path / "two", spec.training.learning_rate)
+    assert result["tokens"] == one.tokens  # the same samples, counted over both ranks
     assert result["world_size"] == 2 and len(result["rank_peaks"]) == 2
     assert all(p["allocated_bytes"] > 0 for p in result["rank_peaks"])
     assert result["peak"]["allocated_bytes"] == max(p["allocated_bytes"] for p in result["rank_peaks"])

@@ -17,6 +17,7 @@ from fitburst.device import make_amp
 from fitburst.families import family_for
 from fitburst.models import load_pipeline_model, load_tokenizer
 from fitburst.spec import PipelineSpec
+from fitburst.train import loss_kernel
 
 
 @dataclass
@@ -43,7 +44,7 @@ class EvalResult:
 def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path, *, device: str,
              precision: str) -> EvalResult:
     """Load the base model once, attach the saved adapter, and measure base vs tuned on the validation split, in
-    batches of ``spec.eval.batch_size`` under the run's autocast."""
+    batches of ``spec.eval.batch_size`` under the run's autocast, with the loss kernel training ran."""
     from peft import PeftModel  # peft: heavy, loaded only when evaluating
 
     rows = load_split(prepared, "val").to_list()
@@ -56,9 +57,11 @@ def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path
 
     base = load_pipeline_model(spec, device, precision)
     family = family_for(base.config)
+    kernel = loss_kernel(spec, device, precision)  # the loss training ran (training.loss: fused, its kernel)
 
     def measure(model) -> tuple[float, int, list[dict]]:
-        loss, n = family.eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches, amp=amp)
+        loss, n = family.eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches, amp=amp,
+                                   kernel=kernel)
         with amp.autocast():
             samples = family.generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
         return loss, n, samples

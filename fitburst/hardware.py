@@ -224,6 +224,46 @@ def _apple_chip() -> str:
     return out or "local"
 
 
+# --- the fused linear cross-entropy a device runs -----------------------------------------------------------
+# The loop (fitburst.families.loss) and the estimates (fitburst.memory.loss_kernels) both decide on these facts.
+FUSED_KERNELS = ("cce", "liger", "cce_compile", "chunked")
+FUSED_MODULES = {"cce": "cut_cross_entropy", "cce_compile": "cut_cross_entropy", "liger": "liger_kernel"}
+
+
+@functools.cache
+def cpu_compiler() -> bool:
+    """Whether inductor's CPU backend (what CCE's torch_compile path compiles with) finds a C++ compiler here."""
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++"))
+
+
+def fused_loss_kernel(device: Device, dtype: str) -> tuple[str, str]:
+    """The fused linear cross-entropy that runs on ``device`` for a run computing in ``dtype``, and why: Cut
+    Cross-Entropy's Triton kernel on an Ampere or newer card (bf16 marks them) in 16 bits (its backward takes 16-bit
+    hidden states only); Liger Kernel's Triton kernel on older cards (a T4, a V100) or in fp32; on CPU and MPS,
+    CCE's ``torch_compile`` implementation (inductor: C++ on the CPU, Metal on MPS). A hand-written chunked loss only
+    on a CPU where inductor finds no C++ compiler."""
+    if device.kind == "cuda":
+        if device.supports_bf16 and dtype != "fp32":
+            return "cce", f"{device.name}: Cut Cross-Entropy's Triton kernel (Ampere or newer, 16-bit)"
+        why = "Ampere or newer is CCE's" if not device.supports_bf16 else "CCE's backward takes 16-bit inputs only"
+        return "liger", f"{device.name}: Liger Kernel's fused linear cross-entropy (Triton; {why})"
+    if device.kind == "cpu" and not cpu_compiler():
+        return "chunked", ("no C++ compiler for inductor here, so CCE's torch_compile path cannot run: fitburst's "
+                           "own chunked linear cross-entropy (1024 tokens of logits at a time, recomputed in "
+                           "backward)")
+    return "cce_compile", (f"{device.name}: Cut Cross-Entropy's torch_compile implementation (no Triton on "
+                           f"{device.kind})")
+
+
+def fused_loss_installed(device: Device, dtype: str) -> bool:
+    """Whether the library of the fused loss ``device`` runs (:func:`fused_loss_kernel`) is installed here (the
+    planner takes only a loss this install can run; a cloud node installs the lean libraries itself)."""
+    module = FUSED_MODULES.get(fused_loss_kernel(device, dtype)[0])
+    return module is None or importlib.util.find_spec(module) is not None
+
+
 def probe_local(want: str = "auto") -> Device:
     """Probe this machine; torch is imported lazily and only when a GPU may be there."""
     if want in ("auto", "local", "cuda", "mps"):

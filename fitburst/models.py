@@ -7,13 +7,15 @@ instant estimate import this module without loading them.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl_dir
 from fitburst.device import check_quant_supported, weight_dtype
 from fitburst.families import Family, family_for
 from fitburst.hardware import Device, expands_kv, probe_local
-from fitburst.memory.shapes import ModelShape, UnmodelledArchitecture, load_shape
+from fitburst.memory.shapes import ModelShape, UnmodelledArchitecture, bundled_config, load_shape
 from fitburst.spec import PipelineSpec, resolve_env, resolve_quant
 
 
@@ -49,7 +51,21 @@ def model_family(model) -> Family:
     if model.name in LOCAL_MODELS:
         arch = LOCAL_MODELS[model.name]
         return family_for(SimpleNamespace(model_type=arch, is_encoder_decoder=arch == "t5"))
+    if (local := local_config(model.name, model.revision)) is not None:  # no transformers import (about 2 s)
+        return family_for(SimpleNamespace(model_type=local.get("model_type"),
+                                          is_encoder_decoder=bool(local.get("is_encoder_decoder"))))
     return family_for(load_config(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code))
+
+
+def local_config(name: str, revision: str | None = None) -> dict | None:
+    """config.json of a model folder or of a bundled config of the same name (fitburst/configs), read as JSON;
+    None for a hub model with no bundled config."""
+    p = Path(name).expanduser()
+    if p.is_dir() or (p.is_file() and p.suffix == ".json"):
+        path = p / "config.json" if p.is_dir() else p
+        return json.loads(path.read_text()) if path.is_file() else None
+    bundled = bundled_config(name, revision)
+    return json.loads(bundled.read_text()) if bundled is not None else None
 
 
 def tokenizer_for(model):

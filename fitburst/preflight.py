@@ -22,6 +22,7 @@ from fitburst.errors import UserError
 from fitburst.hardware import resolve_device
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, plan_fit
+from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
 from fitburst.models import resolve_model_ref, spec_shape
 from fitburst.probe import probe
 from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -93,6 +94,8 @@ class PreflightReport:
             "local_hours_source": self.local_time.source if self.local_time else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "estimate_method": self.estimate.method, "trace": self.trace_line(),
+            "loss": loss_kernel_of(self.plan.settings, self.device),
+            "activation_offloading": self.plan.settings.offload, "lean": describe_lean(self.plan.settings, self.device),
             "analytic_estimate": self.analytic.to_dict() if self.analytic else None,
             "analytic_needed_bytes": self.analytic.band.upper(self.analytic.reserved_peak_bytes)
             if self.analytic and self.analytic.band else None}
@@ -138,6 +141,7 @@ class PreflightReport:
             f"{e.device_total_bytes / GIB:.3f} GiB; peak phase: {e.peak_phase}; sequence length "
             f"{self.seq_len}.{time}\n\n"
             f"Estimate: {self.trace_line()}.\n\n"
+            f"Training: {describe_lean(self.plan.settings, self.device)}.\n\n"
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
 
 
@@ -161,15 +165,21 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     from fitburst.memory.trace import traced_estimate
 
     cache: dict = {}
-    ref = resolve_model_ref(spec.model.name)
-    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
+    local = local_spec(spec)
     # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
     return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
 
 
+def local_spec(spec: PipelineSpec) -> PipelineSpec:
+    """``spec`` with its model named as the estimates read it (a demo model's folder, built on first use)."""
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(
+        spec.model.name)})})
+
+
 @dataclass
 class Checked:
-    """A plan and how it was checked: ``exact`` (the traced estimate) when it ran, else why it did not."""
+    """A plan and how it was checked: ``exact``, the traced estimate the cloud plans are verified by (None where it
+    cannot run); ``unchecked``, why it did not verify ``plan`` (None when it did)."""
 
     plan: Plan
     exact: EstimateFn | None
@@ -191,8 +201,10 @@ def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSe
                 "the traced estimate can plan it")
         if exact is None:
             raise PreflightFailed(f"{what}, and preflight.exact is false: set preflight.exact: true")
+        from fitburst.memory.sliced import quick_estimate
+
         try:
-            return Checked(plan_fit(*args, exact=exact), exact)
+            return Checked(plan_fit(*args, exact=exact, quick=quick_estimate(local_spec(spec), seq_len)), exact)
         except TraceUnsupported as e:
             raise PreflightFailed(f"{what}, and it cannot run: {e}") from None
     if exact is None:
@@ -301,8 +313,33 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     device = resolve_device(device_name or spec.preflight.device)
     shape = spec_shape(spec)
-    checked = plan_checked(spec, shape, run_settings(spec, device, seq_len), device, seq_len)
-    return conclude(spec, shape, device, checked, seq_len, train_tokens(spec, n_train, mean_len))
+    settings, tokens = run_settings(spec, device, seq_len), train_tokens(spec, n_train, mean_len)
+    if shape is not None and (why := bursts_anyway(spec, shape, settings, device, tokens)) is not None:
+        args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
+        report = conclude(spec, shape, device, Checked(plan_fit(*args), exact_estimate(spec, seq_len), why), seq_len,
+                          tokens)
+        if report.verdict.placement == "burst":
+            return report
+    checked = plan_checked(spec, shape, settings, device, seq_len)
+    return conclude(spec, shape, device, checked, seq_len, tokens)
+
+
+def bursts_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+                  tokens: int | None) -> str | None:
+    """Why the run bursts whatever the local plan's trace would say (None when the local plan can decide): the
+    burst policy is ``always``, or even the run as configured, the fastest any local plan gets (every rung of the
+    ladder costs time), is over ``burst.max_local_hours``. The trace then verifies the cloud plan, the one that
+    runs, and not the local one."""
+    policy, cap = spec.burst.policy, spec.burst.max_local_hours
+    if policy == "always":
+        return "the run bursts whatever it says: the burst policy is 'always'; the cloud plan is traced"
+    if policy != "auto" or cap is None:
+        return None
+    fastest = estimate_hours(shape, settings, throughput(device), tokens)
+    if fastest is None or fastest.hours <= cap:
+        return None
+    return (f"the run bursts whatever it says: even as configured it needs ~{_duration(fastest.hours)} here, over "
+            f"max_local_hours {cap:g}; the cloud plan is traced")
 
 
 def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes: int, why: str, *,

@@ -24,6 +24,8 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTIONS = ("eager", "sdpa", "flash")
 VISION = ("frozen", "projector", "tower")
+# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
+LOSSES = ("auto", "standard", "fused")
 DISTRIBUTED = ("auto", "none", "fsdp")
 
 
@@ -55,6 +57,8 @@ class TrainSettings:
     images: int = 0
     image_tokens: int = 0
     vision: str = "frozen"
+    loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
+    offload: bool = False  # saved activations offloaded to pinned host memory (CUDA)
     # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
     # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
     distributed: str = "auto"
@@ -65,7 +69,7 @@ class TrainSettings:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
                   "optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES),
                   "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION),
-                  "distributed": (self.distributed, DISTRIBUTED)}
+                  "loss": (self.loss, LOSSES), "distributed": (self.distributed, DISTRIBUTED)}
         for k, (v, ok) in checks.items():
             if v not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
@@ -94,6 +98,11 @@ class TrainSettings:
         return self.method == "full" and self.amp
 
     @property
+    def fused_loss(self) -> bool:
+        """The loss runs as a fused linear cross-entropy (no full logits)."""
+        return self.loss == "fused"
+
+    @property
     def effective_batch(self) -> int:
         return self.batch * self.grad_accum
 
@@ -103,9 +112,10 @@ class TrainSettings:
         q = f" {self.quant}{dq}" if self.kbit else ""
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
         if self.distributed == "fsdp":
             ck += " fsdp" + ("" if self.reshard_after_forward else " keep-gathered") + (
-                " offload" if self.cpu_offload else "")
+                " cpu-offload" if self.cpu_offload else "")
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
         return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
 
@@ -128,7 +138,7 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         optimizer=t.optimizer, dtype=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16,
+        pure_bf16=t.pure_bf16, loss=t.loss, offload=t.activation_offloading,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
@@ -146,7 +156,7 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
         "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16, "distributed": s.distributed,
+        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload, "distributed": s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})
     update = {"method": method, "training": training}

@@ -167,6 +167,12 @@ class TrainingSpec(Strict):
     attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
     packing: bool = Field(default=False, description="padding-free batches: each micro-batch's samples in one row, "
                           "positions restarting and attention kept within each sample")
+    loss: Literal["auto", "standard", "fused"] = Field(
+        default="auto", description="standard: the model's output head and cross-entropy (full logits); fused: a "
+        "linear cross-entropy that never holds the logits (Cut Cross-Entropy or Liger Kernel on CUDA, CCE's "
+        "torch.compile path elsewhere); auto: standard unless the preflight needs the memory (preflight.allow)")
+    activation_offloading: bool = Field(default=False, description="CUDA only: keep the activations saved for "
+                                        "backward in pinned host memory (TRL's offloading context)")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -206,6 +212,8 @@ class AllowSpec(Strict):
     packing: bool = True
     resolution: bool = True  # vision-language: lower data.image_max_pixels (fewer image tokens)
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
+    fused_loss: bool = True  # training.loss: auto -> fused (a fused linear cross-entropy)
+    activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
@@ -620,9 +628,17 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
         out.append((("training", "optimizer"), "bitsandbytes' 8-bit optimizers do not run on FSDP's sharded "
                                                "parameters: use optimizer: adamw (FSDP shards its state over the "
                                                "GPUs already), or training.distributed: none"))
+    if fsdp and spec.training.loss == "fused":
+        out.append((("training", "loss"), "the fused loss reads the output head's weight outside the model's forward, "
+                                          "where FSDP holds only a shard of it: set training.loss: standard (or "
+                                          "auto), or training.distributed: none"))
     if spec.training.fsdp.cpu_offload and spec.training.distributed == "none":
         out.append((("training", "fsdp", "cpu_offload"), "CPU offload is FSDP's: set training.distributed: fsdp "
                                                          "(or auto), or cpu_offload: false"))
+    if (device.lower() in ("cpu", "mps") or kind in ("cpu", "mps")) and spec.training.activation_offloading:
+        out.append((("training", "activation_offloading"), "activation offloading moves saved activations from a "
+                                                          "CUDA GPU to pinned host memory: set it false on "
+                                                          f"{device}"))
     if spec.data.image_max_pixels is not None and spec.training.packing:
         out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
                                              "pipeline with data.image_max_pixels (a vision-language one)"))

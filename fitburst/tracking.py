@@ -272,7 +272,9 @@ class Tracker:
         band = report.estimate.band
         self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"],
                        "memory.band": band.describe() if band else "",
-                       "memory.band_measured": str(bool(band and band.measured)).lower()})
+                       "memory.band_measured": str(bool(band and band.measured)).lower(),
+                       "planned.loss": rep["loss"],
+                       "planned.activation_offloading": str(rep["activation_offloading"]).lower()})
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
@@ -289,7 +291,8 @@ class Tracker:
     def log_train(self, result, path: str = "local") -> None:
         """Measured peak, run facts, the adapter folder and the loss / memory plots."""
         peak = result.peak
-        self.set_tags({"path": path, "device": result.device, "precision": result.precision})
+        self.set_tags({"path": path, "device": result.device, "precision": result.precision, "loss": result.loss,
+                       "activation_offloading": str(result.activation_offloading).lower()})
         self.log_metrics({"memory.measured_peak_bytes": peak.allocated_bytes,
                           "memory.measured_reserved_bytes": peak.reserved_bytes,
                           "memory.measured_rss_peak_bytes": peak.rss_peak_bytes,

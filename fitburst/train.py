@@ -66,6 +66,8 @@ class TrainResult:
     resumed_from: int | None = None
     skipped_steps: int = 0
     peak: MemoryPeak = field(default_factory=lambda: MemoryPeak("cpu"))  # several ranks: the highest rank's
+    loss: str = "standard"  # the loss kernel that ran (standard, or the fused one: cce, liger, cce_compile, chunked)
+    activation_offloading: bool = False
     world_size: int = 1  # processes (GPUs) the run was sharded over
     rank_peaks: list[MemoryPeak] = field(default_factory=list)  # several ranks: each rank's peak, in rank order
 
@@ -140,6 +142,46 @@ def prepare_for_training(model, spec: PipelineSpec):
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     return model
+
+
+def loss_kernel(spec: PipelineSpec, device: str, precision: str) -> str:
+    """The loss the run trains with: "standard", or for ``training.loss: fused`` the fused kernel that runs on
+    ``device`` (:func:`fitburst.hardware.fused_loss_kernel`), its library checked installed. ``auto`` trains with
+    the standard loss unless a plan switched it to fused."""
+    if spec.training.loss != "fused":
+        return "standard"
+    from fitburst.families.loss import check_installed
+    from fitburst.hardware import fused_loss_kernel, resolve_device
+
+    named = spec.preflight.device
+    kernel, why = fused_loss_kernel(resolve_device(named if named not in ("auto", device) else device), precision)
+    check_installed(kernel)
+    log.info("fused loss: %s", why)
+    return kernel
+
+
+def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.AbstractContextManager | None:
+    """TRL's activation-offloading context for ``model`` (saved tensors to pinned host memory, copied on a side
+    stream) when ``training.activation_offloading`` asks for it: CUDA only, a TrainError elsewhere."""
+    if not spec.training.activation_offloading:
+        return None
+    if device != "cuda":
+        raise TrainError(f"pipeline '{spec.name}': training.activation_offloading moves saved activations from a "
+                         f"CUDA GPU to pinned host memory; this run is on {device}: set it false")
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise TrainError("training.activation_offloading runs TRL's offloading context, which is not installed: "
+                         "pip install 'fitburst[lean]'")
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager  # heavy, optional: lean extra
+
+    return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+
+
+def refuse_fused_loss(spec: PipelineSpec, family: Family) -> None:
+    """A TrainError where ``training.loss: fused`` asks for a loss the model's family cannot train with."""
+    if spec.training.loss == "fused" and family.fused_loss_refusal:
+        raise TrainError(f"pipeline '{spec.name}': {family.fused_loss_refusal}")
 
 
 def refuse_packing(spec: PipelineSpec, family: Family) -> None:
@@ -383,7 +425,8 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
 
 
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
-                   max_grad_norm: float | None, amp: Amp | None = None, n_items=None,
+                   max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
+                   offload: contextlib.AbstractContextManager | None = None, n_items=None,
                    world: World = SINGLE) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
 
@@ -392,7 +435,9 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     ``amp`` (:func:`fitburst.device.make_amp`) the forward runs under autocast, and fp16 goes through its GradScaler:
     a step whose gradients hold inf/nan is skipped and counted in ``amp.skipped_steps``. The model output is
     dropped as soon as the loss is taken, so the logits do not live through backward. How label tokens are counted
-    and each micro-batch's loss weighted is the model's family's (:class:`fitburst.families.Family`).
+    and each micro-batch's loss weighted is the model's family's (:class:`fitburst.families.Family`); ``loss`` the
+    kernel it runs (:func:`loss_kernel`). ``offload``: a saved-tensors context the forwards run under (activation
+    offloading, :func:`activation_offloading`).
 
     Several ranks: ``n_items`` is the label tokens of the step on every rank (:func:`fitburst.distributed.all_sum`),
     the sharded gradients are summed across ranks, and the loss returned is the whole step's."""
@@ -405,10 +450,10 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     n_items = torch.as_tensor(n_items).to(device).clamp(min=1)
     total = torch.zeros((), device=device)
     for mb in micro_batches:
-        with amp.autocast() if amp is not None else contextlib.nullcontext():
-            loss = family.train_loss(model, {k: v.to(device) for k, v in mb.items()}, n_items)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss.detach()
+        with amp.autocast() if amp is not None else contextlib.nullcontext(), offload or contextlib.nullcontext():
+            value = family.train_loss(model, {k: v.to(device) for k, v in mb.items()}, n_items, loss)
+        (scaler.scale(value) if scaler is not None else value).backward()
+        total += value.detach()
     if scaler is not None:
         scaler.unscale_(optimizer)
     if max_grad_norm:
@@ -444,12 +489,17 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     tr = spec.training
     family = model_family(spec.model)
     refuse_packing(spec, family)  # before the model loads
+    refuse_fused_loss(spec, family)
     w = distributed.world()
     device = device or select_device(spec.preflight.device)
     if w.sharded:
         refuse_sharding(spec, w)
         device = distributed.start(w, device)
-    precision = resolve_precision(tr.precision, device.split(":")[0])
+    kind = device.split(":")[0]  # a rank's GPU is cuda:<local rank>
+    precision = resolve_precision(tr.precision, kind)
+    kernel = loss_kernel(spec, kind, precision)
+    if tr.activation_offloading and kind != "cuda":
+        activation_offloading(spec, None, kind)  # refused before the model loads
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
     torch.manual_seed(tr.seed)
@@ -458,6 +508,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     meter.reset()
     model, tok = build_model(spec, device, precision, sharded=w.sharded)
     trainable, total = count_params(model)
+    offload = activation_offloading(spec, model, kind)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
     steps = total_steps(spec, prepared.n_train, w.size)
@@ -491,7 +542,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
             if w.sharded:
                 n_items = distributed.all_sum(n_items, device)
             loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
-                                  amp=amp, n_items=n_items, world=w)
+                                  amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w)
             n_labels = int(n_items)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
                 scheduler.step()
@@ -548,7 +599,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
-        skipped_steps=amp.skipped_steps, peak=peak, world_size=w.size, rank_peaks=rank_peaks)
+        skipped_steps=amp.skipped_steps, peak=peak, loss=kernel, activation_offloading=offload is not None,
+        world_size=w.size, rank_peaks=rank_peaks)
     if w.main:
         result.save()
     return result
@@ -580,6 +632,10 @@ def refuse_sharding(spec: PipelineSpec, w: World) -> None:
     if spec.training.distributed == "none":
         raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
                          "processes: start one process, or set training.distributed: fsdp (or auto)")
+    if spec.training.loss == "fused":
+        raise TrainError(f"pipeline '{spec.name}': training.loss fused reads the output head's weight outside the "
+                         "model's forward, where FSDP holds only a shard of it: set training.loss: standard, or "
+                         "train in one process")
     if spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
         raise TrainError(f"pipeline '{spec.name}': training.optimizer {spec.training.optimizer} (bitsandbytes) does "
                          "not run on FSDP's sharded parameters: use optimizer: adamw (its state is sharded "

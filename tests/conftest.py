@@ -29,6 +29,7 @@ os.environ.update({
     "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
     "HF_HUB_OFFLINE": "1",
     "FITBURST_TRACE_CACHE": "0",  # tests patch kernel rules no cache key sees; test_trace_cache turns it on
+    "FITBURST_OFFERS_TTL": "0",  # tests seed SkyPilot catalogs of their own: ask them every time
     "TOKENIZERS_PARALLELISM": "false",
 })
 os.chdir(_TMP)  # nothing a test writes by default lands in the checkout

@@ -84,7 +84,8 @@ def test_an_unmodelled_architecture_is_planned_by_tracing_with_a_bounded_count(t
     # the chosen plan, traced on its own, fits the same budget
     flags = ["--batch", str(planned["batch"]), "--grad-accum", str(planned["grad_accum"]),
              "--dtype", planned["dtype"], "--optimizer", planned["optimizer"],
-             "--method", planned["method"], "--quant", planned["quant"], "--dropout", str(planned["dropout"])]
+             "--method", planned["method"], "--quant", planned["quant"], "--dropout", str(planned["dropout"]),
+             "--loss", planned["loss"]]
     flags += ["--grad-checkpointing"] if planned["grad_checkpointing"] else []
     flags += ["--double-quant"] if planned["double_quant"] else []
     rc, again = _estimate(capsys, "--model", ref, "--targets", "query_key_value", "--seq-len", "256", *flags,
@@ -194,3 +195,61 @@ def test_an_explicit_target_list_is_checked_against_the_real_layers_with_a_hint(
     err = capsys.readouterr().err
     assert rc == 2
     assert "'query_key_valu' (did you mean 'query_key_value'?)" in err and "dense_4h_to_h" in err
+
+
+# --- the quick (sliced) estimate of an unmodelled architecture -----------------------------------------------
+
+def _deep(tmp_path, arch: str, layers: int = 6) -> str:
+    d = tmp_path / f"{arch}-{layers}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**ARCHS[arch], "num_hidden_layers": layers}))
+    return str(d)
+
+
+@pytest.mark.parametrize("arch", ["granite", "gpt_neox"])
+def test_plain_estimate_of_an_unmodelled_architecture_is_sliced_and_agrees_with_the_full_trace(arch, tmp_path,
+                                                                                              capsys):
+    """Two- and three-block models traced and scaled to six blocks: on the CPU the same figure as the whole model's
+    trace (every block adds the same bytes there)."""
+    args = ["--model", _deep(tmp_path, arch), "--method", "lora", "--targets", TARGETS[arch], "--dtype", "fp32",
+            "--device", "cpu", "--seq-len", "128", "--batch", "2"]
+    rc, quick = _estimate(capsys, *args)
+    assert rc == 0 and quick["method"] == "sliced"
+    assert any("traced at two and three blocks" in n for n in quick["notes"])
+    rc, full = _estimate(capsys, *args, "--exact")
+    assert rc == 0 and full["method"] == "traced"
+    assert abs(quick["reserved_peak_bytes"] / full["reserved_peak_bytes"] - 1) < 0.005
+    assert quick["params"]["total"] == full["params"]["total"]
+    assert quick["error_band"]["source"].startswith("sliced vs full trace")  # its band: the slicing's on the trace's
+
+
+def test_the_sliced_estimate_chooses_what_the_exact_search_traces(tmp_path, capsys, monkeypatch):
+    """As configured the run misses a small budget: the quick estimate rules plans out before any full trace, so
+    the search traces fewer times than without it, and its plan still fits when traced on its own."""
+    from fitburst.memory import sliced
+
+    ref = _deep(tmp_path, "gpt_neox")
+    args = ["--model", ref, "--method", "lora", "--targets", "query_key_value", "--dtype", "fp32", "--seq-len", "256",
+            "--batch", "8", "--device", "cpu:0.45GiB", "--exact"]
+    rc, d = _estimate(capsys, *args)
+    assert rc == 0 and not d["fits"] and d["planned_settings"] is not None
+    note = next(n for n in d["notes"] if "planned by the exact estimate alone" in n)
+    assert "quick (sliced) estimate(s)" in note
+    with_quick = int(note.split(": ")[1].split(" trace")[0])
+    monkeypatch.setattr(sliced, "quick_estimate", lambda spec, seq_len: None)
+    rc, without = _estimate(capsys, *args)
+    note = next(n for n in without["notes"] if "planned by the exact estimate alone" in n)
+    assert "quick" not in note and int(note.split(": ")[1].split(" trace")[0]) > with_quick
+    assert without["planned_settings"] == d["planned_settings"]  # the same plan, found with fewer traces
+
+
+def test_a_config_that_cannot_be_sliced_says_why():
+    from fitburst.memory.sliced import NotSliceable, depth, sliced_config
+
+    cfg = {"model_type": "gemma3_text", "num_hidden_layers": 6, "layer_types": ["sliding"] * 5 + ["full"]}
+    assert depth(cfg) == 6 and sliced_config(cfg, 2)["layer_types"] == ["sliding", "sliding"]
+    for bad, why in [({"model_type": "t5", "num_layers": 6, "num_decoder_layers": 6, "is_encoder_decoder": True},
+                      "two stacks"), ({"model_type": "x", "num_hidden_layers": 6, "auto_map": {"a": "b"}}, "auto_map"),
+                     ({"model_type": "x", "num_hidden_layers": 3}, "deeper than 3")]:
+        with pytest.raises(NotSliceable, match=why):
+            depth(bad)

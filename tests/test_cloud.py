@@ -197,3 +197,48 @@ def test_the_package_ships_sky_train_yaml_unchanged():
     assert TASK_YAML.read_bytes() == (REPO / "sky" / "train.yaml").read_bytes(), (
         "sky/train.yaml and fitburst/cloud/train.yaml differ: edit sky/train.yaml, then copy it over the package's")
     assert TASK_YAML.read_text().startswith("# fitburst: the SkyPilot task") and "# Usage:" in TASK_YAML.read_text()
+
+
+def test_a_catalog_answer_is_kept_for_the_ttl_and_an_unreadable_catalog_is_remembered(monkeypatch, tmp_path, caplog):
+    from fitburst.cloud import gpus
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path))
+    monkeypatch.setenv("FITBURST_OFFERS_TTL", "3600")
+    asked: list[str] = []
+
+    def catalog(gpu, provider, spot):
+        asked.append(provider)
+        if provider == "lambda":
+            raise ConnectionError("offline")
+        return [gpus.Offer(gpu, provider, "RTXA6000", 48.0, 0.33, "EU", "1x_A6000", "skypilot-catalog")]
+
+    monkeypatch.setattr(gpus, "_catalog_offers", catalog)
+    first = gpus.offers(["A6000"], ["runpod", "lambda"])
+    second = gpus.offers(["A6000"], ["runpod", "lambda"])
+    assert asked == ["runpod", "lambda"]  # the second call asked nobody
+    assert first == second
+    assert [(o.provider, o.hourly_usd, o.source) for o in second] == [
+        ("runpod", 0.33, "skypilot-catalog"), ("lambda", gpus.SNAPSHOT[("A6000", "lambda")][0],
+                                               f"fitburst-snapshot-{gpus.SNAPSHOT_DATE}")]
+    assert "catalog for lambda unavailable (ConnectionError)" in caplog.text
+    monkeypatch.setenv("FITBURST_OFFERS_TTL", "0")  # no keeping: asked again
+    gpus.offers(["A6000"], ["runpod"])
+    assert asked[-1] == "runpod" and len(asked) == 3
+
+
+def test_the_family_of_a_bundled_or_local_model_is_read_without_importing_transformers(tmp_path):
+    import subprocess
+
+    (tmp_path / "config.json").write_text('{"model_type": "t5", "is_encoder_decoder": true}')
+    code = textwrap.dedent(f"""
+        import sys
+        from types import SimpleNamespace as M
+        from fitburst.models import model_family
+        kw = dict(revision=None, hf_token=None, trust_remote_code=False)
+        print(model_family(M(name="Qwen/Qwen2.5-7B-Instruct", **kw)).name,
+              model_family(M(name={str(tmp_path)!r}, **kw)).name,
+              model_family(M(name="Qwen/Qwen2-VL-7B-Instruct", **kw)).name, "transformers" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["causal", "seq2seq", "vision_language", "False"]

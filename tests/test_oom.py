@@ -62,7 +62,8 @@ def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines
     data = long_and_short(tmp_path / "data.jsonl")
     base = {"data.path": str(data), "data.val_split": 0, "data.max_seq_len": 1024, "training.max_steps": None,
             "training.epochs": 1, "training.attention": "eager", "training.log_every": 1, "eval.enabled": False,
-            "preflight.allow.attention": False, "preflight.allow.optimizer_8bit": False}  # the micro-batch rungs
+            "preflight.allow.attention": False, "preflight.allow.optimizer_8bit": False,
+            "preflight.allow.fused_loss": False}  # the micro-batch rungs
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            # big tensors mmapped and unmapped when freed, one malloc arena: address space follows live tensors
            "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -121,7 +122,7 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
     spec = demo_spec.with_overrides({
         "training.max_steps": 8, "training.micro_batch_size": 4, "training.grad_accum": 1,
         "training.checkpoint_every": 3, "training.log_every": 1, "eval.enabled": False,
-        "preflight.allow.optimizer_8bit": False})  # the micro-batch rungs alone
+        "preflight.allow.optimizer_8bit": False, "preflight.allow.fused_loss": False})  # the micro-batch rungs alone
     state = {"n": 0}
     real = train_mod.optimizer_step
 
@@ -157,7 +158,8 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
 
     spec = demo_spec.with_overrides({
         "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,
-        "training.gradient_checkpointing": True, "training.checkpoint_every": 2, "training.log_every": 1})
+        "training.gradient_checkpointing": True, "training.checkpoint_every": 2, "training.log_every": 1,
+        "training.loss": "standard"})
     calls, used = {"n": 0}, []
     real = train_mod.optimizer_step
 
@@ -177,30 +179,36 @@ def test_ladder_after_the_batch_switches_optimizer_and_resumes_with_bitsandbytes
     assert steps_logged(tmp_path) == list(range(1, 7))
 
 
-def test_ladder_order_allow_and_device(demo_spec):
-    """A resumed run's rungs, cheapest first: the 8-bit optimizer, smaller micro-batches (the effective batch
-    kept exactly, 6 -> 3 -> 1), checkpointing, QLoRA; none that needs bitsandbytes on MPS; preflight.allow obeyed."""
+def test_ladder_order_allow_and_device(demo_spec, monkeypatch):
+    """A resumed run's rungs, cheapest first: the fused loss, the 8-bit optimizer, smaller micro-batches (the
+    effective batch kept exactly, 6 -> 3 -> 1), checkpointing, activation offloading (CUDA), QLoRA; none that needs
+    bitsandbytes or CUDA on MPS; preflight.allow obeyed."""
+    from fitburst.memory import ladder
+
+    monkeypatch.setattr(ladder, "fused_loss_installed", lambda d, dtype: True)  # whatever this install has
     t4, mps = resolve_device("T4"), resolve_device("mps:32GiB")
     seen, s = [], settings_from_spec(demo_spec.with_overrides({"training.micro_batch_size": 6}), t4, 128)
     while (rung := next_rung(s, t4, midrun=True)) is not None:
         seen.append(rung.key)
         s = rung.take(s, t4)
         assert s.effective_batch == 6
-    assert seen == ["optimizer_8bit", "reduce_batch", "reduce_batch", "gradient_checkpointing", "quantize"]
-    assert (s.batch, s.grad_accum, s.method, s.quant) == (1, 6, "qlora", "nf4")
+    assert seen == ["fused_loss", "optimizer_8bit", "reduce_batch", "reduce_batch", "gradient_checkpointing",
+                    "activation_offloading", "quantize"]
+    assert (s.batch, s.grad_accum, s.method, s.quant, s.loss, s.offload) == (1, 6, "qlora", "nf4", "fused", True)
     s = settings_from_spec(demo_spec.with_overrides({"training.gradient_checkpointing": True,
-                                                     "training.micro_batch_size": 1}), mps, 128)
+                                                     "training.micro_batch_size": 1, "training.loss": "fused"}),
+                           mps, 128)
     assert next_rung(s, mps, midrun=True) is None
     s = settings_from_spec(demo_spec.with_overrides({"training.micro_batch_size": 4}), t4, 128)
-    assert next_rung(s, t4, {"reduce_batch": False, "optimizer_8bit": False}, midrun=True).key == \
-        "gradient_checkpointing"
+    assert next_rung(s, t4, {"reduce_batch": False, "optimizer_8bit": False, "fused_loss": False},
+                     midrun=True).key == "gradient_checkpointing"
     # eager attention and LoRA dropout are rungs too; only the first may change under a running job
     s = settings_from_spec(demo_spec.with_overrides({"training.attention": "eager", "method.dropout": 0.1}), t4, 128)
     assert next_rung(s, t4).key == next_rung(s, t4, midrun=True).key == "attention"
     fast = next_rung(s, t4).take(s, t4)
     assert fast.attention == "sdpa"  # FlashAttention-2 needs an Ampere card (and the flash_attn package)
     assert next_rung(fast, t4).key == "dropout"
-    assert next_rung(fast, t4, midrun=True).key == "optimizer_8bit"
+    assert next_rung(fast, t4, midrun=True).key == "fused_loss"
 
 
 def test_oom_kind_recognises_each_device_and_nothing_else():
@@ -243,7 +251,7 @@ def test_oom_step_down_and_planner_take_the_same_next_rung(tmp_path, demo_spec, 
 
     spec = demo_spec.with_overrides({"training.max_steps": 3, "training.micro_batch_size": 4,
                                      "training.checkpoint_every": 1, "training.log_every": 1, "eval.enabled": False,
-                                     "preflight.allow.optimizer_8bit": False})
+                                     "preflight.allow.optimizer_8bit": False, "preflight.allow.fused_loss": False})
     cpu, allow = resolve_device("cpu"), spec.preflight.allow.model_dump()
     s, shape = settings_from_spec(spec, cpu, demo_prepared.stats["max"]), spec_shape(spec)
     rung = next_rung(s, cpu, allow, midrun=True)

@@ -289,3 +289,26 @@ def test_where_the_trace_cannot_run_the_analytic_band_decides_and_the_report_say
     off = demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"exact": False})})
     r = preflight(off, seq, "cpu:8GiB")
     assert r.estimate.method == "analytic" and r.unchecked == "preflight.exact is false"
+
+
+@pytest.mark.parametrize("policy, cap", [("auto", 1e-6), ("always", None)])
+def test_a_run_that_bursts_whatever_the_local_trace_says_traces_the_cloud_plan_only(demo_spec, demo_prepared,
+                                                                                   monkeypatch, policy, cap):
+    from fitburst.memory import trace
+
+    traced: list[str] = []
+    real = trace.traced_estimate
+    monkeypatch.setattr(trace, "traced_estimate", lambda spec, s, d, **kw: traced.append(d.name) or real(spec, s, d,
+                                                                                                         **kw))
+    burst = demo_spec.burst.model_copy(update={"policy": policy, "max_local_hours": cap, "gpus": ["A6000"]})
+    spec = demo_spec.model_copy(update={"burst": burst})
+    r = preflight(spec, demo_prepared.stats["max"], "cpu:8GiB", n_train=demo_prepared.n_train)
+    assert r.verdict.placement == "burst", r.verdict.reason
+    assert traced and set(traced) == {"A6000"}  # the plan that runs, not the local one
+    assert r.estimate.method == "analytic" and "bursts whatever it says" in r.unchecked
+    assert r.candidates[0].estimate.method == "traced"
+    # the same pipeline placed locally traces the local plan
+    traced.clear()
+    local = demo_spec.model_copy(update={"burst": burst.model_copy(update={"policy": "never"})})
+    r = preflight(local, demo_prepared.stats["max"], "cpu:8GiB", n_train=demo_prepared.n_train)
+    assert r.verdict.placement == "local" and traced == ["cpu:8GiB"]

@@ -154,6 +154,9 @@ def test_cli_validate_exit_codes(tmp_path, pipelines_file):
     # bitsandbytes' optimizers do not step DTensors
     ("    training: {max_steps: 10, distributed: fsdp, optimizer: paged_adamw8bit}\n", 9,
      ["training.optimizer", "8-bit optimizers", "optimizer: adamw"]),
+    # the fused loss reads the head's weight outside forward, where FSDP holds a shard
+    ("    training: {max_steps: 10, distributed: fsdp, loss: fused}\n", 9,
+     ["training.loss", "'fused'", "training.loss: standard"]),
     # offload is FSDP's
     ("    training: {max_steps: 10, distributed: none, fsdp: {cpu_offload: true}}\n", 9,
      ["training.fsdp.cpu_offload", "training.distributed: fsdp"]),

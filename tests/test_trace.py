@@ -48,8 +48,10 @@ def eager16(model_dir):
     return trace_step(spec_for(model_dir), settings(dtype="fp16", attention="eager"), seq_len=S)
 
 
-def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = None, seq: int = S) -> tuple[int, int]:
-    """Live tensor bytes of two real steps of the same model through the loop's own functions, ``seq`` tokens."""
+def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = None, seq: int = S,
+                  micro: int = 1) -> tuple[int, int]:
+    """Live tensor bytes of two real steps of the same model through the loop's own functions, ``seq`` tokens,
+    ``micro`` micro-batches a step."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,12 +73,12 @@ def real_cpu_peak(path, s: TrainSettings, cfg: dict = CFG, attn: str | None = No
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer("adamw", params, 1e-3, 0.0)
     ids = torch.randint(3, cfg["vocab_size"], (seq,)).tolist()
-    batch = collate([{"input_ids": ids, "labels": ids}] * B, 0)
+    batches = [collate([{"input_ids": ids, "labels": ids}] * B, 0) for _ in range(micro)]
     tracker = TensorTracker()
-    tracker.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
+    tracker.add(list(model.parameters()) + list(model.buffers()) + [t for b in batches for t in b.values()])
     with tracker:
         for _ in range(2):
-            optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0, amp=amp)
+            optimizer_step(model, opt, params, batches, device="cpu", max_grad_norm=1.0, amp=amp)
     return tracker.peak, sum(p.numel() for p in model.parameters())
 
 
@@ -90,6 +92,26 @@ def test_traced_peak_equals_a_real_cpu_step(model_dir, kw):
     assert abs(peak / real - 1) < 0.005, (peak, real)
     assert tr.params["total"] == n_params
     assert set(phases) == {"load", "forward", "loss", "backward", "optimizer_step"}
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(method="full", dtype="bf16")])
+def test_two_traced_micro_batches_give_the_peak_of_the_whole_accumulation_window(model_dir, kw, monkeypatch):
+    from functools import partial
+
+    from fitburst.memory import trace
+
+    s = settings(grad_accum=5, **kw)
+    capped = trace_step(spec_for(model_dir), s, seq_len=S)
+    assert trace.TRACED_MICRO < s.grad_accum
+    real, _ = real_cpu_peak(model_dir, s, micro=s.grad_accum)
+    assert abs(capped.live_peaks()[0] / real - 1) < 0.005, (capped.live_peaks()[0], real)
+    # and through the CUDA rules and the caching-allocator replay, the same figures as a trace of all five
+    t4, s16 = resolve_device("T4"), replace(s, dtype="fp16")
+    short = traced_estimate(spec_for(model_dir), s16, t4, seq_len=S)
+    monkeypatch.setattr(trace, "trace_step", partial(trace.trace_step, traced_micro=None))
+    whole = traced_estimate(spec_for(model_dir), s16, t4, seq_len=S)
+    assert (short.allocated_peak_bytes, short.reserved_peak_bytes) == (whole.allocated_peak_bytes,
+                                                                       whole.reserved_peak_bytes)
 
 
 def test_tied_weights_materialize_once(model_dir):

@@ -8,10 +8,14 @@ source it came from.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
+import time
 from dataclasses import asdict, dataclass
 
+from fitburst.cache import cache_root
 from fitburst.hardware import SKY_CLOUD, SKY_NAMES, canonical_gpu
 
 log = logging.getLogger(__name__)
@@ -97,13 +101,52 @@ def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
     return out
 
 
+class CatalogUnavailable(Exception):
+    """SkyPilot's catalog of a provider could not be read (the cause's type name in the message)."""
+
+
+def offers_ttl() -> float:
+    """Seconds a catalog answer is kept (``FITBURST_OFFERS_TTL``, default an hour: SkyPilot itself refreshes its
+    catalog every 7 hours, and importing SkyPilot to ask it costs a preflight about 2 s)."""
+    return float(os.environ.get("FITBURST_OFFERS_TTL", 3600))
+
+
+def _kept_catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
+    """:func:`_catalog_offers`, or its answer of the last :func:`offers_ttl` seconds (an unreadable catalog too:
+    raised again as CatalogUnavailable)."""
+    path = cache_root() / "offers" / f"{provider}-{gpu}-{'spot' if spot else 'on-demand'}.json"
+    ttl = offers_ttl()
+    try:
+        if ttl > 0 and time.time() - path.stat().st_mtime < ttl:
+            kept = json.loads(path.read_text())
+            if "unavailable" in kept:
+                raise CatalogUnavailable(kept["unavailable"])
+            return [Offer(**o) for o in kept["offers"]]
+    except (OSError, ValueError, TypeError):  # none kept, or a file cut short: ask the catalog
+        pass
+    try:
+        found = _catalog_offers(gpu, provider, spot)
+        kept = {"offers": [o.to_dict() for o in found]}
+    except Exception as e:  # noqa: BLE001 - network errors, missing catalog, pandas errors
+        found, kept = [], {"unavailable": type(e).__name__}
+    if ttl > 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept))
+        tmp.replace(path)
+    if "unavailable" in kept:
+        raise CatalogUnavailable(kept["unavailable"])
+    return found
+
+
 def offers(
     gpus: list[str], providers: list[str], spot: bool = False, use_catalog: bool = True
 ) -> list[Offer]:
     """The cheapest offer per (gpu, provider) among ``providers`` for each GPU, cheapest first within a GPU.
 
-    SkyPilot's catalog is the source; a provider whose catalog cannot be read falls back to :data:`SNAPSHOT`
-    (the offer's ``source`` says so). Combinations the provider does not sell are left out.
+    SkyPilot's catalog is the source (its answer kept for :func:`offers_ttl`); a provider whose catalog cannot be
+    read falls back to :data:`SNAPSHOT` (the offer's ``source`` says so). Combinations the provider does not
+    sell are left out.
     """
     result: list[Offer] = []
     catalog_ok: dict[str, bool] = {}
@@ -115,13 +158,13 @@ def offers(
             found: list[Offer] = []
             if use_catalog and catalog_ok.get(provider, True):
                 try:
-                    found = _catalog_offers(gpu, provider, spot)
+                    found = _kept_catalog_offers(gpu, provider, spot)
                     catalog_ok[provider] = True
-                except Exception as e:  # noqa: BLE001 - network errors, missing catalog, pandas errors
+                except CatalogUnavailable as e:
                     log.warning(
                         "SkyPilot catalog for %s unavailable (%s); using fitburst's %s price snapshot",
                         provider,
-                        type(e).__name__,
+                        e,
                         SNAPSHOT_DATE,
                     )
                     catalog_ok[provider] = False

@@ -39,6 +39,10 @@ NODE_PACKAGES = [
     "pyyaml",
     "rich",
     "mlflow",
+    # the lean extra: the fused losses and activation offloading a plan may switch on (CUDA kernels)
+    "liger-kernel",
+    "cut-cross-entropy",
+    "trl",
 ]
 # Secrets taken from the launcher's environment when set (never written to YAML, logs or MLflow): the model hub
 # token only. The tracking server's credentials go only when the node logs to it; artifacts then travel through

@@ -21,6 +21,7 @@ class Family(Protocol):
     hash_salt: bytes  # added to the data cache key, so two families' samples of the same file are cached apart
     packing_refusal: str | None  # why packed batches cannot train it; None where they can
     logs_model: bool  # MLflow's transformers flavor can log and register it (else the adapter stays an artifact)
+    fused_loss_refusal: str | None  # why training.loss: fused cannot train it; None where it can
 
     def auto_class(self) -> Any:
         """The transformers Auto class that loads (or builds from a config) a model of this family."""
@@ -39,13 +40,15 @@ class Family(Protocol):
         """How many label tokens the loss counts in a collated batch (a tensor, so counting never syncs)."""
         ...
 
-    def train_loss(self, model, batch: dict, n_items) -> Any:
+    def train_loss(self, model, batch: dict, n_items, kernel: str = "standard") -> Any:
         """A micro-batch's loss weighted so that a window's losses sum to its token-weighted mean (``n_items``:
-        the window's label tokens)."""
+        the window's label tokens). ``kernel``: "standard" (the model's own head and loss) or the fused linear
+        cross-entropy that runs (:func:`fitburst.hardware.fused_loss_kernel`)."""
         ...
 
     def eval_loss(self, model, rows: list[dict], pad_id: int, batch_size: int, device: str,
-                  max_batches: int | None = None, *, amp=None, chunk_tokens: int = ...) -> tuple[float, int]:
+                  max_batches: int | None = None, *, amp=None, chunk_tokens: int = ...,
+                  kernel: str = "standard") -> tuple[float, int]:
         """Token-weighted mean cross-entropy over the labelled tokens of ``rows``: (loss, n_tokens)."""
         ...
 

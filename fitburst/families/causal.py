@@ -12,6 +12,7 @@ from typing import Any
 
 from fitburst.families.base import IGNORE_INDEX, Records, eval_batches, pad_collate, reference_text
 from fitburst.families.chat import GENERATION_TAG, chat_template_kwargs, render
+from fitburst.families.loss import FusedLossError
 from fitburst.runconfig import EVAL_CHUNK_TOKENS
 
 
@@ -44,6 +45,7 @@ class CausalFamily:
     hash_salt = b""
     packing_refusal: str | None = None
     logs_model = True
+    fused_loss_refusal: str | None = None
 
     def auto_class(self) -> Any:
         from transformers import AutoModelForCausalLM  # transformers: heavy, only to load or build a model
@@ -60,22 +62,41 @@ class CausalFamily:
         """Labels are shifted by one inside the model: the first position is never a target."""
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
-    def train_loss(self, model, batch: dict, n_items) -> Any:
-        """transformers sums the token losses and divides by ``num_items_in_batch``."""
-        return model(**batch, num_items_in_batch=n_items).loss
+    def train_loss(self, model, batch: dict, n_items, kernel: str = "standard") -> Any:
+        """transformers sums the token losses and divides by ``num_items_in_batch``. Fused: the body's hidden
+        states and the head's weight go to the fused linear cross-entropy (:mod:`fitburst.families.loss`) with the
+        labels shifted as transformers shifts them, and its sum is divided alike."""
+        if kernel == "standard":
+            return model(**batch, num_items_in_batch=n_items).loss
+        from fitburst.families.loss import head_of, linear_cross_entropy, shifted_labels
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(base.config, "output_router_logits", False):
+            raise FusedLossError("training.loss: fused leaves out the router's auxiliary loss this model adds "
+                                 "(output_router_logits): set training.loss: standard")
+        weight = head_of(base)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        hidden = self.body(base)(**inputs, use_cache=False).last_hidden_state
+        labels = shifted_labels(batch["labels"])
+        total = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                     kernel=kernel, softcap=getattr(base.config, "final_logit_softcapping", None))
+        return total / n_items
 
     def body(self, base) -> Any:
         """The transformer body (hidden states out) of an unwrapped model, the part before the output head."""
         return base.get_decoder()
 
     def eval_loss(self, model, rows: list[dict], pad_id: int, batch_size: int, device: str,
-                  max_batches: int | None = None, *, amp=None,
-                  chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, int]:
+                  max_batches: int | None = None, *, amp=None, chunk_tokens: int = EVAL_CHUNK_TOKENS,
+                  kernel: str = "standard") -> tuple[float, int]:
         """The body runs once per batch of ``batch_size``; the output projection and the fp32 cross-entropy then
         run on the labelled positions only, ``chunk_tokens`` at a time, so full-vocabulary fp32 logits for a whole
-        eval batch never exist (the figure the preflight plans the eval phase with)."""
+        eval batch never exist (the figure the preflight plans the eval phase with). A fused ``kernel`` takes each
+        chunk's hidden states and the head's weight instead (:func:`fitburst.families.loss.linear_cross_entropy`)."""
         import torch  # torch: heavy, loaded only when evaluating
         import torch.nn.functional as F
+
+        from fitburst.families.loss import head_of, linear_cross_entropy
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         body, head = self.body(base), base.get_output_embeddings()
@@ -92,6 +113,12 @@ class CausalFamily:
                 keep = labels != IGNORE_INDEX
                 hidden, labels = hidden[:, :-1][keep], labels[keep]  # (n_labelled, hidden), (n_labelled,)
                 for s in range(0, labels.numel(), chunk_tokens):
+                    if kernel != "standard":
+                        with autocast():
+                            total += linear_cross_entropy(hidden[s:s + chunk_tokens], head_of(base),
+                                                          labels[s:s + chunk_tokens], kernel=kernel,
+                                                          softcap=softcap)
+                        continue
                     with autocast():
                         logits = head(hidden[s:s + chunk_tokens])
                     logits = logits.float()

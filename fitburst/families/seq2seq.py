@@ -12,6 +12,7 @@ from typing import Any
 
 from fitburst.errors import DataError
 from fitburst.families.base import IGNORE_INDEX, Records, eval_batches, pad_collate, reference_text
+from fitburst.families.loss import FusedLossError
 from fitburst.runconfig import EVAL_CHUNK_TOKENS
 
 
@@ -52,6 +53,9 @@ class Seq2SeqFamily:
     packing_refusal: str | None = ("packed batches are for decoder-only models; an encoder-decoder model's input "
                                    "and target are separate sequences: set training.packing: false")
     logs_model = False  # fitburst logs chat (causal) models with MLflow's transformers flavor
+    fused_loss_refusal: str | None = ("training.loss: fused covers decoder-only models; an encoder-decoder model "
+                                      "scales its decoder output before the head (T5) in its own forward: set "
+                                      "training.loss: standard")
 
     def auto_class(self) -> Any:
         from transformers import AutoModelForSeq2SeqLM  # transformers: heavy, only to load or build a model
@@ -68,14 +72,17 @@ class Seq2SeqFamily:
         """The decoder's targets as they are (the model shifts its inputs, not its labels)."""
         return (batch["labels"] != IGNORE_INDEX).sum()
 
-    def train_loss(self, model, batch: dict, n_items) -> Any:
+    def train_loss(self, model, batch: dict, n_items, kernel: str = "standard") -> Any:
         """The model takes no ``num_items_in_batch`` and returns its micro-batch's mean: weighted by the
-        micro-batch's share of the window's label tokens, that gives the same token-weighted loss."""
+        micro-batch's share of the window's label tokens, that gives the same token-weighted loss. Standard only
+        (``fused_loss_refusal``)."""
+        if kernel != "standard":
+            raise FusedLossError(self.fused_loss_refusal or "")
         return model(**batch).loss * (self.label_tokens(batch).to(n_items.device) / n_items)
 
     def eval_loss(self, model, rows: list[dict], pad_id: int, batch_size: int, device: str,
-                  max_batches: int | None = None, *, amp=None,
-                  chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, int]:
+                  max_batches: int | None = None, *, amp=None, chunk_tokens: int = EVAL_CHUNK_TOKENS,
+                  kernel: str = "standard") -> tuple[float, int]:
         """The model's own forward (encoder, then the decoder on the right-shifted labels, then its head, with
         whatever output scaling the architecture applies) gives logits aligned with the labels; the fp32
         cross-entropy then runs on the labelled positions ``chunk_tokens`` at a time."""

@@ -19,9 +19,10 @@ from .estimator import Estimate
 class Budget:
     """What a plan must stay within on ``device``: budget x (1 - headroom), against the band's upper edge.
 
-    ``scout``: judge an analytic estimate as a predictor of the exact (traced) one that will verify the plan: a
-    plan is worth tracing when the most favourable trace its analytic figure allows (the analytic-vs-traced band's
-    low edge) fits at the traced band's upper edge. The exact check then decides; nothing is accepted on this."""
+    ``scout``: judge an analytic (or sliced) estimate as a predictor of the exact (traced) one that will verify the
+    plan: a plan is worth tracing when the most favourable trace its figure allows (the analytic-vs-traced or
+    sliced-vs-traced band's low edge) fits at the traced band's upper edge. The exact check then decides; nothing
+    is accepted on this."""
 
     device: Device
     headroom: float = SAFETY_MARGIN
@@ -42,7 +43,7 @@ class Budget:
         """The most ``e``'s run may need: its reserved figure at the band's upper edge."""
         kind, kbit = self.device.kind, _kbit(e)
         if self.scout:
-            lowest = int(e.reserved_peak_bytes * (1 + band_for("analytic-vs-traced", kind, kbit).low))
+            lowest = int(e.reserved_peak_bytes * (1 + band_for(f"{e.method}-vs-traced", kind, kbit).low))
             return band_for("traced", kind, kbit, self.device.name).upper(lowest)
         return (e.band or band_for(e.method, kind, kbit, self.device.name)).upper(e.reserved_peak_bytes)
 

@@ -65,6 +65,11 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                    help="vision-language models: pixels per image (data.image_max_pixels; sets tokens per image)")
     p.add_argument("--vision", choices=["frozen", "projector", "tower"], default="frozen",
                    help="vision-language models: what of the vision side trains (method.vision)")
+    p.add_argument("--loss", choices=["auto", "standard", "fused"], default="auto",
+                   help="training.loss: the standard loss, a fused linear cross-entropy, or auto (standard unless "
+                        "the plan needs the memory)")
+    p.add_argument("--activation-offloading", action="store_true",
+                   help="training.activation_offloading (CUDA): saved activations in pinned host memory")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument(
         "--exact",
@@ -90,7 +95,8 @@ def spec_from_args(args: argparse.Namespace, device: Device) -> PipelineSpec:
         "training": {"micro_batch_size": args.batch, "grad_accum": args.grad_accum,
                      "gradient_checkpointing": args.grad_checkpointing, "optimizer": args.optimizer,
                      "precision": args.dtype or ("bf16" if device.supports_bf16 else "fp16"),
-                     "attention": args.attention, "pure_bf16": args.pure_bf16},
+                     "attention": args.attention, "pure_bf16": args.pure_bf16, "loss": args.loss,
+                     "activation_offloading": args.activation_offloading},
         "eval": {"enabled": False}})
 
 
@@ -106,6 +112,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         except UnmodelledArchitecture as e:  # the trace builds it with transformers: it estimates and plans
             shape, why = None, f"model_type {e.model_type!r} is not one the analytic estimate models"
         device = resolve_device(args.device)
+        if args.activation_offloading and device.kind != "cuda":
+            raise ValueError(f"--activation-offloading (training.activation_offloading) moves saved activations off a "
+                             f"CUDA GPU; {device.name} is {device.kind}")
         try:
             spec = spec_from_args(args, device)
         except ValidationError as e:
@@ -114,9 +123,15 @@ def run_estimate(args: argparse.Namespace) -> int:
         settings = settings_from_spec(spec, device, args.seq_len, images=args.images)
         if args.images and shape is not None and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
-        exact = _traced(spec, args.seq_len) if args.exact or shape is None else None
+        quick = None
+        if shape is None:  # the sliced estimate answers in seconds; --exact traces the whole model to verify it
+            from .sliced import quick_estimate
+
+            quick = quick_estimate(spec, args.seq_len)
+        exact = _traced(spec, args.seq_len) if args.exact or (shape is None and quick is None) else quick
         # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
-        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact)
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact,
+                        quick=quick if args.exact else None)
         if exact is not None:
             est = exact(settings, device)
         else:
@@ -126,7 +141,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         what = f"{args.model}: {why}, and the traced estimate cannot run: " if why else ""
         print(f"error: {what}{e}", file=sys.stderr)
         return 2
-    if why:
+    if why and est.method == "sliced":
+        est.notes.append(f"{why}: estimated from its real model traced at two and three blocks and scaled to its "
+                         "depth (seconds, not instant; --exact traces the whole model)")
+    elif why:
         est.notes.append(f"{why}: traced instead (the real model built by transformers on the meta device and "
                          "stepped on fake tensors; seconds, not instant)")
         est.notes += [n for n in plan.estimate.notes if n.startswith("planned by")]
@@ -138,6 +156,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         d["verdict"] = "local" if plan.fits else "burst"
         d["needed_bytes"] = Budget(device, args.safety_margin).needed(est)
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
+        # the planned settings' own breakdown beside the as-configured one above
+        d["planned_components"] = plan.estimate.components if plan.changes else None
+        d["planned_device_total_bytes"] = plan.estimate.device_total_bytes if plan.changes else None
         print(json.dumps(d, indent=2))
         return 0 if est.fits or plan.fits else 1
     _print_human(shape.name if shape is not None else args.model, settings, device, est, plan)

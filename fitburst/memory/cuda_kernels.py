@@ -29,6 +29,11 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
   ``caching_allocator_warmup``): one segment that the loading, and later the step, carve up.
 - :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
   then runs that path itself.
+- :func:`offloaded_activations` (while tracing for a CUDA device with activation offloading): each tensor saved
+  for backward is copied to host memory (allocations tagged ``host``, which :func:`drop_cpu_resident` leaves out)
+  and copied back when its backward node runs, as TRL's ``OffloadActivations`` does, the device originals of the
+  last ``OFFLOAD_STASH`` offloaded tensors kept alive until their copies are done (its forward stash), all of them
+  released when the backward starts.
 - CUDA autocast's policy (fp32 ops, reductions given an fp32 dtype, a 16-bit-logit cross_entropy):
   :mod:`fitburst.memory.autocast_policy`, MPS's beside it.
 """
@@ -123,6 +128,38 @@ def cuda_sdpa_dispatch(flash: bool) -> Iterator[None]:
 
     with mock.patch.object(F, "scaled_dot_product_attention", run):
         yield
+
+
+OFFLOAD_MIN_BYTES = 1024  # TRL's min_offload_size: smaller saved tensors stay on the device
+OFFLOAD_STASH = 5  # TRL's max_fwd_stash_size: offloaded tensors whose device originals stay alive in the forward
+
+
+def offloaded_activations(rec):
+    """A saved-tensors context standing in for TRL's activation offloading in a trace: every saved tensor of at
+    least ``OFFLOAD_MIN_BYTES`` that is not a parameter is packed as a host copy (``rec`` records it tagged
+    ``host``) and unpacked as a fresh device copy that lives while its backward node runs; the forward stash keeps
+    the originals of the last ``OFFLOAD_STASH`` until the backward starts."""
+    import collections
+
+    import torch
+
+    stash: collections.deque = collections.deque(maxlen=OFFLOAD_STASH)
+
+    def pack(t):
+        if isinstance(t, torch.nn.Parameter) or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
+            return t
+        stash.append(t)
+        rec.tag, before = "host", rec.tag
+        try:
+            return ("host", t.clone())
+        finally:
+            rec.tag = before
+
+    def unpack(packed):
+        stash.clear()
+        return packed[1].clone() if isinstance(packed, tuple) else packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _sids(events, tag: str) -> set[int]:

@@ -21,6 +21,7 @@ from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
 from . import calibration
 from .calibration import ErrorBand
 from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
+from .loss_kernels import describe_lean, fused_eval_bytes, fused_loss_terms, loss_kernel_of
 from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -775,9 +776,19 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     pixels = 4 * s.batch * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
     shared += pixels  # the batch's pixel_values (fp32) live through the step
     vis_saved, vis_fwd = vision_activations(shape, s, a, attention, c.mask_b)
-    A_all = sum(A_layers_kept) + A_final + shared + lora_cast + vis_saved
+    # activation offloading (CUDA, TRL's context): what each layer saves waits in host memory; on the device, one
+    # layer's worth (the forward's stash of the last few tensors being copied out, the layer whose tensors came
+    # back in backward); the loss head is never offloaded
+    offload = s.offload and device.kind == "cuda"
+    window = max(A_layers_kept, default=0) if offload else 0
+    A_dev = window if offload else sum(A_layers_kept)
+    A_all = A_dev + A_final + shared + lora_cast + vis_saved
     G_acc = G if s.grad_accum > 1 else 0  # grads of earlier micro-steps stay while accumulating
-    kept_logits = logits if s.keep_logits else 0
+    # the fused linear cross-entropy (decoder-only models: an encoder-decoder trains with the standard loss) holds
+    # no logits; what it does hold is its kernel's rule (fitburst.memory.loss_kernels)
+    fused = s.fused_loss and not shape.encoder_layers
+    kernel = loss_kernel_of(s, device) if fused else "standard"
+    kept_logits = logits if s.keep_logits and not fused else 0
     phases: dict[str, dict[str, int]] = {}
     qtemp = 0
     if s.kbit:  # bnb dequantizes the largest weight for each matmul (compute dtype), plus input/output casts
@@ -801,6 +812,10 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         loss_bwd = kept_logits + (a_lm + 8) * T * V
     # autocast's 16-bit copy of an fp32 head (master weights, k-bit's fp32 head), kept for its backward
     head16 = d * V * h if s.master_weights or (s.kbit and s.amp) else 0
+    if fused:
+        terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
+        loss_fwd = loss_bwd = terms.peak
+        notes.append(f"loss: {describe_lean(s, device)}")
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
     # backward through the blocks, top to bottom
     head_grad = pbytes * V * h if full else 0
@@ -808,7 +823,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     # eager attention's float mask is read by additions only: freed after the forward unless checkpointing keeps
     # it as a block input
     shared_bwd = shared - (mask_bytes if attention == "eager" and not ckpt else 0)
-    remaining = sum(A_layers_kept) + shared_bwd + lora_cast + vis_saved
+    # offloaded: only the current layer's tensors are back (``back`` below)
+    remaining = (0 if offload else A_dev) + shared_bwd + lora_cast + vis_saved
     best_b = (0, 0, 0)
     layer_params = (P_tr - _embed_head_params(shape)) / max(L, 1) if full else 0
     mlp_t, att_t = _layer_backward_transient(shape, c)
@@ -816,11 +832,14 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     for idx in range(L - 1, -1, -1):
         # the block's MLP backward runs with all of the block's saved tensors, the attention's after it freed
         # the MLP's
-        for acts, bt in ((remaining + recompute[idx], mlp_t), (remaining + recompute[idx] - per_layer_mlp[idx], att_t)):
+        back = A_layers_kept[idx] if offload else 0  # an offloaded layer's tensors are copied back for its backward
+        for acts, bt in ((remaining + back + recompute[idx], mlp_t),
+                         (remaining + back + recompute[idx] - per_layer_mlp[idx], att_t)):
             tot = acts + bt + kq + g_so_far + kept_logits + d * T * h
             if tot > sum(best_b):
                 best_b = (acts, g_so_far, bt + kq + kept_logits + d * T * h)
-        remaining -= A_layers_kept[idx]
+        if not offload:
+            remaining -= A_layers_kept[idx]
         if full:
             g_so_far += int(layer_params * pbytes)
     if full:  # embedding gradient (dense) arrives last
@@ -840,7 +859,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
         chunk = min(Te, EVAL_CHUNK_TOKENS)
-        ev = a_lm * Te * V + 8 * chunk * V + 4 * a * Te * max(h, shape.intermediate)
+        loss_ev = fused_eval_bytes(kernel, chunk, h, V, a_lm) if fused else a_lm * Te * V + 8 * chunk * V
+        ev = loss_ev + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])

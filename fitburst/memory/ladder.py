@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device
+from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
 from fitburst.runconfig import TrainSettings
 
 Check = Callable[[TrainSettings, Device], bool]
@@ -69,7 +69,14 @@ def _batch_text(s: TrainSettings, device: Device) -> str:
 # batches, so packing is offered with flash-attn varlen only); checkpointing is one extra forward (~4/3);
 # 4-bit weights dequantize per matmul; a halved micro-batch runs smaller matmuls and more Python per token.
 # Lowering the image resolution or leaving fp32 changes what the model sees or computes: taken after every
-# change that costs only time.
+# change that costs only time. The fused loss (training.loss: auto only): the same loss and gradients without the
+# logits; Cut Cross-Entropy's README reports it "without sacrificing training speed" and Liger Kernel's README its
+# fused linear cross-entropy at equal or higher throughput, on this project's 2-core CPU box CCE's torch_compile
+# path measured within a few % of the standard loss (benchmarks/lean_memory.py): ~1.01. Activation offloading
+# (CUDA): saved tensors cross PCIe twice per step; TRL overlaps the copies on a side stream, but without prefetch
+# PyTorch's offloading "causes a major performance degradation" (AWS SageMaker model-parallel docs), and nothing
+# here measured it on a GPU: ranked right after checkpointing (1.35), before the rungs that change the weights.
+
 LADDER: tuple[Rung, ...] = (
     Rung("attention", 0.9, True,
          lambda s, d: s.attention == "eager",
@@ -83,6 +90,11 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    Rung("fused_loss", 1.01, True,
+         lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.dtype),
+         lambda s, d: replace(s, loss="fused"),
+         lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.dtype)[0]}): no batch x seq x vocab "
+                      "logits, the same loss and gradients"),
     Rung("optimizer_8bit", 1.02, True,
          lambda s, d: s.optimizer == "adamw" and d.supports_bnb,
          lambda s, d: replace(s, optimizer="adamw8bit"),
@@ -96,6 +108,11 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, grad_checkpointing=True),
          lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
                       "(~30 % slower)"),
+    Rung("activation_offloading", 1.35, True,
+         lambda s, d: d.kind == "cuda" and not s.offload,
+         lambda s, d: replace(s, offload=True),
+         lambda s, d: "activation offloading on: the tensors saved for backward wait in pinned host memory "
+                      "(copied on a side stream)"),
     Rung("quantize", 1.4, True,
          lambda s, d: d.supports_bnb and s.method == "lora" and s.quant == "none",
          lambda s, d: replace(s, method="qlora", quant="nf4", double_quant=True),

@@ -118,19 +118,21 @@ def plan_fit(
     allow: Mapping[str, bool] | None = None,
     *,
     exact: EstimateFn | None = None,
+    quick: EstimateFn | None = None,
 ) -> Plan:
     """Fastest settings that fit ``device``: the band's upper edge within budget x (1 - ``safety_margin``).
 
     The search walks combinations of the ladder's rungs (:mod:`fitburst.memory.ladder`) and smaller micro-batches.
     ``allow`` switches rungs off (keys of ``PreflightSpec.allow``; ``reduce_batch`` also covers the eval batch).
     ``exact`` verifies the chosen plan (e.g. the traced estimate); the analytic estimate does the search. With no
-    ``shape`` (an architecture the analytic estimate does not model) ``exact`` does both (:func:`_plan_exact_only`).
+    ``shape`` (an architecture the analytic estimate does not model) ``exact`` does both, with ``quick`` (the sliced
+    estimate) choosing what is worth tracing (:func:`_plan_exact_only`).
     """
     allowed = {r.key: True for r in LADDER} | dict(allow or {})
     if shape is None:
         if exact is None:
             raise ValueError("an architecture with no analytic estimate is planned by an exact estimate only")
-        return _plan_exact_only(settings, device, safety_margin, allowed, exact)
+        return _plan_exact_only(settings, device, safety_margin, allowed, exact, quick)
     budget = Budget(device, safety_margin)
     # with an exact check behind it, the search only picks plans worth tracing; the trace decides
     scout = Budget(device, safety_margin, scout=True) if exact is not None else budget
@@ -235,28 +237,42 @@ def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
 
 
 def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: float, allowed: Mapping[str, bool],
-                     exact: EstimateFn) -> Plan:
+                     exact: EstimateFn, quick: EstimateFn | None = None) -> Plan:
     """The fastest plan the exact estimate alone finds, for an architecture the analytic estimate does not model.
 
     Each check is a trace (seconds), so the search is bounded: the run as configured; if that misses, the most
     frugal allowed plan (every rung, the smallest micro-batch), and if even that misses, nothing fits; otherwise
     at most ``_MAX_EXACT_SEARCH`` plans in between, cheapest first, skipping any that takes a subset of the
     changes of a plan already rejected (fewer changes never need less), and the most frugal one when none of
-    those fit. At most ``2 + _MAX_EXACT_SEARCH`` traces; the plan says how many ran."""
+    those fit. At most ``2 + _MAX_EXACT_SEARCH`` traces; the plan says how many ran. With ``quick`` (the sliced
+    estimate, :mod:`fitburst.memory.sliced`) a plan is traced only where the quick figure leaves room for it (the
+    low edge of its band against the trace fits, as :class:`Budget` scouts), and what it rules out prunes the
+    search as a rejected trace does."""
     budget = Budget(device, safety_margin)
+    scout = Budget(device, safety_margin, scout=True)
     traced: list[str] = []
+    screened: list[str] = []
 
     def judged(s: TrainSettings) -> Estimate:
         traced.append(s.describe())
         return budget.judge(exact(s, device))
 
+    def ruled_out(s: TrainSettings) -> Estimate | None:
+        """The quick estimate of ``s`` judged against the budget when it leaves no room for a trace to fit."""
+        if quick is None:
+            return None
+        screened.append(s.describe())
+        q = quick(s, device)
+        return budget.judge(q) if not scout.judge(replace(q)).fits else None
+
     def note(plan: Plan) -> Plan:
+        how = f", {len(screened)} quick (sliced) estimate(s) choosing what to trace" if screened else ""
         plan.estimate.notes.append(f"planned by the exact estimate alone (no analytic estimate for this "
-                                   f"architecture): {len(traced)} trace(s), at most {2 + _MAX_EXACT_SEARCH}")
+                                   f"architecture): {len(traced)} trace(s), at most {2 + _MAX_EXACT_SEARCH}{how}")
         plan.estimate.plan = list(plan.changes)
         return plan
 
-    base = judged(settings)
+    base = ruled_out(settings) or judged(settings)
     if base.fits:
         return note(Plan(True, settings, [], base, budget.needed(base), budget.limit))
     options = [(c.cost, c.keys, c.steps, c.settings, c.texts + _batch_change(settings, c.settings))
@@ -265,7 +281,7 @@ def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: flo
         return _missed(settings, base, budget, "no allowed change applies", traced, note)
     options.sort(key=lambda o: o[0])
     frugal = max(options, key=lambda o: (len(o[1]), o[2]))
-    low = judged(frugal[3])
+    low = ruled_out(frugal[3]) or judged(frugal[3])
     if not low.fits:
         return _missed(settings, base, budget, f"even the most frugal allowed plan ({frugal[3].describe()}) needs "
                        f"{_gib(budget.needed(low))}", traced, note)
@@ -278,6 +294,9 @@ def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: flo
             cut = True
             break
         if any(keys <= rk and k <= rkk for rk, rkk in rejected):
+            continue
+        if ruled_out(s) is not None:
+            rejected.append((keys, k))
             continue
         e = judged(s)
         if e.fits:

@@ -453,6 +453,17 @@ def bundled_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
+def bundled_config(ref: str, revision: str | None = None) -> Path | None:
+    """The bundled config.json (fitburst/configs) of a hub id or model name at its main revision, or None."""
+    if revision not in (None, "main"):
+        return None
+    for cand in _candidates(ref.rstrip("/").split("/")[-1]):
+        f = CONFIG_DIR / f"{cand}.json"
+        if f.exists():
+            return f
+    return None
+
+
 def _candidates(base: str) -> list[str]:
     base = base.lower().replace("_", ".") if base.lower().startswith("phi-1_5") else base.lower()
     out = [base]
@@ -523,11 +534,8 @@ def config_path(ref: str, revision: str | None = None) -> tuple[Path, str]:
     if p.is_file():
         return p, p.parent.name if p.name == "config.json" else p.stem
     base = ref.rstrip("/").split("/")[-1]
-    if revision in (None, "main"):
-        for cand in _candidates(base):
-            f = CONFIG_DIR / f"{cand}.json"
-            if f.exists():
-                return f, base
+    if (bundled := bundled_config(ref, revision)) is not None:
+        return bundled, base
     if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
         return _from_hub(ref, revision), ref
     raise ModelConfigError(f"unknown model {ref!r}: not a local folder or config.json, not a bundled config "

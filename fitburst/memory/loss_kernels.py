@@ -1,0 +1,176 @@
+"""What a fused linear cross-entropy allocates: one rule per kernel, read from the library's source, for both
+estimates. The kernels cannot run on fake tensors (Triton launches; CCE's torch_compile path runs inductor's
+compiled code), so the trace runs :func:`traced_fused_loss`'s stand-in, which allocates what the rule says, in
+the order the library does; the analytic estimate sums the same terms (:func:`fused_loss_terms`).
+
+``n``: the rows the loss gets (every position of the micro-batch: the bound, as if every label counted),
+``h``: hidden size, ``v``: vocabulary, ``a``: bytes of an element of the dtype the head's matmul runs in (the
+autocast dtype, else the weights'), ``head_bytes``: the head weight's own element size, ``head_grad``: the head
+trains (full fine-tuning).
+
+- ``cce`` (cut-cross-entropy 25.1, ``cce.py``, ``cce_lse_forward.py``, ``indexed_dot.py``, ``cce_backward.py``):
+  forward: ``lse`` (n fp32) and the per-vocabulary ``logit_avg`` (v fp32) kept for backward, the lock array
+  (n/128 uint32) and ``neg_dot`` (n fp32) transient; backward: ``sort_logit_avg``'s argsort (v int64 then v
+  int32), ``de`` (n x h, the hidden states' dtype: the gradient it returns), the lock arrays (about n and v int32),
+  and with a trained head ``dc`` (v x h in the hidden dtype, then cast to the head's dtype).
+- ``liger`` (liger-kernel 0.8, ``ops/fused_linear_cross_entropy.py``): the gradients are computed in the forward
+  and kept for backward: ``grad_input`` (n x h), ``grad_weight`` (v x h, head's dtype) when the head trains,
+  ``loss_1d`` (n fp32); the logits exist one chunk at a time: chunk = next_pow2(ceil(n / ceil(v / h))) rows (at
+  most n) of v in the matmul dtype, with the chunk's ``grad_logits @ weight`` (chunk x h) beside it, and the
+  ignore mask (n bytes).
+- ``cce_compile`` (CCE's ``torch_compile`` path, inductor): the compiled graph keeps the logits of the rows it
+  computes, in the matmul dtype, for its backward, and writes their gradient in place; a head cast to that dtype
+  first (autocast of an fp32 head) leaves one more v x h copy. Measured on this project's CPU box with the torch
+  profiler's allocator counts (tests/test_loss.py), not read from a source.
+- ``chunked`` (fitburst's own, :func:`fitburst.families.loss.chunked_linear_cross_entropy`): runs on fake
+  tensors, so the trace runs it as it is; here, ``EVAL_CHUNK_TOKENS`` rows of standard cross-entropy at a time, each
+  recomputed in backward, and the hidden-state gradient accumulated over the chunks.
+
+Pure Python; torch is imported only by the stand-in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fitburst.runconfig import EVAL_CHUNK_TOKENS
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """Bytes of one loss call: ``kept`` from its forward to the end of its backward, ``forward`` and ``backward``
+    transient peaks on top of ``kept`` (the backward's includes the hidden-state gradient it returns)."""
+
+    kept: int
+    forward: int
+    backward: int
+
+    @property
+    def peak(self) -> int:
+        return self.kept + max(self.forward, self.backward)
+
+
+def liger_chunk_rows(n: int, h: int, v: int) -> int:
+    """Liger's chunk: the logits of one chunk stay about as large as the hidden states (``chunk_mem_const`` 1)."""
+    inc = -(-v // h)
+    rows = -(-n // inc)
+    return min(1 << max(0, math.ceil(math.log2(rows))), n) if rows > 0 else 0
+
+
+def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
+                     head_bytes: int | None = None) -> LossTerms:
+    """The rule of ``kernel`` (see the module docstring) for one training call over ``n`` rows."""
+    hb = head_bytes or a
+    if kernel == "cce":
+        kept = 4 * n + 4 * v
+        fwd = 4 * n + 4 * -(-n // 128)
+        bwd = 12 * v + n * h * a + 4 * n + 4 * v
+        if head_grad:
+            bwd += v * h * a + (v * h * hb if hb != a else 0)
+        return LossTerms(kept, fwd, bwd)
+    if kernel == "liger":
+        c = liger_chunk_rows(n, h, v)
+        kept = n * h * a + 4 * n + (v * h * hb if head_grad else 0)
+        fwd = n + c * v * a + c * h * a + (c * h * 4 + v * h * 4 if head_grad and hb == 4 else 0)
+        return LossTerms(kept, fwd, 0)
+    if kernel == "cce_compile":  # a head cast to the matmul dtype first (autocast) leaves one more copy of it
+        return LossTerms(n * v * a + 4 * n + (v * h * a if hb != a else 0), 0,
+                         n * h * a + (v * h * hb if head_grad else 0))
+    if kernel == "chunked":
+        c = min(n, EVAL_CHUNK_TOKENS)
+        upcast = 4 * c * v if a != 4 else 0
+        # backward of a chunk: its recomputed logits (and fp32 copy) and log-softmax output, and their gradients
+        return LossTerms(0, a * c * v + upcast + 4 * c * v, n * h * a + a * c * v + upcast + 8 * c * v)
+    raise ValueError(f"unknown fused loss kernel {kernel!r}")
+
+
+def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int) -> int:
+    """What the eval's loss adds for ``n`` labelled rows at a time under no_grad (fitburst.families.causal)."""
+    if kernel == "cce":
+        return 8 * n + 4 * -(-n // 128)
+    if kernel == "liger":  # grad_input is allocated even with no gradient asked for
+        c = liger_chunk_rows(n, h, v)
+        return n * h * a + 5 * n + c * v * a + c * h * a
+    if kernel == "cce_compile":
+        return n * v * a + 4 * n
+    return a * n * v + (4 * n * v if a != 4 else 0) + 4 * n * v  # chunked: one chunk of the standard loss
+
+
+@contextlib.contextmanager
+def traced_fused_loss(kernel: str) -> Iterator[None]:
+    """While tracing: the library kernels (which cannot run on fake tensors) replaced by a stand-in that allocates
+    what :func:`fused_loss_terms` says, in the library's order, and returns a loss and gradients of the right
+    shapes. ``chunked`` runs as it is."""
+    if kernel == "chunked":
+        yield
+        return
+    from unittest import mock
+
+    import torch
+
+    from fitburst.families import loss as family_loss
+
+    class StandIn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, labels):
+            n, h = hidden.shape
+            v = weight.shape[0]
+            a, hb = hidden.element_size(), weight.element_size()
+            t = fused_loss_terms(kernel, n, h, v, a, head_grad=weight.requires_grad, head_bytes=hb)
+            kept = torch.empty(t.kept, dtype=torch.uint8)
+            if t.forward:
+                del_me = torch.empty(t.forward, dtype=torch.uint8)
+                del del_me
+            ctx.save_for_backward(kept)
+            ctx.shapes = (hidden, weight, t)
+            return hidden.new_zeros((), dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (kept,) = ctx.saved_tensors
+            hidden, weight, t = ctx.shapes
+            nbytes = hidden.numel() * hidden.element_size()
+            if kernel == "liger":  # the gradient computed in the forward is what backward returns
+                grad_hidden = kept[:nbytes].view(hidden.dtype).view(hidden.shape)
+            else:
+                grad_hidden = torch.empty_like(hidden)
+                if t.backward > nbytes:
+                    tmp = torch.empty(t.backward - nbytes, dtype=torch.uint8)
+                    del tmp
+            grad_weight = None
+            if weight.requires_grad and kernel == "liger":
+                w = weight.numel() * weight.element_size()
+                grad_weight = kept[nbytes:nbytes + w].view(weight.dtype).view(weight.shape)
+            elif weight.requires_grad:
+                grad_weight = torch.empty_like(weight)
+            return grad_hidden, grad_weight, None
+
+    def run(hidden, weight, labels, *, kernel: str, softcap: float | None = None):
+        return StandIn.apply(hidden, weight, labels)
+
+    with mock.patch.object(family_loss, "_library_loss", run):
+        yield
+
+
+def loss_kernel_of(settings, device) -> str:
+    """The loss a run of ``settings`` trains with on ``device``: "standard", or the fused kernel that runs there
+    (:func:`fitburst.hardware.fused_loss_kernel`)."""
+    from fitburst.hardware import fused_loss_kernel
+
+    return fused_loss_kernel(device, settings.dtype)[0] if settings.fused_loss else "standard"
+
+
+def describe_lean(settings, device) -> str:
+    """Which loss and whether activation offloading a run of ``settings`` trains with on ``device``, in words (the
+    preflight report, its artifact and MLflow)."""
+    from fitburst.hardware import fused_loss_kernel
+
+    if settings.fused_loss:
+        kernel, why = fused_loss_kernel(device, settings.dtype)
+        loss = f"fused linear cross-entropy, {kernel} ({why})"
+    else:
+        loss = "standard (the model's head and cross-entropy over full logits)"
+    return f"loss: {loss}; activation offloading: {'on' if settings.offload else 'off'}"

@@ -1,0 +1,226 @@
+"""The fused linear cross-entropy (training.loss: fused): the kernels that run on this CPU give the standard loss
+and gradients (fp32 and bf16 autocast), the training step stays token-weighted over an accumulation window, the
+families that cannot take it refuse it with a message, and each kernel's memory rule (fitburst.memory.loss_kernels)
+agrees with what the library's own code allocates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fitburst.demo_models import demo_model_dir
+from fitburst.families import CAUSAL, IGNORE_INDEX, SEQ2SEQ
+from fitburst.families.loss import FusedLossError, chunked_linear_cross_entropy, linear_cross_entropy
+from fitburst.hardware import fused_loss_kernel, resolve_device
+from fitburst.memory.loss_kernels import fused_loss_terms, liger_chunk_rows
+
+
+def _standard(hidden, weight, labels, softcap=None):
+    logits = (hidden @ weight.T).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _inputs(n=300, h=48, v=2000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.1
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::4] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def _loss_and_grads(fn, hidden, weight, labels, autocast: bool, **kw):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(h, w, labels, **kw)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+KERNELS = ["chunked", "cce_compile"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_kernels_give_the_standard_loss_and_gradients(kernel, autocast):
+    if kernel == "cce_compile":
+        pytest.importorskip("cut_cross_entropy")
+    hidden, weight, labels = _inputs(n=1100 if kernel == "chunked" else 300)  # chunked: two chunks of 1024
+
+    def standard(h, w, y):  # the head as autocast runs it, then the fp32 loss
+        return _standard(h, w, y)
+
+    ref = _loss_and_grads(standard, hidden, weight, labels, autocast)
+    got = _loss_and_grads(linear_cross_entropy, hidden, weight, labels, autocast, kernel=kernel)
+    for what, a, b in zip(("loss", "hidden grad", "head grad"), got, ref, strict=True):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        # the chunked head gradient under bf16 autocast is rounded to bf16 once per chunk, the standard one once
+        # over all rows: they differ by bf16's rounding (2**-8); everything else agrees to 1e-4
+        limit = 2**-8 if (kernel, what, autocast) == ("chunked", "head grad", True) else 1e-4
+        assert rel <= limit, (what, rel)
+
+
+def test_softcap_is_applied_as_the_model_applies_it():
+    hidden, weight, labels = _inputs()
+    ref = _standard(hidden, weight, labels, softcap=3.0)
+    got = chunked_linear_cross_entropy(hidden, weight, labels, softcap=3.0)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert got.item() != pytest.approx(_standard(hidden, weight, labels).item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_training_step_equals_the_standard_one(autocast):
+    """Two micro-batches of a LoRA-free tiny Llama with padding: the window's token-weighted loss and every
+    gradient match the model's own loss (chunked kernel, which runs everywhere)."""
+    from transformers import AutoModelForCausalLM
+
+    from fitburst.train import optimizer_step
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir())
+    model.config.use_cache = False
+    twin = copy.deepcopy(model)
+    micro = []
+    for b in range(2):
+        ids = torch.randint(5, 300, (2, 12 + 4 * b))
+        labels = ids.clone()
+        labels[0, :5] = IGNORE_INDEX
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+        labels[1, -3:] = IGNORE_INDEX
+        micro.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+
+    class Amp:
+        scaler = None
+        skipped_steps = 0
+        last_step_skipped = False
+
+        def autocast(self):
+            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    grads = []
+    for m, kernel in ((model, "standard"), (twin, "chunked")):
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        captured = {}
+        opt.step = lambda captured=captured, m=m: captured.update(  # type: ignore[method-assign]
+            {n: p.grad.clone() for n, p in m.named_parameters()})
+        loss = optimizer_step(m, opt, list(m.parameters()), micro, device="cpu", max_grad_norm=None, amp=Amp(),
+                              loss=kernel)
+        grads.append((loss, captured))
+    (l0, g0), (l1, g1) = grads
+    assert l1 == pytest.approx(l0, rel=1e-4)
+    tol = 2e-2 if autocast else 1e-4  # bf16 matmuls: the two heads' bf16 roundings differ per element
+    for name, ref in g0.items():
+        torch.testing.assert_close(g1[name], ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_encoder_decoder_refuses_the_fused_loss():
+    assert CAUSAL.fused_loss_refusal is None
+    assert "encoder-decoder" in (SEQ2SEQ.fused_loss_refusal or "")
+    with pytest.raises(FusedLossError, match="training.loss: standard"):
+        SEQ2SEQ.train_loss(None, {}, torch.tensor(1), "cce_compile")
+
+
+def test_kernel_per_device():
+    assert fused_loss_kernel(resolve_device("A6000"), "bf16")[0] == "cce"
+    assert fused_loss_kernel(resolve_device("A6000"), "fp32")[0] == "liger"  # CCE's backward takes 16 bits only
+    assert fused_loss_kernel(resolve_device("T4"), "fp16")[0] == "liger"
+    assert fused_loss_kernel(resolve_device("M2-Max-32GB"), "bf16")[0] == "cce_compile"
+    assert fused_loss_kernel(resolve_device("cpu"), "fp32")[0] in ("cce_compile", "chunked")
+
+
+# --- the memory rules against the libraries' own code --------------------------------------------------------
+
+
+def _recorded(fn, inputs):
+    """Peak live bytes of ``fn()`` above its ``inputs``, every allocation recorded by the trace's recorder on real
+    CPU tensors (the inputs registered first, so that a view of one is not taken for an allocation)."""
+    from fitburst.memory.trace import _recorder_cls, live_peaks
+
+    rec = _recorder_cls()()
+    with rec:
+        for t in inputs:
+            rec.track(t)
+        start = len(rec.events)
+        out = fn()
+    base = sum(e.size for e in rec.events[:start])
+    return live_peaks(rec.events, start)[0] - base, out
+
+
+def test_liger_rule_matches_its_forward_with_the_triton_launch_stubbed(monkeypatch):
+    """Liger's Python forward (chunking, gradient buffers) run with its Triton kernel launch made a no-op: the
+    bytes it keeps and its peak are the rule's."""
+    ops = pytest.importorskip("liger_kernel.ops.fused_linear_cross_entropy")
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(ops, "liger_cross_entropy_kernel", NoLaunch())
+    n, h, v = 512, 64, 3000
+    hidden = torch.randn(n, h, dtype=torch.bfloat16)
+    weight = torch.randn(v, h, dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (n,))
+    hidden.requires_grad_(True)
+
+    def run():
+        return ops.fused_linear_cross_entropy_forward(hidden, weight, labels, reduction="sum")
+
+    peak, out = _recorded(run, (hidden, weight, labels))
+    rule = fused_loss_terms("liger", n, h, v, 2)
+    kept = sum(t.untyped_storage().nbytes() for t in (out[4],) if t is not None) + 4 * n  # grad_input, loss_1d
+    assert rule.kept == pytest.approx(kept, rel=0.01)
+    assert rule.kept + rule.forward == pytest.approx(peak, rel=0.05)
+    assert liger_chunk_rows(n, h, v) == 16  # next_pow2(ceil(512 / ceil(3000 / 64)))
+
+
+def test_cce_compile_rule_matches_inductors_allocations():
+    """CCE's torch_compile path, run for real on this CPU: its allocations (the torch profiler's allocator counts)
+    peak at the rule's figure, the logits of the rows in the matmul dtype."""
+    pytest.importorskip("cut_cross_entropy")
+    from torch.profiler import ProfilerActivity, profile
+
+    n, h, v = 256, 64, 8000
+    weight = torch.randn(v, h) * 0.05
+    labels = torch.randint(0, v, (n,))
+    for autocast, a in ((False, 4), (True, 2)):
+        hidden = torch.randn(n, h, requires_grad=True)
+
+        def step(rows: int, hidden=hidden, autocast=autocast) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = linear_cross_entropy(hidden[:rows], weight, labels[:rows], kernel="cce_compile")
+            loss.backward()
+
+        step(32)  # compiled before the measured call
+        hidden.grad = None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(n)
+        cur = peak = 0
+        for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+            if e.name() == "[memory]":
+                cur += e.nbytes()
+                peak = max(peak, cur)
+        rule = fused_loss_terms("cce_compile", n, h, v, a, head_bytes=4)
+        # beyond the rule: the inputs cast to bf16 under autocast (n x h and v x h)
+        inputs = (n * h + v * h) * a if autocast else 0
+        assert peak == pytest.approx(rule.peak + inputs, rel=0.15), (autocast, peak, rule)
+
+
+def test_eval_loss_with_the_fused_kernel_equals_the_standard_one(demo_spec, demo_prepared):
+    """The eval runs the same loss kernel as training: the chunked one gives the eval's standard figure."""
+    from fitburst.data import load_split
+    from fitburst.models import load_pipeline_model, load_tokenizer
+
+    rows = load_split(demo_prepared, "val").to_list()[:16]
+    model = load_pipeline_model(demo_spec, "cpu", "fp32")
+    pad = load_tokenizer(demo_spec.model.name).pad_token_id
+    std = CAUSAL.eval_loss(model, rows, pad, 4, "cpu", chunk_tokens=64)
+    fused = CAUSAL.eval_loss(model, rows, pad, 4, "cpu", chunk_tokens=64, kernel="chunked")
+    assert fused[1] == std[1] > 64
+    assert fused[0] == pytest.approx(std[0], rel=1e-5)

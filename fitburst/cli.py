@@ -168,7 +168,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed."""
+    """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed. Started by
+    torchrun, every rank runs it: rank 0 plans (the others take its plan), alone logs to MLflow and evaluates."""
+    from fitburst import distributed
     from fitburst.data import PreparedData
     from fitburst.recipe import run_recipe
     from fitburst.spec import load_resolved
@@ -176,21 +178,39 @@ def cmd_train(args) -> int:
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
+    w = distributed.world()
     estimate = None
-    if args.plan:
-        from fitburst.preflight import plan_here
+    try:
+        if args.plan:
+            planned = None
+            if w.main:
+                from fitburst.preflight import plan_here
 
-        spec, changes, estimate = plan_here(spec, prepared.stats["max"])
-        for change in changes:
-            print(f"plan for this device: {change}")
-        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
-    tracker = None
-    if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
-        tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
-    result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
-                            device=args.device, evaluate_after=args.eval, progress=not args.quiet)
-    print(f"trained {result.steps} steps on {result.device} in {result.seconds:.1f}s; adapter: {result.adapter_dir}")
+                planned = plan_here(spec, prepared.stats["max"])
+            if w.sharded:  # every rank trains rank 0's plan (their GPUs' free memory may differ slightly)
+                from fitburst.device import select_device
+
+                distributed.start(w, args.device or select_device(spec.preflight.device))
+                planned = distributed.broadcast(planned)
+            assert planned is not None
+            spec, changes, estimate = planned
+            if w.main:
+                for change in changes:
+                    print(f"plan for this device: {change}")
+                Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+                Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
+        tracker = None
+        if w.main and os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
+            tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
+        result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
+                                device=args.device, evaluate_after=args.eval and w.main,
+                                progress=not args.quiet and w.main)
+    finally:
+        distributed.stop()
+    if w.main:
+        ranks = f" ({result.world_size} ranks)" if result.world_size > 1 else ""
+        print(f"trained {result.steps} steps on {result.device}{ranks} in {result.seconds:.1f}s; adapter: "
+              f"{result.adapter_dir}")
     if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
     return 0

@@ -104,12 +104,21 @@ class Amp:
         return torch.autocast(device_type=self.device.split(":")[0], dtype=self.dtype)
 
 
-def make_amp(precision: str, device: str, *, pure_bf16: bool = False) -> Amp:
+def make_amp(precision: str, device: str, *, pure_bf16: bool = False, sharded: bool = False) -> Amp:
     """The AMP setup for a resolved ``precision`` on ``device``: autocast for bf16/fp16 and a GradScaler for fp16;
-    nothing for fp32 or pure bf16 (the weights are already bf16)."""
+    nothing for fp32 or pure bf16 (the weights are already bf16). ``sharded`` (FSDP): torch's ShardedGradScaler,
+    which agrees across ranks on whether a step's gradients hold inf/nan (each rank sees only its shards)."""
     import torch  # torch: heavy, loaded only at use
 
     if precision == "fp32" or pure_bf16:
         return Amp(device)
-    scaler = torch.amp.GradScaler(device.split(":")[0]) if precision == "fp16" else None
+    kind = device.split(":")[0]
+    scaler: Any = None
+    if precision == "fp16":
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(kind)
+        else:
+            scaler = torch.amp.GradScaler(kind)
     return Amp(device, dtype=torch_dtype(precision), scaler=scaler)

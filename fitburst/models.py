@@ -73,16 +73,21 @@ def tokenizer_for(model):
     return load_tokenizer(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code)
 
 
-def quantization_config(quant: str, double_quant: bool, compute_dtype):
-    """The bitsandbytes config for a quant setting, or None for unquantized weights."""
+def quantization_config(quant: str, double_quant: bool, compute_dtype, *, sharded: bool = False):
+    """The bitsandbytes config for a quant setting, or None for unquantized weights. ``sharded`` (FSDP): the packed
+    4-bit weights are stored in the compute dtype (``bnb_4bit_quant_storage``) instead of uint8, so that FSDP shards
+    them as ordinary weights of the block's one dtype, the setup PEFT documents for FSDP QLoRA (FSDP1 needs one dtype
+    per flat parameter and its mixed precision would cast the packed bytes into garbage numbers; FSDP2 on torch 2.13
+    was measured to cope with uint8 too)."""
     if quant == "none":
         return None
     from transformers import BitsAndBytesConfig  # transformers: heavy
 
     if quant == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
+    storage = {"bnb_4bit_quant_storage": compute_dtype} if sharded else {}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
-                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype, **storage)
 
 
 # SDPA with grouped-query k/v expanded first, for GPUs with no FlashAttention for the run's dtype (T4, V100, fp32):
@@ -137,10 +142,12 @@ def attn_implementation(attention: str, config, target: Device | None, precision
 
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
-               trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32"):
+               trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32",
+               sharded: bool = False):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
     an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.families`): :func:`auto_model_class`.
-    ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`)."""
+    ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`). ``sharded``: FSDP
+    will shard it (:func:`quantization_config`)."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
     auto = auto_model_class(config)
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
@@ -149,7 +156,7 @@ def load_model(name: str, *, dtype, device: str, quant: str = "none", double_qua
     impl = attn_implementation(attention, config, target, precision, trust_remote_code)
     if impl is not None:
         kwargs["attn_implementation"] = impl
-    qconf = quantization_config(quant, double_quant, dtype)
+    qconf = quantization_config(quant, double_quant, dtype, sharded=sharded)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
     model = auto.from_pretrained(resolve_model_ref(name), **kwargs)
@@ -166,20 +173,23 @@ def load_config(name: str, revision: str | None = None, token: str | None = None
                                       trust_remote_code=trust_remote_code)
 
 
-def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None):
+def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None,
+                        sharded: bool = False):
     """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
-    revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`."""
+    revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for
+    FSDP (:mod:`fitburst.distributed`), loaded into host memory, from where each rank's shards go to ``device``."""
     m, method, tr = spec.model, spec.method, spec.training
     quant = resolve_quant(method.type, method.quant)
     check_quant_supported(quant, device)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)
     target = probe_local("cuda") if device.startswith("cuda") else None
+    load_on = "cpu" if sharded else device
     if path is not None:
-        return load_model(path, dtype=dtype, device=device, attention=tr.attention, target=target,
+        return load_model(path, dtype=dtype, device=load_on, attention=tr.attention, target=target,
                           precision=precision)
-    return load_model(m.name, dtype=dtype, device=device, quant=quant, double_quant=method.double_quant,
+    return load_model(m.name, dtype=dtype, device=load_on, quant=quant, double_quant=method.double_quant,
                       attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
-                      trust_remote_code=m.trust_remote_code, target=target, precision=precision)
+                      trust_remote_code=m.trust_remote_code, target=target, precision=precision, sharded=sharded)
 
 
 def _disable_bnb_cpu_repack(model) -> None:

@@ -24,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fitburst import distributed
 from fitburst.data import PreparedData, run_settings
 from fitburst.device import select_device
+from fitburst.distributed import RanksFailed
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, ModelShape, estimate
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
@@ -34,7 +36,7 @@ from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import spec_shape
 from fitburst.runconfig import TrainSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
-from fitburst.train import TrainError, TrainResult, latest_checkpoint, train
+from fitburst.train import TrainError, TrainResult, drop_optimizer_state, latest_checkpoint, train
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ def oom_kind(exc: BaseException | None) -> str | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        if isinstance(exc, RanksFailed) and exc.oom_kind:  # a rank of a local multi-process run ran out
+            return exc.oom_kind
         if isinstance(exc, torch.OutOfMemoryError):
             return "cuda"
         if isinstance(exc, MemoryError):
@@ -152,16 +156,6 @@ def load_stepdowns(run_dir: Path) -> dict:
     return {"settings": None, "rungs": [], "history": [], "fields": {}, **state}
 
 
-def _switch_optimizer_state(ckpt: Path) -> None:
-    """Keep the step, schedule and hyper-parameters of a checkpoint when its optimizer class changes (AdamW ->
-    AdamW8bit): the moments cannot be carried across formats, so the new optimizer starts them fresh."""
-    import torch
-
-    state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
-    state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
-    torch.save(state, ckpt / "optim.pt")
-
-
 def _record_history(entry: StepDown) -> None:
     path = calibration_path().with_name(OOM_HISTORY_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,12 +192,19 @@ def would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | N
 def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
-                        progress: bool = True) -> TrainResult:
+                        progress: bool = True, nproc: int = 1) -> TrainResult:
     """:func:`fitburst.train.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
     the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
     saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
-    rung is left."""
+    rung is left.
+
+    ``nproc`` > 1: each attempt is ``nproc`` processes on this machine (:func:`fitburst.distributed.run_local`);
+    a rank's out-of-memory error ends them all, and the next attempt starts them all with the rung taken, from the
+    last checkpoint (a sharded one cannot be written by one rank alone). Inside a rank that torchrun started
+    nothing steps down here: the error ends the rank, and whoever started torchrun decides."""
     run_dir = Path(run_dir)
+    if distributed.world().sharded:
+        return train(spec, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
@@ -218,6 +219,9 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     shape = None
     while True:
         try:
+            if nproc > 1:
+                distributed.run_local(current, prepared.dir, run_dir, nproc, device=device, on_metrics=on_metrics)
+                return TrainResult.load(run_dir)
             return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
         except BaseException as exc:  # noqa: BLE001 - anything but an OOM is re-raised at once
             kind = oom_kind(exc)
@@ -226,21 +230,25 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             ckpt = latest_checkpoint(run_dir)
             step = int(ckpt.name.split("-")[1]) if ckpt else 0
             record = StepDown(time=time.strftime("%Y-%m-%dT%H:%M:%S"), pipeline=spec.name, device=device,
-                              oom_kind=kind, step=step, measured_peak_bytes=measured_peak(device),
+                              oom_kind=kind, step=step, measured_peak_bytes=(
+                                  exc.peak_bytes if isinstance(exc, RanksFailed) else measured_peak(device)),
                               requested_bytes=requested_bytes(exc), error=str(exc).splitlines()[0][:300],
                               settings=asdict(settings), device_name=dev.name)
             free_memory(exc)
             del exc
             shape = shape or _shape(spec)
             record.estimated_bytes = _estimated(settings, shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True)
+            allow = spec.preflight.allow.model_dump()
+            if nproc > 1:  # every rank takes the rung: only those a sharded run can train with
+                allow.update(dict.fromkeys(distributed.UNSHARDABLE_RUNGS, False))
+            rung = next_rung(settings, dev, allow, midrun=True)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             _record_history(record)
             if rung is None:
                 raise _exhausted(current, record, run_dir, would_fit(spec, settings, shape, dev, longest)) from None
             if rung.key == "optimizer_8bit" and ckpt is not None:
-                _switch_optimizer_state(ckpt)
+                drop_optimizer_state(ckpt)
             settings = rung.take(settings, dev)
             current = spec_with_settings(spec, settings)
             state["settings"], state["rungs"] = asdict(settings), [*state["rungs"], rung.key]

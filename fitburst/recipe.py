@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
                      path: str, estimate: Estimate | None = None, device: str | None = None,
                      progress: bool = True, on_metrics: MetricsFn | None = None,
-                     on_stepdown: Callable[[StepDown], None] | None = None) -> TrainResult:
+                     on_stepdown: Callable[[StepDown], None] | None = None, nproc: int = 1) -> TrainResult:
     """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
     forwards it; system metrics recorded meanwhile), stepping down on out-of-memory (each step-down recorded and
     passed to ``on_stepdown``), then record the run: facts, adapter, plots, and measured vs ``estimate`` when there
-    is one. ``path`` is where it trained: local or cloud."""
+    is one. ``path`` is where it trained: local or cloud. ``nproc`` > 1: in that many processes on this machine,
+    sharded with FSDP (:func:`fitburst.distributed.run_local`)."""
 
     def stepped_down(record: StepDown) -> None:
         if tracker is not None:
@@ -41,7 +42,7 @@ def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | 
     metrics_fn = on_metrics or (tracker.log_metrics if tracker else None)
     with tracker.system_metrics() if tracker is not None else contextlib.nullcontext():
         result = train_stepping_down(spec, prepared, run_dir, device=device, on_metrics=metrics_fn,
-                                     on_stepdown=stepped_down, progress=progress)
+                                     on_stepdown=stepped_down, progress=progress, nproc=nproc)
     if tracker is not None:
         from mlflow.exceptions import MlflowException
 

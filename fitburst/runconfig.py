@@ -26,6 +26,7 @@ ATTENTIONS = ("eager", "sdpa", "flash")
 VISION = ("frozen", "projector", "tower")
 # the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
 LOSSES = ("auto", "standard", "fused")
+DISTRIBUTED = ("auto", "none", "fsdp")
 
 
 @dataclass
@@ -58,12 +59,17 @@ class TrainSettings:
     vision: str = "frozen"
     loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
     offload: bool = False  # saved activations offloaded to pinned host memory (CUDA)
+    # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
+    # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
+    distributed: str = "auto"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
                   "optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES),
                   "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION),
-                  "loss": (self.loss, LOSSES)}
+                  "loss": (self.loss, LOSSES), "distributed": (self.distributed, DISTRIBUTED)}
         for k, (v, ok) in checks.items():
             if v not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
@@ -72,6 +78,8 @@ class TrainSettings:
             raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
+        if self.distributed == "fsdp" and self.quant == "int8":
+            raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
         if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
             raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
 
@@ -105,6 +113,9 @@ class TrainSettings:
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
+        if self.distributed == "fsdp":
+            ck += " fsdp" + ("" if self.reshard_after_forward else " keep-gathered") + (
+                " cpu-offload" if self.cpu_offload else "")
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
         return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
 
@@ -130,7 +141,8 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         pure_bf16=t.pure_bf16, loss=t.loss, offload=t.activation_offloading,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
-        vision="frozen" if px is None else m.vision)
+        vision="frozen" if px is None else m.vision,
+        distributed=t.distributed, reshard_after_forward=t.fsdp.reshard_after_forward, cpu_offload=t.fsdp.cpu_offload)
 
 
 def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
@@ -144,7 +156,9 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
         "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload})
+        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload, "distributed": s.distributed,
+        "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
+                                                       "cpu_offload": s.cpu_offload})})
     update = {"method": method, "training": training}
     px = spec.data.image_max_pixels
     if s.images and px is not None and s.image_tokens < px // QWEN2_VL_PIXELS_PER_TOKEN:  # the resolution rung

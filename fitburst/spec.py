@@ -140,6 +140,16 @@ class MethodSpec(Strict):
         return self
 
 
+class FsdpSpec(Strict):
+    """How FSDP2 shards a run over several GPUs (``training.distributed``), torch's own knobs."""
+
+    reshard_after_forward: bool = Field(default=True, description="free each block's gathered weights after its "
+                                        "forward and gather them again for backward (ZeRO-3, the least memory); "
+                                        "false keeps them until backward (ZeRO-2: less traffic, more memory)")
+    cpu_offload: bool = Field(default=False, description="keep the sharded parameters, gradients and optimizer "
+                              "state in host RAM, moved to the GPU per block (needs that much host RAM; slower)")
+
+
 class TrainingSpec(Strict):
     epochs: float | None = Field(default=1.0, gt=0)
     max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; overrides epochs when set")
@@ -166,6 +176,10 @@ class TrainingSpec(Strict):
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
+    distributed: Literal["auto", "none", "fsdp"] = Field(
+        default="auto", description="auto: one device unless the plan needs more; none: one device; fsdp: shard "
+        "the run over the GPUs it gets with torch's FSDP2 (one process per GPU, started by torchrun)")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
 
     @property
     def effective_batch(self) -> int:
@@ -459,8 +473,10 @@ class PipelineSpec(Strict):
         return local if ref.startswith((".", "/", "~")) or local.is_dir() else ref
 
     def config_hash(self) -> str:
-        """A short hash of what decides the result (not tags, schedule or tracking)."""
-        d = self.model_dump(include={"model", "data", "method", "training"})
+        """A short hash of what decides the result (not tags, schedule or tracking; not how the run is spread over
+        GPUs either: a sharded checkpoint resumes at another world size, in the same run folder)."""
+        d = self.model_dump(include={"model", "data", "method", "training"},
+                            exclude={"training": {"distributed", "fsdp"}})
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_overrides(self, overrides: dict) -> PipelineSpec:
@@ -600,6 +616,25 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     if kind == "mps" and spec.method.quant != "none":
         out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
                                          "use method.type: lora with quant: none on MPS, or a CUDA device"))
+    fsdp = spec.training.distributed == "fsdp"
+    if fsdp and kind == "mps":
+        out.append((("training", "distributed"), "an Apple GPU is one device and torch has no MPS process group: "
+                                                 "set training.distributed: none (or auto) on MPS, or a CUDA device"))
+    if fsdp and spec.method.quant == "int8":
+        out.append((("method", "quant"), "int8 weights (bitsandbytes Int8Params) cannot be sharded by FSDP: use "
+                                         "quant: nf4 (its 4-bit weights shard in the compute dtype), or "
+                                         "training.distributed: none"))
+    if fsdp and spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        out.append((("training", "optimizer"), "bitsandbytes' 8-bit optimizers do not run on FSDP's sharded "
+                                               "parameters: use optimizer: adamw (FSDP shards its state over the "
+                                               "GPUs already), or training.distributed: none"))
+    if fsdp and spec.training.loss == "fused":
+        out.append((("training", "loss"), "the fused loss reads the output head's weight outside the model's forward, "
+                                          "where FSDP holds only a shard of it: set training.loss: standard (or "
+                                          "auto), or training.distributed: none"))
+    if spec.training.fsdp.cpu_offload and spec.training.distributed == "none":
+        out.append((("training", "fsdp", "cpu_offload"), "CPU offload is FSDP's: set training.distributed: fsdp "
+                                                         "(or auto), or cpu_offload: false"))
     if (device.lower() in ("cpu", "mps") or kind in ("cpu", "mps")) and spec.training.activation_offloading:
         out.append((("training", "activation_offloading"), "activation offloading moves saved activations from a "
                                                           "CUDA GPU to pinned host memory: set it false on "

@@ -300,6 +300,10 @@ class Tracker:
                           "train.steps_per_sec": result.steps_per_sec, "train.tokens": result.tokens,
                           "train.final_loss": result.final_loss, "params.trainable": result.trainable_params,
                           "params.total": result.total_params})
+        if result.world_size > 1:  # several ranks: the figures above are the highest rank's; each rank's here
+            self.set_tags({"train.world_size": str(result.world_size)})
+            self.log_metrics({f"memory.rank{r}.measured_peak_bytes": p.allocated_bytes
+                              for r, p in enumerate(result.rank_peaks)})
         self.log_dict(asdict(result), "train/train_result.json")
         self.log_artifacts(result.adapter_dir, "adapter")
         metrics = Path(result.run_dir) / "metrics.jsonl"

@@ -4,6 +4,10 @@ Config in (a resolved :class:`PipelineSpec` and the prepared data), a run folder
 ``adapter/`` (peft adapter + tokenizer), ``checkpoints/step-N/`` (resumable state), ``metrics.jsonl`` (the loss
 curve) and ``train_result.json`` (steps, timings, measured memory peak). A crash, Ctrl-C or OOM saves a
 checkpoint first; running again on the same run folder resumes from the newest one.
+
+Started by torchrun (``WORLD_SIZE`` > 1), the same loop trains one shard of the run per process with FSDP2
+(:mod:`fitburst.distributed`): each rank reads its share of every step's samples, the loss is weighted by the
+label tokens of the whole step, checkpoints are sharded, and rank 0 alone writes the run folder.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
+from fitburst import distributed
 from fitburst.data import PreparedData, batch_tokens, collate, load_split
 from fitburst.device import (
     Amp,
@@ -26,8 +32,10 @@ from fitburst.device import (
     select_device,
     warn_pure_bf16,
 )
+from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
+from fitburst.hardware import resolve_device
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
 from fitburst.spec import PipelineSpec
@@ -57,9 +65,11 @@ class TrainResult:
     total_params: int
     resumed_from: int | None = None
     skipped_steps: int = 0
-    peak: MemoryPeak = field(default_factory=lambda: MemoryPeak("cpu"))
+    peak: MemoryPeak = field(default_factory=lambda: MemoryPeak("cpu"))  # several ranks: the highest rank's
     loss: str = "standard"  # the loss kernel that ran (standard, or the fused one: cce, liger, cce_compile, chunked)
     activation_offloading: bool = False
+    world_size: int = 1  # processes (GPUs) the run was sharded over
+    rank_peaks: list[MemoryPeak] = field(default_factory=list)  # several ranks: each rank's peak, in rank order
 
     def save(self) -> None:
         Path(self.run_dir, "train_result.json").write_text(json.dumps(asdict(self), indent=2))
@@ -67,16 +77,33 @@ class TrainResult:
     @classmethod
     def load(cls, run_dir: str | Path) -> TrainResult:
         d = json.loads(Path(run_dir, "train_result.json").read_text())
-        return cls(**{**d, "peak": MemoryPeak(**d.get("peak") or {"kind": d["device"]})})
+        return cls(**{**d, "peak": MemoryPeak(**d.get("peak") or {"kind": d["device"]}),
+                      "rank_peaks": [MemoryPeak(**p) for p in d.get("rank_peaks") or []]})
 
 
 # --- model setup ---------------------------------------------------------------------------------------
 
-def build_model(spec: PipelineSpec, device: str, precision: str):
+def build_model(spec: PipelineSpec, device: str, precision: str, *, sharded: bool = False):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
-    method. Returns (model, tokenizer)."""
-    model = load_pipeline_model(spec, device, precision)
-    return prepare_for_training(model, spec), tokenizer_for(spec.model)
+    method; ``sharded``: then shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`), each
+    rank's shards on ``device``. Returns (model, tokenizer)."""
+    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=sharded), spec)
+    if sharded:
+        fs = spec.training.fsdp
+        distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
+                          cpu_offload=fs.cpu_offload, pure_bf16=spec.training.pure_bf16)
+        _quant_states_to(model, device)
+    return model, tokenizer_for(spec.model)
+
+
+def _quant_states_to(model, device: str) -> None:
+    """A 4-bit layer's quantization state (absmax, code) stays on the module when FSDP turns its weight into a
+    shard (bitsandbytes restores it onto the gathered weight in forward); it goes to the rank's device with the
+    shards. Nothing to do for an unquantized model."""
+    for m in model.modules():
+        state = getattr(m, "quant_state", None)
+        if state is not None and hasattr(state, "to"):
+            state.to(device)
 
 
 def prepare_for_training(model, spec: PipelineSpec):
@@ -213,7 +240,8 @@ def count_params(model) -> tuple[int, int]:
 # --- checkpoints -----------------------------------------------------------------------------------------
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = [p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").exists()]
+    ckpts = [p for p in (run_dir / "checkpoints").glob("step-*")
+             if not p.name.endswith(".tmp") and (p / "state.json").exists()]  # a .tmp: a save cut short
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
@@ -239,76 +267,158 @@ def set_rng_states(states: dict) -> None:
         torch.mps.set_rng_state(states["mps"])
 
 
+def _checkpoint_state(scheduler, amp: Amp | None) -> dict:
+    scaler = amp.scaler if amp is not None else None
+    return {"scheduler": scheduler.state_dict(), "rng": rng_states(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "skipped_steps": amp.skipped_steps if amp is not None else 0}
+
+
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2, *,
-                    amp: Amp | None = None) -> Path:
-    """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned."""
+                    amp: Amp | None = None, world: World = SINGLE, samples: int | None = None) -> Path:
+    """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned.
+    ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then).
+
+    Several ranks (collective: every rank calls it): the weights and optimizer state as sharded by FSDP, through
+    torch.distributed.checkpoint (:func:`fitburst.distributed.save_sharded`); the rest is rank 0's (the same on every
+    rank but the RNG, which restarts from rank 0's). The first rank of each node renames and prunes its node's
+    folder, so a multi-node run's checkpoint is whole once the nodes' folders are copied together."""
     import torch  # heavy: loaded only when training
     from safetensors.torch import save_file
 
     dest = run_dir / "checkpoints" / f"step-{step}"
     tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-    save_file(weights, str(tmp / "trainable.safetensors"))
-    scaler = amp.scaler if amp is not None else None
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "skipped_steps": amp.skipped_steps if amp is not None else 0}, tmp / "optim.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+    meta = {"step": step, "samples": samples, "world_size": world.size}
+    if not world.sharded:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(weights, str(tmp / "trainable.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), **_checkpoint_state(scheduler, amp)}, tmp / "optim.pt")
+        (tmp / "state.json").write_text(json.dumps(meta))
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        _prune(run_dir, keep)
+        return dest
+    if world.node_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    distributed.save_sharded(tmp, model, optimizer)
+    state = _checkpoint_state(scheduler, amp)
+    if world.node_main:
+        torch.save(state, tmp / "train_state.pt")
+        (tmp / "state.json").write_text(json.dumps(meta))
+    distributed.barrier()
+    for turn in (world.main, world.node_main and not world.main):  # rank 0 first: on a shared disk it is done
+        if turn and tmp.exists():
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+            _prune(run_dir, keep)
+        distributed.barrier()
+    return dest
+
+
+def _prune(run_dir: Path, keep: int) -> None:
     older = sorted((p for p in (run_dir / "checkpoints").glob("step-*") if not p.name.endswith(".tmp")),
                    key=lambda p: int(p.name.split("-")[1]))
     for p in older[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
-    return dest
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str, *, amp: Amp | None = None) -> int:
+FRESH_OPTIMIZER = "fresh_optimizer"  # state.json: the optimizer restarts its moments (its class changed)
+
+
+def drop_optimizer_state(ckpt: Path) -> None:
+    """Keep the step, schedule and hyper-parameters of a checkpoint when its optimizer class changes (AdamW ->
+    AdamW8bit): the moments cannot be carried across formats, so the new optimizer starts them fresh."""
+    import torch  # heavy: loaded only when training
+
+    if distributed.is_sharded(ckpt):
+        meta = json.loads((ckpt / "state.json").read_text())
+        (ckpt / "state.json").write_text(json.dumps({**meta, FRESH_OPTIMIZER: True}))
+        return
+    state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
+    state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
+    torch.save(state, ckpt / "optim.pt")
+
+
+def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str, *, amp: Amp | None = None,
+                    world: World = SINGLE, params: list | None = None) -> int:
+    """Restore a checkpoint written by :func:`save_checkpoint` at any world size into this run (sharded or not);
+    returns its step."""
     import torch  # heavy: loaded only when training
     from safetensors.torch import load_file
 
-    weights = load_file(str(ckpt / "trainable.safetensors"), device=device)
-    missing = set(weights) - {n for n, p in model.named_parameters() if p.requires_grad}
-    if missing:
-        raise TrainError(f"{ckpt} does not match this model/method (unknown tensors such as "
-                         f"{sorted(missing)[:2]}): start a new run folder")
-    model.load_state_dict(weights, strict=False)
-    # on the CPU: RNG states must stay CPU tensors; the optimizer moves its state to each parameter's device
-    state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    meta = json.loads((ckpt / "state.json").read_text())
+    if distributed.is_sharded(ckpt):
+        distributed.load_sharded(ckpt, model, None if meta.get(FRESH_OPTIMIZER) else optimizer)
+        state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+        if meta.get(FRESH_OPTIMIZER):  # the schedule's learning rate, as the dropped state would have held it
+            for group, lr in zip(optimizer.param_groups, state["scheduler"]["_last_lr"], strict=False):
+                group["lr"] = lr
+    else:
+        weights = load_file(str(ckpt / "trainable.safetensors"), device="cpu" if world.sharded else device)
+        missing = set(weights) - {n for n, p in model.named_parameters() if p.requires_grad}
+        if missing:
+            raise TrainError(f"{ckpt} does not match this model/method (unknown tensors such as "
+                             f"{sorted(missing)[:2]}): start a new run folder")
+        # on the CPU: RNG states must stay CPU tensors; the optimizer moves its state to each parameter's device
+        state = torch.load(ckpt / "optim.pt", map_location="cpu", weights_only=False)
+        if world.sharded:  # a one-process checkpoint resumed on several ranks: each keeps its shards
+            distributed.load_full_trainable(model, weights, optimizer, params or [], state["optimizer"])
+        else:
+            model.load_state_dict(weights, strict=False)
+            optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_states(state["rng"])
     if amp is not None:
         if amp.scaler is not None and state.get("scaler"):
             amp.scaler.load_state_dict(state["scaler"])
         amp.skipped_steps = state.get("skipped_steps", 0)
-    return json.loads((ckpt / "state.json").read_text())["step"]
+    return meta["step"]
+
+
+def checkpoint_samples(ckpt: Path, samples_per_step: int) -> int:
+    """The samples a run had consumed at a checkpoint (where its data stream resumes): as recorded, else (written by
+    an earlier fitburst) its step times this run's samples per step."""
+    meta = json.loads((ckpt / "state.json").read_text())
+    samples = meta.get("samples")
+    return int(samples) if samples is not None else meta["step"] * samples_per_step
 
 
 # --- the loop --------------------------------------------------------------------------------------------
 
-def total_steps(spec: PipelineSpec, n_train: int) -> int:
+def total_steps(spec: PipelineSpec, n_train: int, world_size: int = 1) -> int:
+    """Optimizer steps of the run: ``max_steps``, else its epochs over ``n_train`` samples, each step taking
+    ``micro_batch_size`` x ``grad_accum`` samples on each of ``world_size`` ranks."""
     tr = spec.training
     if tr.max_steps:
         return tr.max_steps
-    per_epoch = math.ceil(n_train / tr.micro_batch_size)
+    per_epoch = math.ceil(math.ceil(n_train / world_size) / tr.micro_batch_size)
     return max(1, math.ceil(per_epoch * (tr.epochs or 1.0) / tr.grad_accum))
 
 
 def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_micro: int, packed: bool = False,
-            collate: Callable[..., dict] = collate):
+            collate: Callable[..., dict] = collate, *, world: World = SINGLE):
     """Endless shuffled micro-batches (a fresh seeded order each epoch), skipping ``start_micro`` for resume;
     ``packed``: each micro-batch one padding-free row; ``collate``: the model family's
-    (:meth:`fitburst.families.Family.collate`; by default told from the samples)."""
-    import torch  # heavy: loaded only when training
+    (:meth:`fitburst.families.Family.collate`; by default told from the samples).
 
-    n = len(rows)
-    per_epoch = math.ceil(n / batch_size)
+    The order is torch's ``DistributedSampler``'s (one process: the seeded permutation itself): rank r takes every
+    world-size-th sample of it, so the ranks' k-th micro-batches together hold the samples one process takes in its
+    k-th micro-batch of world size x ``batch_size`` (an epoch whose samples do not divide evenly repeats a few, as
+    the sampler pads)."""
+    from torch.utils.data import Dataset, DistributedSampler  # heavy: loaded only when training
+
+    indices = cast("Dataset[int]", range(len(rows)))  # the sampler needs only len()
+    sampler: DistributedSampler[int] = DistributedSampler(indices, num_replicas=world.size, rank=world.rank,
+                                                          shuffle=True, seed=seed)
+    per_epoch = math.ceil(len(sampler) / batch_size)
     epoch, offset = divmod(start_micro, per_epoch)
     while True:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        sampler.set_epoch(epoch)
+        order = list(sampler)
         for i in range(offset, per_epoch):
             yield collate([rows[j] for j in order[i * batch_size:(i + 1) * batch_size]], pad_id, packed)
         epoch, offset = epoch + 1, 0
@@ -316,7 +426,8 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
 
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
                    max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
-                   offload: contextlib.AbstractContextManager | None = None) -> float:
+                   offload: contextlib.AbstractContextManager | None = None, n_items=None,
+                   world: World = SINGLE) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
 
     The loss is token-weighted over the whole window (sum of token losses / label tokens in the window, through
@@ -326,12 +437,17 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     dropped as soon as the loss is taken, so the logits do not live through backward. How label tokens are counted
     and each micro-batch's loss weighted is the model's family's (:class:`fitburst.families.Family`); ``loss`` the
     kernel it runs (:func:`loss_kernel`). ``offload``: a saved-tensors context the forwards run under (activation
-    offloading, :func:`activation_offloading`)."""
+    offloading, :func:`activation_offloading`).
+
+    Several ranks: ``n_items`` is the label tokens of the step on every rank (:func:`fitburst.distributed.all_sum`),
+    the sharded gradients are summed across ranks, and the loss returned is the whole step's."""
     import torch  # heavy: loaded only when training
 
     scaler = amp.scaler if amp is not None else None
     family = family_for(model.config)
-    n_items = sum(family.label_tokens(mb) for mb in micro_batches).to(device).clamp(min=1)
+    if n_items is None:
+        n_items = sum(family.label_tokens(mb) for mb in micro_batches)
+    n_items = torch.as_tensor(n_items).to(device).clamp(min=1)
     total = torch.zeros((), device=device)
     for mb in micro_batches:
         with amp.autocast() if amp is not None else contextlib.nullcontext(), offload or contextlib.nullcontext():
@@ -351,6 +467,8 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if world.sharded:
+        total = distributed.all_sum(total, device)
     return total.item()
 
 
@@ -358,7 +476,9 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
           on_metrics: MetricsFn | None = None, progress: bool = True, stop_after: int | None = None) -> TrainResult:
     """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint) and return the result.
 
-    ``stop_after`` ends the loop early after that many optimizer steps (for tests of interruption).
+    ``stop_after`` ends the loop early after that many optimizer steps (for tests of interruption). Started by
+    torchrun, every rank calls it; rank 0's result is the run's (it alone writes the run folder and calls
+    ``on_metrics``).
     """
     import torch  # heavy: loaded only when training
     from tqdm.auto import tqdm
@@ -370,51 +490,66 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     family = model_family(spec.model)
     refuse_packing(spec, family)  # before the model loads
     refuse_fused_loss(spec, family)
+    w = distributed.world()
     device = device or select_device(spec.preflight.device)
-    precision = resolve_precision(tr.precision, device)
-    kernel = loss_kernel(spec, device, precision)
-    if tr.activation_offloading and device != "cuda":
-        activation_offloading(spec, None, device)  # refused before the model loads
+    if w.sharded:
+        refuse_sharding(spec, w)
+        device = distributed.start(w, device)
+    kind = device.split(":")[0]  # a rank's GPU is cuda:<local rank>
+    precision = resolve_precision(tr.precision, kind)
+    kernel = loss_kernel(spec, kind, precision)
+    if tr.activation_offloading and kind != "cuda":
+        activation_offloading(spec, None, kind)  # refused before the model loads
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
-    amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
+    amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
     torch.manual_seed(tr.seed)
 
     meter = MemoryMeter(device)
     meter.reset()
-    model, tok = build_model(spec, device, precision)
+    model, tok = build_model(spec, device, precision, sharded=w.sharded)
     trainable, total = count_params(model)
-    offload = activation_offloading(spec, model, device)
+    offload = activation_offloading(spec, model, kind)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
-    steps = total_steps(spec, prepared.n_train)
+    steps = total_steps(spec, prepared.n_train, w.size)
     scheduler = get_scheduler(tr.lr_scheduler, optimizer, num_warmup_steps=tr.warmup_steps,
                               num_training_steps=steps)
 
     step, resumed_from = 0, None
+    per_step = w.size * tr.micro_batch_size * tr.grad_accum  # samples one optimizer step takes, all ranks
+    samples = 0
     ckpt = latest_checkpoint(run_dir)
+    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
+        ckpt = distributed.broadcast(ckpt)
     if ckpt is not None:
-        step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp)
+        step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp, world=w,
+                                              params=params)
+        samples = checkpoint_samples(ckpt, per_step)
         log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
 
     rows = load_split(prepared, "train").to_list()
-    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, step * tr.grad_accum, tr.packing,
-                     collate=family.collate)
-    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    stream = batches(rows, tr.micro_batch_size, tok.pad_token_id, tr.seed, samples // (w.size * tr.micro_batch_size),
+                     tr.packing, collate=family.collate, world=w)
+    metrics_file = (run_dir / "metrics.jsonl").open("a") if w.main else None
     model.train()
-    bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress, unit="step")
+    bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress or not w.main, unit="step")
     t0, tokens, start_step = time.perf_counter(), 0, step
     window_loss, window_tokens, last_loss = 0.0, 0, float("nan")
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
             micro = [next(stream) for _ in range(tr.grad_accum)]
-            n_labels = int(sum(family.label_tokens(b) for b in micro))
+            n_items = sum(family.label_tokens(b) for b in micro)
+            if w.sharded:
+                n_items = distributed.all_sum(n_items, device)
             loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
-                                  amp=amp, loss=kernel, offload=offload)
+                                  amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w)
+            n_labels = int(n_items)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
                 scheduler.step()
             tokens += sum(batch_tokens(b) for b in micro)
             meter.sample()
             step += 1
+            samples += per_step
             window_loss += loss * n_labels
             window_tokens += n_labels
             bar.update(1)
@@ -423,18 +558,21 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
                 row = {"train_loss": last_loss, "learning_rate": scheduler.get_last_lr()[0]}
                 if amp.scaler is not None:
                     row.update(skipped_steps=amp.skipped_steps, loss_scale=amp.scaler.get_scale())
-                metrics_file.write(json.dumps({"step": step, **row}) + "\n")
-                metrics_file.flush()
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps({"step": step, **row}) + "\n")
+                    metrics_file.flush()
                 bar.set_postfix(loss=f"{last_loss:.3f}")
-                if on_metrics:
+                if on_metrics and w.main:
                     on_metrics(row, step)
                 window_loss, window_tokens = 0.0, 0
             if step % tr.checkpoint_every == 0 and step < steps:
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
     except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
         optimizer.zero_grad(set_to_none=True)
-        if step > (resumed_from or 0):
-            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
+        if w.sharded:  # a checkpoint is collective and the other ranks may be anywhere: the last one stands
+            _record_rank_failure(run_dir, w, step, exc, meter)
+        elif step > (resumed_from or 0):
+            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, samples=samples)
             log.error("training stopped at step %d (%s); resumable checkpoint: %s", step, type(exc).__name__, path)
         if isinstance(exc, torch.OutOfMemoryError):
             raise TrainError(f"out of memory at step {step} on {device}: lower training.micro_batch_size or "
@@ -443,19 +581,111 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         raise
     finally:
         bar.close()
-        metrics_file.close()
+        if metrics_file is not None:
+            metrics_file.close()
     seconds = time.perf_counter() - t0
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
-        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp)
+        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
 
     adapter_dir = run_dir / "adapter"
-    model.save_pretrained(adapter_dir)
-    tok.save_pretrained(adapter_dir)
+    save_trained(model, tok, adapter_dir, spec, w)
+    peak = meter.peak()
+    rank_peaks = distributed.gather(peak) if w.sharded else []
+    if rank_peaks:
+        peak = max(rank_peaks, key=lambda p: p.allocated_bytes or 0)
+        tokens = int(distributed.all_sum(tokens, device).item())  # every rank's samples
     done = step - start_step
     result = TrainResult(
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
-        skipped_steps=amp.skipped_steps, peak=meter.peak(), loss=kernel, activation_offloading=offload is not None)
-    result.save()
+        skipped_steps=amp.skipped_steps, peak=peak, loss=kernel, activation_offloading=offload is not None,
+        world_size=w.size, rank_peaks=rank_peaks)
+    if w.main:
+        result.save()
     return result
+
+
+def save_trained(model, tok, dest: Path, spec: PipelineSpec, w: World) -> None:
+    """The trained weights as an ordinary folder: the peft adapter (a full fine-tune: the model) and the tokenizer.
+    Several ranks: the trainable weights (a full fine-tune: every weight) gathered on rank 0, which writes them."""
+    if not w.sharded:
+        model.save_pretrained(dest)
+        tok.save_pretrained(dest)
+        return
+    state = distributed.gathered_state(model, trainable_only=spec.method.type != "full")
+    # a tied weight (an output head sharing the embeddings) is gathered under both names, as two tensors that
+    # save_pretrained cannot tell are one: keep the name it saves from one process
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    state = {k: v for k, v in state.items() if k not in aliases}
+    if w.main:
+        model.save_pretrained(dest, state_dict=state)
+        tok.save_pretrained(dest)
+    distributed.barrier()
+
+
+def refuse_sharding(spec: PipelineSpec, w: World) -> None:
+    """What cannot be sharded, refused before the model loads (the spec refuses it too, where it can tell)."""
+    if spec.method.quant == "int8":
+        raise TrainError(f"pipeline '{spec.name}': {w.size} processes were started, but int8 weights cannot be "
+                         "sharded by FSDP: use method.quant: nf4, or train in one process")
+    if spec.training.distributed == "none":
+        raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
+                         "processes: start one process, or set training.distributed: fsdp (or auto)")
+    if spec.training.loss == "fused":
+        raise TrainError(f"pipeline '{spec.name}': training.loss fused reads the output head's weight outside the "
+                         "model's forward, where FSDP holds only a shard of it: set training.loss: standard, or "
+                         "train in one process")
+    if spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        raise TrainError(f"pipeline '{spec.name}': training.optimizer {spec.training.optimizer} (bitsandbytes) does "
+                         "not run on FSDP's sharded parameters: use optimizer: adamw (its state is sharded "
+                         f"{w.size} ways already), or train in one process")
+    if spec.training.fsdp.cpu_offload:
+        need, have = offload_host_bytes(spec, w), available_host_bytes()
+        if need is not None and have is not None and need > have:
+            gib = 2**30
+            raise TrainError(f"pipeline '{spec.name}': training.fsdp.cpu_offload keeps this node's shards of the "
+                             f"weights, gradients and optimizer state in host RAM: about {need / gib:.1f} GiB for "
+                             f"its {w.local_size} rank(s), but {have / gib:.1f} GiB is available: set "
+                             "training.fsdp.cpu_offload: false, or spread the run over more nodes")
+
+
+def offload_host_bytes(spec: PipelineSpec, w: World) -> int | None:
+    """Host RAM this node's ranks hold with FSDP's CPU offload: their share of the weights as loaded, of the
+    trainable weights' fp32 gradients and of the optimizer state (the analytic estimate's figures); None for an
+    architecture it does not model."""
+    from fitburst.memory.estimator import optimizer_bytes, param_counts, weight_bytes
+    from fitburst.models import spec_shape
+    from fitburst.runconfig import settings_from_spec
+
+    shape = spec_shape(spec)
+    if shape is None:
+        return None
+    s = settings_from_spec(spec)
+    trainable = param_counts(shape, s)["trainable"]
+    state, _, paged = optimizer_bytes(s, [trainable], 4, resolve_device("cpu"))
+    whole = sum(weight_bytes(shape, s).values()) + 4 * trainable + state + paged
+    return whole * w.local_size // w.size
+
+
+def available_host_bytes() -> int | None:
+    """Memory the OS can give this node now (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _record_rank_failure(run_dir: Path, w: World, step: int, exc: BaseException, meter: MemoryMeter) -> None:
+    """``rank-<r>.failed.json`` in the run folder: what stopped this rank (an out-of-memory error's kind, the
+    message, the peak), for the process that started torchrun (the other ranks are ended by torchrun)."""
+    from fitburst.oom import oom_kind  # oom imports this module
+
+    record = {"rank": w.rank, "step": step, "type": type(exc).__name__, "oom_kind": oom_kind(exc),
+              "error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,
+              "peak_bytes": meter.peak().allocated_bytes}
+    (run_dir / f"rank-{w.rank}.failed.json").write_text(json.dumps(record))

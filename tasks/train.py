@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
+from fitburst.distributed import local_ranks
 from fitburst.local import train_local_run
 from fitburst.memory import Estimate
 from fitburst.spec import PipelineSpec
@@ -24,11 +25,12 @@ LOCAL_TRAIN_TAG = "fitburst-local-train"
 def train_local(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker, estimate: Estimate) -> TrainResult:
     log = get_run_logger()
     tr = spec.training
-    progress = TrainingProgress(spec.name, total_steps(spec, prepared.n_train),
-                                tr.micro_batch_size * tr.grad_accum * prepared.stats.get("mean", 0.0),
+    ranks = local_ranks(spec)  # one per GPU for training.distributed: fsdp; each step takes every rank's samples
+    progress = TrainingProgress(spec.name, total_steps(spec, prepared.n_train, ranks),
+                                ranks * tr.micro_batch_size * tr.grad_accum * prepared.stats.get("mean", 0.0),
                                 tracker.log_metrics)
     # progress bars only on a terminal; clean log lines from `progress`
-    result = train_local_run(spec, prepared, tracker, estimate=estimate, on_metrics=progress,
+    result = train_local_run(spec, prepared, tracker, estimate=estimate, on_metrics=progress, nproc=ranks,
                              progress=sys.stderr.isatty(), on_stepdown=lambda r: log.warning(
                                  "out of memory (%s) at step %d, measured peak %s bytes: stepped down: %s",
                                  r.oom_kind, r.step, r.measured_peak_bytes, r.change))

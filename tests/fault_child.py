@@ -3,7 +3,8 @@
     python tests/fault_child.py '<json>'   keys: pipelines_file, pipeline, overrides, step_sleep (seconds added to
                                            each optimizer step, so a test can act mid-run), mlflow (bool),
                                            device (default "cpu": the faults these tests cause are the CPU's,
-                                           an address-space limit among them, on a GPU host too)
+                                           an address-space limit among them, on a GPU host too), nproc
+                                           (processes to shard the run over, default one)
 
 Prints one JSON line (the TrainResult plus the MLflow run id) on success. Environment as the test sets it
 (FITBURST_RUNS_DIR, FITBURST_CACHE, MLFLOW_TRACKING_URI).
@@ -41,7 +42,8 @@ def main() -> int:
     print(json.dumps({"mlflow_run_id": tracker.run_id if tracker else None}), flush=True)
     status = "FAILED"
     try:
-        result = train_local_run(spec, prepared, tracker, device=cfg.get("device", "cpu"), progress=False)
+        result = train_local_run(spec, prepared, tracker, device=cfg.get("device", "cpu"), progress=False,
+                                 nproc=cfg.get("nproc"))
         status = "FINISHED"
     finally:
         if tracker is not None:

@@ -99,7 +99,8 @@ def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
     spec_file = Path(task.file_mounts["~/fitburst-job/spec.yaml"])
     assert "qwen7b-lora" in spec_file.read_text() and SECRET not in spec_file.read_text()
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET
-    assert "fitburst.cli train --spec" in task.run
+    assert "set -- python -m fitburst.cli\n" in task.run and '"$@" train --spec' in task.run
+    assert task.num_nodes == 1
     # the workdir is a staged copy of the fitburst package only
     assert sorted(p.name for p in Path(task.workdir).iterdir()) == ["fitburst"]
     assert (Path(task.workdir) / "fitburst" / "cloud" / "train.yaml").exists()
@@ -109,6 +110,35 @@ def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
     assert [(str(r.cloud), r.accelerators) for r in again.resources] == [
         ("RunPod", {"RTXA6000": 1}), ("Lambda", {"A6000": 1})]
     assert again.envs["FITBURST_JOB_DIR"] == "fitburst-job" and again.run == task.run
+
+
+def test_a_multi_gpu_multi_node_task_passes_skypilot_validation(demo):
+    """The plan's GPU count and node count reach SkyPilot: <GPU>:N per node, num_nodes, and a node spec that
+    shards (the run block's torchrun line runs in tests/test_distributed.py)."""
+    spec, prepared = demo
+    task = build_task(spec, _candidates(), prepared_dir=prepared, gpus_per_node=4, nodes=2)
+    again = sky.Task.from_yaml_str(task_yaml(task))
+    assert again.num_nodes == 2
+    assert [(str(r.cloud), r.accelerators) for r in again.resources] == [
+        ("RunPod", {"RTXA6000": 4}), ("Lambda", {"A6000": 4})]
+    assert "torch.distributed.run" in again.run and "SKYPILOT_NODE_IPS" in again.run
+    node_spec = Path(task.file_mounts["~/fitburst-job/spec.yaml"]).read_text()
+    assert "distributed: fsdp" in node_spec
+    one = build_task(spec, _candidates(), prepared_dir=prepared)
+    assert "distributed: auto" in Path(one.file_mounts["~/fitburst-job/spec.yaml"]).read_text()
+    with pytest.raises(ValueError, match="gpus_per_node and nodes"):
+        build_task(spec, _candidates(), prepared_dir=prepared, nodes=0)
+
+
+def test_every_node_of_a_multi_node_cluster_is_pulled_home():
+    from fitburst.cloud.launch import every_node
+
+    pulled: list[str] = []
+    every_node(lambda host, run_dir, log: pulled.append(host), 3)("fb-c", Path("run"), print)
+    assert pulled == ["fb-c", "fb-c-worker1", "fb-c-worker2"]  # the ssh names SkyPilot writes for its nodes
+    pulled.clear()
+    every_node(lambda host, run_dir, log: pulled.append(host), 1)("fb-c", Path("run"), print)
+    assert pulled == ["fb-c"]
 
 
 def test_no_secret_value_in_task_yaml_or_dry_run_report(demo):
@@ -367,7 +397,8 @@ def test_node_spec_trains_for_its_own_device_and_holds_no_tracking_uri(demo, tmp
     # burst_train writes it to a temp file that is gone after the launch, dry runs included
     written = []
     real = cloud.launch.write_node_spec
-    monkeypatch.setattr(cloud.launch, "write_node_spec", lambda s, d: written.append(real(s, d)) or written[-1])
+    monkeypatch.setattr(cloud.launch, "write_node_spec",
+                        lambda s, d, **kw: written.append(real(s, d, **kw)) or written[-1])
     burst_train(spec, prepared, tmp_path / "run", _candidates(), dry_run=True, log=lambda s: None)
     FakeSky(monkeypatch)
     burst_train(spec, prepared, tmp_path / "run", _candidates(), log=lambda s: None, pull=_pull)

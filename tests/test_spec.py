@@ -142,3 +142,32 @@ def test_cli_validate_exit_codes(tmp_path, pipelines_file):
     r = subprocess.run([sys.executable, "-m", "fitburst.cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "line 10" in r.stderr and "max_step" in r.stderr
+
+
+@pytest.mark.parametrize("extra, line, needles", [
+    # an Apple GPU is one device
+    ("    preflight: {device: mps}\n    training: {max_steps: 10, distributed: fsdp}\n", 10,
+     ["training.distributed", "'fsdp'", "MPS", "training.distributed: none"]),
+    # bitsandbytes' int8 weights do not shard
+    ("    method: {type: qlora, quant: int8}\n    training: {max_steps: 10, distributed: fsdp}\n", 9,
+     ["method.quant", "'int8'", "cannot be sharded", "nf4"]),
+    # bitsandbytes' optimizers do not step DTensors
+    ("    training: {max_steps: 10, distributed: fsdp, optimizer: paged_adamw8bit}\n", 9,
+     ["training.optimizer", "8-bit optimizers", "optimizer: adamw"]),
+    # the fused loss reads the head's weight outside forward, where FSDP holds a shard
+    ("    training: {max_steps: 10, distributed: fsdp, loss: fused}\n", 9,
+     ["training.loss", "'fused'", "training.loss: standard"]),
+    # offload is FSDP's
+    ("    training: {max_steps: 10, distributed: none, fsdp: {cpu_offload: true}}\n", 9,
+     ["training.fsdp.cpu_offload", "training.distributed: fsdp"]),
+])
+def test_distributed_combinations_that_cannot_run_are_refused_with_the_field_and_the_fix(tmp_path, extra, line,
+                                                                                       needles):
+    text = GOOD.replace("    training:\n      max_steps: 10\n", "") + extra
+    msg, probs = problems(tmp_path, text)
+    assert len(probs) == 1 and f"line {line}:" in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    fine = load_pipeline(write(tmp_path, GOOD), "a", {"training.distributed": "fsdp",
+                                                      "training.fsdp.cpu_offload": True})
+    assert fine.training.fsdp.cpu_offload and fine.training.fsdp.reshard_after_forward  # the defaults that work

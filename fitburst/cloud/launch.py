@@ -182,6 +182,24 @@ def _pull_outputs(cluster: str, run_dir: Path, log: Callable[[str], Any]) -> Non
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
 
 
+def node_hosts(cluster: str, nodes: int) -> list[str]:
+    """The ssh names of a cluster's nodes as SkyPilot writes them: the head, then ``<cluster>-worker<i>``."""
+    return [cluster] + [f"{cluster}-worker{i}" for i in range(1, nodes)]
+
+
+def every_node(pull: Callable[[str, Path, Callable], None], nodes: int) -> Callable[[str, Path, Callable], None]:
+    """``pull`` from every node of a cluster into the one run folder: a sharded checkpoint's files are spread over
+    the nodes' disks (each node's ranks wrote theirs), and copied together they make the whole checkpoint."""
+    if nodes == 1:
+        return pull
+
+    def pull_all(cluster: str, run_dir: Path, log: Callable[[str], Any]) -> None:
+        for host in node_hosts(cluster, nodes):
+            pull(host, run_dir, log)
+
+    return pull_all
+
+
 RECORD = "cloud.json"
 LIVE = ("launching", "running")  # record states a rerun reattaches to
 
@@ -215,8 +233,12 @@ def burst_train(
     local: dict | None = None,
     pull: Callable[[str, Path, Callable], None] | None = None,
     on_ids: Callable[[dict], Any] | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
 ) -> BurstResult:
     """Train ``spec`` on the best usable candidate; return the result with outputs in ``run_dir``.
+    ``gpus_per_node`` x ``nodes`` GPUs (the plan's): more than one shards the run (:func:`build_task`), and the
+    outputs come home from every node.
 
     Budget caps and fit are checked before anything is created (BudgetError / BurstError). With ``dry_run``
     nothing is launched: the report (GPU, provider, $/h, total, task YAML) is returned. On a failed job,
@@ -229,18 +251,20 @@ def burst_train(
     ok = check_budget(spec, candidates)
     # the node's spec file and staged workdir live only until the launch has uploaded them (dry runs included)
     with tempfile.TemporaryDirectory(prefix="fitburst-task-") as tmp:
-        spec_path = write_node_spec(spec, tmp)
+        spec_path = write_node_spec(spec, tmp, sharded=gpus_per_node * nodes > 1)
         workdir = stage_workdir(Path(tmp) / "workdir")
         return _burst_train(spec, prepared_dir, Path(run_dir), candidates, ok, spec_path, workdir, dry_run=dry_run,
-                            log=log, mlflow_run_id=mlflow_run_id, local=local, pull=pull, on_ids=on_ids)
+                            log=log, mlflow_run_id=mlflow_run_id, local=local, pull=pull, on_ids=on_ids,
+                            gpus_per_node=gpus_per_node, nodes=nodes)
 
 
 def _burst_train(spec, prepared_dir, run_dir: Path, candidates, ok, spec_path, workdir, *, dry_run, log,
-                 mlflow_run_id, local, pull, on_ids) -> BurstResult:
+                 mlflow_run_id, local, pull, on_ids, gpus_per_node: int, nodes: int) -> BurstResult:
     ckpts = run_dir / "checkpoints"
     resume = ckpts if not spec.burst.bucket and any(ckpts.glob("step-*")) else None  # travels to the new node
     task = build_task(spec, candidates, prepared_dir=prepared_dir, spec_path=spec_path, mlflow_run_id=mlflow_run_id,
-                      workdir=workdir, run_name=run_dir.name, checkpoints=resume)
+                      workdir=workdir, run_name=run_dir.name, checkpoints=resume, gpus_per_node=gpus_per_node,
+                      nodes=nodes)
     report = dry_run_report(spec, candidates, task, local=local)
     first = ok[0]
     base = dict(
@@ -264,7 +288,8 @@ def _burst_train(spec, prepared_dir, run_dir: Path, candidates, ok, spec_path, w
     if spec.burst.spot:
         return _managed_job(spec, task, ok, run_dir, log, remote, base, record, on_ids)
     attach = _live_cluster(record, log) if record is not None else None
-    return _cluster_run(spec, task, ok, run_dir, log, remote, base, pull or _pull_outputs, attach, on_ids)
+    return _cluster_run(spec, task, ok, run_dir, log, remote, base, every_node(pull or _pull_outputs, nodes), attach,
+                        on_ids)
 
 
 def _live_cluster(record: dict, log) -> dict | None:

@@ -130,9 +130,10 @@ def check_budget(spec: PipelineSpec, candidates: list[Candidate]) -> list[Candid
     return ok
 
 
-def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int, bucket: str | None = None
-                  ) -> list[dict]:
-    """Resource configs (YAML form) for ``ordered``: one per usable candidate, cheapest total first.
+def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int, bucket: str | None = None,
+                  gpus_per_node: int = 1) -> list[dict]:
+    """Resource configs (YAML form) for ``ordered``: one per usable candidate, cheapest total first, each with
+    ``gpus_per_node`` of its GPU (``accelerators: <GPU>:N``).
 
     Autostop is the second guard after fitburst's own teardown. It stops (keeps the disk, so a rerun can still
     collect the outputs) where the provider can; it tears down where the outputs are safe in ``bucket`` or the
@@ -141,7 +142,7 @@ def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int
     for c in candidates:
         r: dict[str, Any] = {
             "infra": SKY_CLOUD[c.provider].lower(),
-            "accelerators": {c.accelerator: 1},
+            "accelerators": {c.accelerator: gpus_per_node},
             "use_spot": spot,
             "disk_size": 100,
         }
@@ -163,8 +164,15 @@ def build_task(
     task_yaml: str | os.PathLike = TASK_YAML,
     run_name: str | None = None,
     checkpoints: str | os.PathLike | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
 ):
     """Load train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
+
+    ``gpus_per_node`` x ``nodes``: the GPUs the run is sharded over (the plan's choice; 1 x 1: one GPU, the task as
+    it always was). More than one: each resource asks for ``<GPU>:gpus_per_node``, the task for ``nodes`` nodes,
+    and train.yaml's run block starts torchrun on every node from SkyPilot's node variables, with
+    ``training.distributed: fsdp`` in the node's spec.
 
     ``spec_path``: the resolved spec to mount and ``workdir``: the staged package (written into a new temp folder
     when None; the caller deletes it: burst_train passes its own, removed after the launch).
@@ -176,12 +184,15 @@ def build_task(
     """
     import sky  # sky: heavy, only the burst path loads it
 
+    if gpus_per_node < 1 or nodes < 1:
+        raise ValueError(f"gpus_per_node and nodes must be >= 1 (got {gpus_per_node} x {nodes})")
     ok = check_budget(spec, candidates)
     task = sky.Task.from_yaml(str(task_yaml))
     task.name = _task_name(spec)
+    task.num_nodes = nodes
     if spec_path is None or workdir is None:
         tmp = tempfile.mkdtemp(prefix="fitburst-task-")
-        spec_path = spec_path or write_node_spec(spec, tmp)
+        spec_path = spec_path or write_node_spec(spec, tmp, sharded=gpus_per_node * nodes > 1)
         workdir = workdir or stage_workdir(Path(tmp) / "workdir")
     task.update_workdir(str(workdir), None, None)
     mounts = {f"~/{JOB_DIR}/spec.yaml": str(Path(spec_path).resolve())}
@@ -207,7 +218,7 @@ def build_task(
     if spec.burst.bucket:
         url = bucket_url(spec, run_name or "run")
         task.set_storage_mounts({f"~/{JOB_DIR}/run": sky.Storage(source=url, mode=sky.StorageMode.MOUNT_CACHED)})
-    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes, spec.burst.bucket)
+    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes, spec.burst.bucket, gpus_per_node)
     task.set_resources(sky.Resources.from_yaml_config({"ordered": resources}))
     return task
 
@@ -228,21 +239,24 @@ def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = N
     return dest
 
 
-def node_spec(spec: PipelineSpec) -> PipelineSpec:
+def node_spec(spec: PipelineSpec, sharded: bool = False) -> PipelineSpec:
     """The spec the node trains from: its own device (``preflight.device: auto``, not the launcher's cpu/MPS/...)
-    and no tracking URI (the node gets MLFLOW_TRACKING_URI as a SkyPilot secret; a URI may hold user:pass@)."""
+    and no tracking URI (the node gets MLFLOW_TRACKING_URI as a SkyPilot secret; a URI may hold user:pass@);
+    ``sharded`` (several GPUs): ``training.distributed: fsdp``."""
+    training = spec.training.model_copy(update={"distributed": "fsdp"}) if sharded else spec.training
     return spec.model_copy(
         update={
             "preflight": spec.preflight.model_copy(update={"device": "auto"}),
             "tracking": spec.tracking.model_copy(update={"uri": None}),
+            "training": training,
         }
     )
 
 
-def write_node_spec(spec: PipelineSpec, directory: str | os.PathLike) -> Path:
-    """``node_spec(spec)`` as YAML in ``directory`` (the file mounted at ~/fitburst-job/spec.yaml)."""
+def write_node_spec(spec: PipelineSpec, directory: str | os.PathLike, sharded: bool = False) -> Path:
+    """``node_spec(spec, sharded)`` as YAML in ``directory`` (the file mounted at ~/fitburst-job/spec.yaml)."""
     path = Path(directory) / "spec.yaml"
-    path.write_text(node_spec(spec).to_yaml())
+    path.write_text(node_spec(spec, sharded).to_yaml())
     return path
 
 

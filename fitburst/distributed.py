@@ -1,0 +1,390 @@
+"""One run over several GPUs (or CPU processes) with torch's FSDP2: one process per device, started by torchrun.
+
+What :func:`fitburst.train.train` asks of this module when torchrun started it (``WORLD_SIZE`` > 1):
+
+- :func:`world` reads torchrun's environment; :func:`start` opens the process group (NCCL for CUDA tensors,
+  gloo for CPU ones) and names the device this rank trains on.
+- :func:`shard`: ``fully_shard`` on every transformer block (the model's ``_no_split_modules``, the classes
+  accelerate's FSDP auto-wrap shards too), then on the root, with a ``MixedPrecisionPolicy`` for the run's
+  precision (weights gathered in the compute dtype, gradients reduced in fp32) and the spec's knobs
+  (``training.fsdp``: reshard after forward, CPU offload). Gradients are summed across ranks, not averaged: each
+  rank's loss is already divided by the label tokens of the whole step on every rank (:func:`all_sum`), so N ranks
+  x micro-batch b step as one process with N x b.
+- Sharded checkpoints (:func:`save_sharded`, :func:`load_sharded`) through ``torch.distributed.checkpoint``: every
+  rank writes its own shards of the trainable weights and the optimizer state into ``step-N/sharded/``; loading
+  reshards them for the world size of the run that loads them (another number of ranks, or one process).
+- :func:`gathered_state`: the trainable weights (a full fine-tune: every weight) gathered on rank 0, which saves
+  them as an ordinary peft adapter / model folder, so eval, ``fitburst merge`` and the MLflow model are unchanged.
+
+Rank 0 alone writes the run folder's records (metrics, result, adapter) and talks to MLflow and Prefect; every
+rank measures its own memory peak and rank 0 records them all (:func:`gather`).
+
+Loading: every rank loads the model on the CPU and ``fully_shard`` moves each rank's shards to its GPU, so no GPU
+ever holds the whole model (a 4-bit base keeps its packed weights in the compute dtype, ``bnb_4bit_quant_storage``,
+so they shard like any weight: :func:`fitburst.models.quantization_config`).
+
+torch is imported inside the functions: this module is on the import path of train.py, which keeps it light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitburst.errors import UserError
+
+SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a checkpoint's step-N/
+# the ladder's rungs (fitburst.memory.ladder) a sharded run cannot take: bitsandbytes' 8-bit optimizers do not step
+# FSDP's sharded parameters, and the fused loss reads the output head's weight outside forward, where it is a shard
+UNSHARDABLE_RUNGS = ("optimizer_8bit", "fused_loss")
+
+
+class DistributedError(UserError, RuntimeError):
+    """A multi-process run that cannot start as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: global rank and size, rank and size on its node (torchrun's env)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """The rank that writes the run folder's records and talks to MLflow and Prefect."""
+        return self.rank == 0
+
+    @property
+    def node_main(self) -> bool:
+        """The first rank of its node: it renames and prunes the node's checkpoint folders (a node's disk)."""
+        return self.local_rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+
+SINGLE = World()
+
+
+def world(env: dict[str, str] | None = None) -> World:
+    """This process's :class:`World` from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE);
+    one process when they are not set."""
+    env = dict(os.environ) if env is None else env
+    size = int(env.get("WORLD_SIZE", "1"))
+    return World(rank=int(env.get("RANK", "0")), size=size, local_rank=int(env.get("LOCAL_RANK", "0")),
+                 local_size=int(env.get("LOCAL_WORLD_SIZE", str(size))))
+
+
+def start(w: World, device: str) -> str:
+    """Open the process group of ``w`` (once per process) and return the device this rank trains on: its own GPU
+    (``cuda:<local rank>``), or the CPU. MPS is one device with no process group: refused."""
+    import torch  # heavy: loaded only when training
+    import torch.distributed as dist
+
+    kind = device.split(":")[0]
+    if kind == "mps":
+        raise DistributedError(f"{w.size} processes were started, but an Apple GPU is one device and torch has no "
+                               "process group for MPS: train with one process (training.distributed: none)")
+    if kind == "cuda":
+        if w.local_rank >= torch.cuda.device_count():
+            raise DistributedError(f"rank {w.rank} is local rank {w.local_rank} but this node has "
+                                   f"{torch.cuda.device_count()} GPU(s): start at most that many processes per node")
+        torch.cuda.set_device(w.local_rank)
+        device = f"cuda:{w.local_rank}"
+    if not dist.is_initialized():
+        # gloo for CPU tensors (object collectives, the CPU's own runs), NCCL for CUDA ones
+        dist.init_process_group("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
+    return device
+
+
+def stop() -> None:
+    """Close the process group (the last collective has run)."""
+    import torch.distributed as dist  # heavy: loaded only when training
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def block_classes(model) -> set[str]:
+    """The class names of the model's transformer blocks (decoder / encoder layers, a vision tower's blocks):
+    transformers' ``_no_split_modules``, looked up on the model under peft's wrappers."""
+    inner = model
+    while not getattr(inner, "_no_split_modules", None):
+        nxt = getattr(inner, "base_model", None)
+        nxt = getattr(nxt, "model", nxt) if nxt is not None and nxt is not inner else None
+        if nxt is None or nxt is inner:
+            raise DistributedError(f"{type(model).__name__} names no transformer blocks (_no_split_modules): "
+                                   "FSDP needs them to shard block by block; train it with training.distributed: "
+                                   "none")
+        inner = nxt
+    return set(inner._no_split_modules)
+
+
+def mixed_precision(precision: str, pure_bf16: bool = False):
+    """FSDP2's MixedPrecisionPolicy for the run's precision: fp32 gathers and reduces in fp32 (none needed);
+    bf16 / fp16 gather the weights in the compute dtype (what autocast computes in on one device) and reduce the
+    gradients in fp32, as the trainable fp32 weights receive them on one device. Pure bf16 keeps bf16 throughout."""
+    import torch  # heavy: loaded only when training
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fitburst.device import torch_dtype
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    dtype = torch_dtype(precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype if pure_bf16 else torch.float32)
+
+
+def shard(model, precision: str, *, reshard_after_forward: bool = True, cpu_offload: bool = False,
+          pure_bf16: bool = False):
+    """``fully_shard`` each transformer block (:func:`block_classes`), then the root; gradients summed across ranks
+    (the loss is already normalised by the whole step's label tokens). Returns the model (sharded in place)."""
+    import torch  # heavy: loaded only when training
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    names = block_classes(model)
+    policy: dict[str, Any] = {
+        "mp_policy": mixed_precision(precision, pure_bf16),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise DistributedError(f"none of the block classes {sorted(names)} is in {type(model).__name__}")
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **policy)
+    fully_shard(model, **policy)  # the rest (embeddings, head, final norm); the root keeps its weights for backward
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # a plain sum (gloo has no pre-multiplied sum, and the factor is 1 anyway)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def all_sum(value, device: str):
+    """``value`` (a tensor or a number) summed over every rank, as a tensor on ``device``."""
+    import torch  # heavy: loaded only when training
+    import torch.distributed as dist
+
+    t = torch.as_tensor(value, device=device).clone()
+    dist.all_reduce(t)
+    return t
+
+
+def any_rank(flag: bool, device: str) -> bool:
+    """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
+    return bool(all_sum(int(flag), device).item())
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order, on every rank (picklable objects)."""
+    import torch.distributed as dist  # heavy: loaded only when training
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (what only rank 0 decides: the checkpoint to resume, a plan)."""
+    import torch.distributed as dist  # heavy: loaded only when training
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    import torch.distributed as dist  # heavy: loaded only when training
+
+    dist.barrier()
+
+
+# --- sharded checkpoints -----------------------------------------------------------------------------------
+
+def _state(model, optimizer) -> dict:
+    """The trainable weights and the optimizer state, keyed by parameter name, each rank holding its shards
+    (``torch.distributed.checkpoint.state_dict``: works on a sharded model and on an unsharded one alike)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save_sharded(dest: Path, model, optimizer) -> None:
+    """Write this rank's shards of the trainable weights and optimizer state into ``dest/sharded`` (collective:
+    every rank calls it; on one node they share the folder, on several each node's disk holds its ranks' files
+    and rank 0's holds the index, ``.metadata``)."""
+    import torch.distributed.checkpoint as dcp  # heavy: loaded only when training
+
+    dcp.save(_state(model, optimizer), checkpoint_id=str(dest / SHARDED_DIR))
+
+
+def load_sharded(src: Path, model, optimizer=None) -> None:
+    """Load ``src/sharded`` into ``model`` (and ``optimizer``, unless None: an optimizer that starts afresh)
+    whatever world size wrote it: torch's checkpoint planner reads each rank's part of every tensor (one process
+    reads whole tensors)."""
+    import torch.distributed as dist  # heavy: loaded only when training
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # the state holds the trainable weights only, and loading it must leave the frozen ones as they are; a trainable
+    # weight the checkpoint lacks fails in dcp.load
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    state: dict[str, Any] = _state(model, optimizer) if optimizer is not None else {
+        "model": get_model_state_dict(model, options=options)}
+    dcp.load(state, checkpoint_id=str(src / SHARDED_DIR), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"], options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    return (ckpt / SHARDED_DIR / ".metadata").exists()
+
+
+def load_full_trainable(model, weights: dict, optimizer, params: list, optim_state: dict | None) -> None:
+    """Load a one-process checkpoint (full tensors: ``trainable.safetensors``, and the optimizer's own state dict
+    keyed by the index of each parameter in ``params``) into a sharded model: each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    if optim_state is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        by_index = [names[id(p)] for p in params]
+        set_optimizer_state_dict(model, optimizer, {
+            "state": {by_index[i]: s for i, s in optim_state["state"].items()},
+            "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in optim_state["param_groups"]],
+        }, options=options)
+
+
+def gathered_state(model, *, trainable_only: bool) -> dict:
+    """The full weights (only the trainable ones with ``trainable_only``) on rank 0's CPU, keyed as
+    ``model.state_dict()`` keys them; an empty dict on the other ranks (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))
+
+
+def local_shards(model) -> Iterator[tuple[str, Any]]:
+    """(name, this rank's local tensor) of every parameter: a sharded parameter's shard, else the tensor."""
+    for name, p in model.named_parameters():
+        yield name, p.to_local() if hasattr(p, "to_local") else p
+
+
+# --- several processes on this machine ---------------------------------------------------------------------
+
+RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.train)
+RANKS_LOG = "ranks.log"  # torchrun's and the ranks' output, in the run folder
+
+
+class RanksFailed(UserError, RuntimeError):
+    """A rank of a local multi-process run stopped (torchrun then ended the others). ``records``: what each failed
+    rank wrote (:data:`RANK_FAILED`); ``oom_kind`` and ``peak_bytes``: a rank's out-of-memory error, when that was
+    the cause (the step-down, :mod:`fitburst.oom`, then acts for all ranks together)."""
+
+    def __init__(self, message: str, records: list[dict]):
+        super().__init__(message)
+        self.records = records
+        oom = next((r for r in records if r.get("oom_kind")), None)
+        self.oom_kind: str | None = oom["oom_kind"] if oom else None
+        self.peak_bytes: int | None = oom.get("peak_bytes") if oom else None
+
+
+def _refusal(log: Path, start: int) -> str | None:
+    """The first ``error: ...`` line a rank printed after ``start`` (fitburst's one-line refusals, made before
+    training starts)."""
+    with log.open("rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    return next((line.split("error: ", 1)[1] for line in lines if "error: " in line), None)
+
+
+def local_ranks(spec) -> int:
+    """The processes a local run of ``spec`` starts: one per visible CUDA GPU with ``training.distributed: fsdp``
+    on CUDA, else one (auto stays on one device until a plan asks for more)."""
+    if spec.training.distributed != "fsdp" or spec.preflight.device.lower() not in ("auto", "cuda"):
+        return 1
+    import torch  # heavy: loaded only when training
+
+    return max(1, torch.cuda.device_count())
+
+
+def run_local(spec, prepared_dir: str | Path, run_dir: str | Path, nproc: int, *, device: str | None = None,
+              on_metrics=None, poll_s: float = 0.5) -> None:
+    """Train ``spec`` in ``nproc`` processes on this machine: torchrun (``--standalone``) starting the node command
+    (``fitburst train``) once per rank. Rank 0's loss curve (``metrics.jsonl``) is passed on to ``on_metrics`` while
+    it trains, so this process keeps MLflow and Prefect; the ranks' output goes to ``ranks.log`` in the run folder.
+    Raises :class:`RanksFailed` when a rank stops (torchrun ends the others); an interrupt here ends them all."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(RANK_FAILED.format(rank="*")):
+        stale.unlink()
+    spec_path = run_dir / "ranks-spec.yaml"
+    spec_path.write_text(spec.to_yaml())
+    metrics = run_dir / "metrics.jsonl"
+    offset = metrics.stat().st_size if metrics.exists() else 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", str(prepared_dir),
+           "--run-dir", str(run_dir), "--quiet", *(["--device", device] if device else [])]
+    # the ranks log nothing to MLflow themselves: this process does (and holds the run)
+    env = {k: v for k, v in os.environ.items() if k != "FITBURST_MLFLOW_RUN_ID"}
+
+    def relay() -> None:
+        nonlocal offset
+        if on_metrics is None or not metrics.exists():
+            return
+        with metrics.open() as f:
+            f.seek(offset)
+            for line in iter(f.readline, ""):
+                if not line.endswith("\n"):
+                    break  # rank 0 is still writing it
+                offset += len(line)
+                row = json.loads(line)
+                on_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+
+    with (run_dir / RANKS_LOG).open("a") as out:
+        log_start = out.tell()
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                relay()
+                time.sleep(poll_s)
+            relay()
+        except BaseException:  # Ctrl-C, cancellation, an error in on_metrics: no rank outlives this process
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise
+    if proc.returncode != 0:
+        records = [json.loads(p.read_text()) for p in sorted(run_dir.glob(RANK_FAILED.format(rank="*")))]
+        what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or _refusal(
+            run_dir / RANKS_LOG, log_start) or f"torchrun exited with {proc.returncode} and no rank said why (killed?)"
+        raise RanksFailed(f"{spec.name}: training on {nproc} processes stopped ({what}); the log is "
+                          f"{run_dir / RANKS_LOG}, and a rerun resumes from the last checkpoint", records)

@@ -25,7 +25,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fitburst.cache import cache_root
@@ -643,10 +643,14 @@ def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[l
 
 
 def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
-    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language): the
-    settings the preflight plans and the OOM step-down walks from."""
+    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language) and, for a
+    family the fused loss cannot train (:attr:`fitburst.families.Family.fused_loss_refusal`), ``loss: auto`` read as
+    the standard loss: the settings the preflight plans and the OOM step-down walks from."""
     images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
-    return settings_from_spec(spec, device, seq_len, images=images)
+    s = settings_from_spec(spec, device, seq_len, images=images)
+    if s.loss == "auto" and model_family(spec.model).fused_loss_refusal:
+        s = replace(s, loss="standard")
+    return s
 
 
 def images_per_record(spec) -> int:

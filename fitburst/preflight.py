@@ -406,7 +406,7 @@ def probe_and_replan(spec: PipelineSpec, prepared: PreparedData | None, report: 
     log the figures (MLflow metrics memory.probe_*), and re-plan when the probe is over budget."""
     if report.verdict.placement != "local" or prepared is None:
         return report, None
-    from fitburst.oom import free_memory, oom_kind  # torch: the probe trains on the device
+    from fitburst.oom_errors import free_memory, oom_kind  # torch: the probe trains on the device
 
     try:
         result = probe(report.planned, prepared, report.estimate, steps=steps)

@@ -683,7 +683,7 @@ def available_host_bytes() -> int | None:
 def _record_rank_failure(run_dir: Path, w: World, step: int, exc: BaseException, meter: MemoryMeter) -> None:
     """``rank-<r>.failed.json`` in the run folder: what stopped this rank (an out-of-memory error's kind, the
     message, the peak), for the process that started torchrun (the other ranks are ended by torchrun)."""
-    from fitburst.oom import oom_kind  # oom imports this module
+    from fitburst.oom_errors import oom_kind  # torch: a rank failed
 
     record = {"rank": w.rank, "step": step, "type": type(exc).__name__, "oom_kind": oom_kind(exc),
               "error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,

@@ -19,7 +19,8 @@ from fitburst.calibrate import collect_ooms
 from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
-from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, oom_kind, train_stepping_down
+from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, train_stepping_down
+from fitburst.oom_errors import oom_kind
 from fitburst.runconfig import settings_from_spec
 
 CHILD = Path(__file__).with_name("fault_child.py")

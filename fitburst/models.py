@@ -57,16 +57,19 @@ def tokenizer_for(model):
     return load_tokenizer(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code)
 
 
-def quantization_config(quant: str, double_quant: bool, compute_dtype):
-    """The bitsandbytes config for a quant setting, or None for unquantized weights."""
+def quantization_config(quant: str, double_quant: bool, compute_dtype, *, sharded: bool = False):
+    """The bitsandbytes config for a quant setting, or None for unquantized weights. ``sharded`` (FSDP): 4-bit
+    weights are stored in the compute dtype (packed bytes viewed as 16-bit elements), so that FSDP shards and
+    all-gathers them with the model's other weights (uint8 storage would be cast to the compute dtype)."""
     if quant == "none":
         return None
     from transformers import BitsAndBytesConfig  # transformers: heavy
 
     if quant == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
+    extra = {"bnb_4bit_quant_storage": compute_dtype} if sharded else {}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
-                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype, **extra)
 
 
 # SDPA with grouped-query k/v expanded first, for GPUs with no FlashAttention for the run's dtype (T4, V100, fp32):

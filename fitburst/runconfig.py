@@ -54,6 +54,12 @@ class TrainSettings:
     images: int = 0
     image_tokens: int = 0
     vision: str = "frozen"
+    # FSDP (fitburst.memory.sharded): the ranks the model is sharded over (1: one device, no sharding); whether each
+    # block's gathered weights are freed after its forward; sharded weights, gradients and optimizer state in host
+    # memory. ``batch`` stays per rank: N ranks x micro-batch b train as one device with N x b.
+    world_size: int = 1
+    reshard_after_forward: bool = True
+    offload: bool = False
 
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
@@ -67,8 +73,10 @@ class TrainSettings:
             raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
-        if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
-            raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
+        if min(self.batch, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
+            raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
+        if self.world_size > 1 and self.quant == "int8":
+            raise ValueError("FSDP cannot shard an int8 base (bitsandbytes' 8-bit weights): use quant nf4")
 
     @property
     def kbit(self) -> bool:
@@ -95,7 +103,11 @@ class TrainSettings:
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
-        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
+        fsdp = ""
+        if self.world_size > 1:
+            fsdp = f" fsdp{self.world_size}" + ("" if self.reshard_after_forward else " keep-gathered") + (
+                " offload" if self.offload else "")
+        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}{fsdp}"
 
 
 def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
@@ -119,7 +131,9 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         pure_bf16=t.pure_bf16,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
-        vision="frozen" if px is None else m.vision)
+        vision="frozen" if px is None else m.vision,
+        # one device until a plan shards the run (fitburst.memory.planner.plan_gpus picks the world size)
+        reshard_after_forward=t.reshard_after_forward, offload=t.cpu_offload)
 
 
 def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
@@ -133,7 +147,8 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
         "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16})
+        "pure_bf16": s.pure_bf16, "reshard_after_forward": s.reshard_after_forward, "cpu_offload": s.offload,
+        "distributed": "fsdp" if s.world_size > 1 else spec.training.distributed})
     update = {"method": method, "training": training}
     px = spec.data.image_max_pixels
     if s.images and px is not None and s.image_tokens < px // QWEN2_VL_PIXELS_PER_TOKEN:  # the resolution rung

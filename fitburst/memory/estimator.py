@@ -69,10 +69,19 @@ class Estimate:
     method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.calibration) applies
     band: ErrorBand | None = None  # set by Budget.judge (fitburst.memory.budget): the band the fit was judged by
     fits: bool | None = None  # set by Budget.judge: None until judged against a budget
+    # several GPUs (FSDP): every figure above is one GPU's (each rank holds as much); ``host_bytes``: the host RAM one
+    # node needs for the run beyond the processes themselves (:func:`host_bytes`)
+    world_size: int = 1
+    nodes: int = 1
+    host_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["headroom_bytes"] = self.budget_bytes - self.device_total_bytes + self._context()
+        d["gpus_per_node"] = self.world_size // max(self.nodes, 1)
+        d["totals"] = {k: getattr(self, k) * self.world_size  # across all GPUs of the run
+                       for k in ("allocated_peak_bytes", "reserved_peak_bytes", "device_total_bytes")}
+        d["host_bytes_total"] = self.host_bytes * self.nodes
         return d
 
     @classmethod
@@ -889,6 +898,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         notes=notes,
         calibration_factor=factor,
         reserved_calibration_factor=rfactor,
+        world_size=s.world_size,
     )
 
 
@@ -902,7 +912,7 @@ def _packed_4bit(shape: ModelShape, s: TrainSettings) -> int:
     return sum(c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks()) // 2
 
 
-def _gathered(shape: ModelShape, s: TrainSettings) -> tuple[int, int, int, int, int]:
+def gathered_bytes(shape: ModelShape, s: TrainSettings) -> tuple[int, int, int, int, int]:
     """(root bytes, largest block's bytes, all blocks' bytes, largest block's trained numel, root's trained numel)
     as FSDP gathers them: the compute dtype under its mixed precision, else each weight's own (fp32 adapters, master
     weights, k-bit's fp32 norms); packed 4-bit weights as packed. The root holds what no block does (embeddings,
@@ -945,7 +955,7 @@ def fsdp_buffers(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     gradient reduction of one block or of the root: its unsharded gradient (compute dtype) and the fp32
     reduce-scatter input. Keeping gathered weights after forward (``reshard_after_forward`` off) holds every block
     from forward to its backward."""
-    root, block, blocks, train, root_train = _gathered(shape, s)
+    root, block, blocks, train, root_train = gathered_bytes(shape, s)
     reduce = (DTYPE_BYTES[s.dtype] if s.amp else 4) + 4
     if s.reshard_after_forward:
         fwd, loss, bwd = root + 3 * block, root + block, root + 2 * block
@@ -970,6 +980,31 @@ def _per_rank(comp: dict[str, int], n: int, replicated: int, buffers: int, step:
         out[k] = v
     out["fsdp_buffers"] = buffers
     return out
+
+
+def model_state_bytes(params: dict[str, int], s: TrainSettings) -> dict[str, int]:
+    """The whole run's weights (as trained: 4-bit packed, fp32 masters), gradients and optimizer state, from an
+    estimate's parameter counts (``total``, ``trainable``, ``base``): what FSDP shards, offloads and loads."""
+    d = DTYPE_BYTES[s.dtype]
+    frozen = params["total"] - (params["trainable"] if s.method != "full" else params["total"])
+    per = 0.5 if s.quant in ("nf4", "fp4") else 1.0 if s.quant == "int8" else (4 if s.master_weights else d)
+    pbytes = 4 if (s.method != "full" or s.master_weights) else d
+    state = {"adamw": 2 * pbytes, "sgd": pbytes}.get(s.optimizer, 2)
+    return {"weights": int(frozen * per + params["trainable"] * pbytes), "gradients": params["trainable"] * pbytes,
+            "optimizer_states": params["trainable"] * state}
+
+
+def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> int:
+    """Host RAM one node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards of the
+    weights, gradients and optimizer state; and while loading, one copy of the base weights as loaded (the node's
+    first rank reads the checkpoint, the others take their shards from it, as accelerate's CPU-RAM-efficient
+    loading does). 0 for one device (the weights load onto it)."""
+    if s.world_size <= 1:
+        return 0
+    states = model_state_bytes(params, s)
+    loaded = states["weights"] - states["gradients"] if s.method != "full" else states["weights"]
+    offloaded = sum(states.values()) // s.world_size * gpus_per_node if s.offload else 0
+    return loaded + offloaded
 
 
 def _comp(w: dict, lora_w: int, grads: int, opt: int, acts: int, loss: int, transient: int) -> dict[str, int]:

@@ -154,9 +154,9 @@ def materialize(model, rec, s, quantize) -> int:
     if s.kbit:
         quantize()
         for m in model.modules():
-            w = getattr(m, "weight", None)
-            if type(m).__name__ == "Linear4bit" and getattr(w, "quant_state", None) is not None:
-                m.quant_state = w.quant_state
+            state = getattr(getattr(m, "weight", None), "quant_state", None)
+            if type(m).__name__ == "Linear4bit" and state is not None:
+                m.quant_state = state
         _shard_traced(model, s)
     else:
         model.to_empty(device="cpu")

@@ -81,8 +81,9 @@ def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int
 def peak_components(events: list[Event], start: int) -> dict[str, int]:
     """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
     ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``cuda_workspaces`` (cuBLAS's,
-    on CUDA), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum to the peak
-    of :func:`live_peaks`."""
+    on CUDA), ``fsdp_buffers`` (a sharded run's gathered weights and gradient reductions, the sharded gradients
+    they leave included), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum
+    to the peak of :func:`live_peaks`."""
     cur = peak = 0
     at = -1
     for i, e in enumerate(events):
@@ -94,6 +95,7 @@ def peak_components(events: list[Event], start: int) -> dict[str, int]:
         if e.kind == "alloc":
             kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
                 "cuda_workspaces" if e.tag == "workspace" else
+                "fsdp_buffers" if e.tag.startswith("fsdp_") else
                 "optimizer_states" if e.phase.startswith("warmup.") else "step_tensors")
             live[e.sid] = (e.size, kind)
         else:
@@ -680,6 +682,8 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
+    if s.world_size > 1:
+        notes.append(f"traced as rank 0 of {s.world_size} (FSDP2 in a fake process group): per-GPU figures")
     if trace.kv_expanded:
         notes.append(cuda_kernels.expanded_kv_note(device))
     events = trace.events
@@ -711,4 +715,4 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         budget_bytes=device.budget_bytes,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size)

@@ -161,7 +161,7 @@ def resolve_device(name: str = "auto") -> Device:
 # --- several GPUs -------------------------------------------------------------------------------------------
 # ``preflight.device`` names one device as above, or several GPUs of one kind on this machine: ``<device> xN``
 # (``RTX4090 x2``, ``cuda:24GiB x2``, also ``2x RTX4090``), ``cuda:0,1`` (those visible GPUs, probed), ``auto`` /
-# ``cuda`` (every visible CUDA GPU). MPS and the CPU are one device each.
+# ``cuda`` (every visible CUDA GPU). MPS is one device; ``cpu xN`` is N processes sharing this CPU's memory (gloo).
 
 _TIMES = re.compile(r"^(?:(?P<n1>\d+)\s*[x×]\s+(?P<d1>\S.*)|(?P<d2>.*\S)\s+[x×]\s*(?P<n2>\d+))$", re.I)
 _INDICES = re.compile(r"^cuda:(\d+(?:,\d+)+)$", re.I)  # cuda:0,1 (one GPU: CUDA_VISIBLE_DEVICES; cuda:1 is 1 GiB)
@@ -213,9 +213,9 @@ def check_gpus(name: str) -> None:
         kind = low
     else:
         kind = resolve_device(raw).kind  # a ValueError here lists the known names
-    if kind != "cuda" and n not in (None, 1):
-        raise ValueError(f"{name!r}: {'MPS' if kind == 'mps' else 'the CPU'} is one device (several devices "
-                         "train together only on CUDA GPUs): drop the count")
+    if kind == "mps" and n not in (None, 1):
+        raise ValueError(f"{name!r}: MPS is one device (several devices train together on CUDA GPUs, or as CPU "
+                         "processes: cpu x2): drop the count")
 
 
 def named_device(name: str) -> Device | None:
@@ -240,7 +240,11 @@ def resolve_gpus(name: str = "auto") -> Gpus:
     if raw.lower() in ("auto", "local", "cuda"):
         dev = probe_local(raw.lower())
         return Gpus(dev, _cuda_count() if dev.kind == "cuda" else 1, 1, host)
-    return Gpus(resolve_device(raw), n or 1, 1, host)
+    dev = resolve_device(raw)
+    if dev.kind == "cpu" and n:  # N processes on this CPU (gloo): each has its share of the memory
+        dev = Device(f"{dev.name} / {n}", "cpu", dev.total_bytes // n, dev.budget_bytes // n, dev.supports_bf16,
+                     dev.supports_bnb, dev.context_bytes)
+    return Gpus(dev, n or 1, 1, host)
 
 
 def _cuda_count() -> int:

@@ -254,7 +254,9 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
     hours = local_time.hours if local_time else None
     slow = plan.fits and cap is not None and hours is not None and hours > cap
     here = f"; ~{_duration(hours)} here ({local_time.source})" if local_time and hours is not None else ""
-    fits = (f"fits in {plan.limit_bytes / GIB:.2f} GiB (budget less {plan.estimate.safety_margin:.0%} headroom; "
+    n = plan.settings.world_size
+    fits = (f"fits in {plan.limit_bytes / GIB:.2f} GiB{' per GPU on ' + str(n) + ' GPUs (FSDP)' if n > 1 else ''} "
+            f"(budget less {plan.estimate.safety_margin:.0%} headroom; "
             f"{plan.needed_bytes / GIB:.2f} GiB at the estimate's upper edge)"
             + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured") + here)
     if policy == "never" or (policy == "auto" and plan.fits and not slow):

@@ -862,7 +862,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if s.world_size > 1:  # per rank: model states sharded, FSDP's gathered weights and gradient buffers
         buffers = fsdp_buffers(shape, s)
         replicated = weight_bytes(shape, s).get("weights_quantized", 0) - _packed_4bit(shape, s)
-        phases = {k: _per_rank(v, s.world_size, replicated, buffers[k], k == "optimizer_step")
+        phases = {k: _per_rank(v, s.world_size, replicated, buffers[k], k == "optimizer_step", s.offload)
                   for k, v in phases.items()}
         notes.append(f"FSDP over {s.world_size} GPUs: per-GPU figures (model states / {s.world_size}, activations of "
                      "this GPU's micro-batch, gathered blocks and gradient buffers)")
@@ -966,17 +966,19 @@ def fsdp_buffers(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
             "eval": root + 2 * block}
 
 
-def _per_rank(comp: dict[str, int], n: int, replicated: int, buffers: int, step: bool) -> dict[str, int]:
-    """One phase's components on one of ``n`` ranks: model states sharded (4-bit statistics ``replicated``),
-    activations and transients as the rank's own (the optimizer ``step``'s temporaries are sharded too), FSDP's
-    ``buffers`` added."""
+def _per_rank(comp: dict[str, int], n: int, replicated: int, buffers: int, step: bool,
+              offload: bool = False) -> dict[str, int]:
+    """One phase's components on one of ``n`` ranks: model states sharded (4-bit statistics ``replicated``: they
+    are no parameters), activations and transients as the rank's own (the optimizer ``step``'s temporaries are
+    sharded too), FSDP's ``buffers`` added. With ``offload`` the sharded states and the optimizer step live in host
+    memory (:func:`host_bytes`)."""
     out = {}
     for k, v in comp.items():
         if k in ("weights", "weights_fp32", "lora_weights", "gradients", "optimizer_states") or (
                 step and k == "transient"):
-            v = -(-v // n)
+            v = 0 if offload else -(-v // n)
         elif k == "weights_quantized":
-            v = replicated + -(-(v - replicated) // n)
+            v = replicated + (0 if offload else -(-(v - replicated) // n))
         out[k] = v
     out["fsdp_buffers"] = buffers
     return out

@@ -2,7 +2,7 @@
 benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
 (fitburst.train.prepare_for_training, fitburst.memory.sharded.shard_model), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
-storage resizes included). Prints one JSON line per rank: {"rank", "peak", "losses"}.
+storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "losses"}.
 
 argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), TrainSettings as JSON.
 """
@@ -65,7 +65,10 @@ def main() -> None:
     with tracker:
         losses.append(step())
     peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    print(json.dumps({"rank": dist.get_rank(), "peak": peak, "losses": losses}), flush=True)
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {"rank": dist.get_rank(), "peak": peak, "losses": losses})
+    if dist.get_rank() == 0:  # one writer: lines of several processes would interleave
+        print("\n".join(json.dumps(r) for r in rows), flush=True)
     dist.destroy_process_group()
 
 

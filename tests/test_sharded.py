@@ -22,8 +22,8 @@ CFGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=3000,
                   tie_word_embeddings=False, max_position_embeddings=1024),
     "t5": dict(model_type="t5", d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-               vocab_size=1024, feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
-               pad_token_id=0, eos_token_id=1),
+               vocab_size=1024, feed_forward_proj="gated-gelu", tie_word_embeddings=True, decoder_start_token_id=0,
+               pad_token_id=0, eos_token_id=1),  # tied: built from its config (no checkpoint), a T5 keeps its head tied
     "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     vocab_size=1024, max_position_embeddings=512),
@@ -67,15 +67,23 @@ def gloo_peaks(folder: Path, s: TrainSettings) -> list[dict]:
     return rows
 
 
-CASES = [  # (architecture, settings): LoRA, QLoRA (bitsandbytes runs on CPU), full; 2 and 4 ranks
+# (architecture, settings): LoRA, QLoRA (bitsandbytes runs on CPU), full; 2 and 4 ranks. The real runs' batches hold
+# no padding (tests/fsdp_child.py): padded=False tells the trace so. Full fine-tuning is left out here: gloo
+# reduce-scatters the gradients through a copy of its input, which NCCL (what the trace stands for) does not make,
+# and when that copy is freed varies from run to run (benchmarks/distributed.py measures those rows and says so).
+CASES = [
     ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="fp32", dropout=0.0, world_size=2)),
     ("llama", dict(method="qlora", rank=8, batch=1, seq_len=64, dtype="bf16", dropout=0.0, world_size=2)),
-    ("t5", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", world_size=2)),
-    ("mixtral", dict(method="full", batch=2, seq_len=32, dtype="bf16", world_size=4)),
+    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="bf16", world_size=4)),
+    ("t5", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", world_size=2, padded=False)),
+    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="bf16", dropout=0.0, world_size=2,
+                     padded=False)),
+    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", dropout=0.0, world_size=4,
+                     padded=False)),
 ]
 
 
-@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{k['method']}-{k['world_size']}" for a, k in CASES])
+@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{k['method']}-{k['dtype']}-{k['world_size']}" for a, k in CASES])
 def test_traced_per_rank_peak_is_each_real_ranks_peak_within_1_percent(tmp_path_factory, arch, kw):
     """The trace stands one process in for rank 0 of N (fake process group, fake tensors); the real run is N gloo
     processes with real weights and collectives, each rank's step measured by torch's MemTracker."""

@@ -86,6 +86,15 @@ def test_defaults_merge_and_qlora_quant_default(tmp_path):
         # nothing to adapt
         (GOOD.replace("training:\n      max", "method: {target_modules: []}\n    training:\n      max"), 9,
          ["method.target_modules", "at least 1"]),
+        # several GPUs: a bad count, more per node than the limit, MPS x2, FSDP of an int8 base, offload without FSDP
+        (GOOD + "    burst: {gpus: ['A6000:two']}\n", 11, ["burst.gpus", "GPUs per node, e.g. A6000:2"]),
+        (GOOD + "    burst: {gpus: ['H100:8'], max_gpus_per_node: 4}\n", 11,
+         ["H100:8", "max_gpus_per_node (4)", "raise burst.max_gpus_per_node"]),
+        (GOOD + "    preflight: {device: mps x2}\n", 11, ["preflight.device", "MPS is one device", "drop the count"]),
+        (GOOD.replace("max_steps: 10", "max_steps: 10\n      distributed: fsdp") +
+         "    method: {type: qlora, quant: int8}\n", 11, ["training.distributed", "8-bit weights", "nf4"]),
+        (GOOD.replace("max_steps: 10", "max_steps: 10\n      distributed: none\n      cpu_offload: true"), 12,
+         ["training.cpu_offload", "training.distributed: fsdp"]),
     ],
 )
 def test_mistakes_are_located(tmp_path, bad, line, needles):
@@ -142,3 +151,12 @@ def test_cli_validate_exit_codes(tmp_path, pipelines_file):
     r = subprocess.run([sys.executable, "-m", "fitburst.cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "line 10" in r.stderr and "max_step" in r.stderr
+
+
+def test_gpu_counts_are_canonical_and_multi_gpu_devices_accepted(tmp_path):
+    spec = load_pipeline(write(tmp_path, GOOD), "a", {"burst.gpus": ["RTXA6000:2", "a100-80gb", "H100:8"],
+                                                     "preflight.device": "RTX4090 x2"})
+    assert spec.burst.gpus == ["A6000:2", "A100-80GB", "H100:8"]
+    assert spec.burst.gpu_choices() == [("A6000", 2), ("A100-80GB", None), ("H100", 8)]
+    assert spec.burst.gpu_names() == ["A6000", "A100-80GB", "H100"]
+    assert load_pipeline(write(tmp_path, GOOD), "a", {"preflight.device": "cuda:0,1"}).preflight.device == "cuda:0,1"

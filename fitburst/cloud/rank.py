@@ -160,7 +160,7 @@ def rank_candidates(
         host = min((o.host_memory_gib for o in sold[biggest] if o.host_memory_gib), default=None)
         plan, changes, reason = _plan_on(gpu, shape, settings, spec, exact, counts, biggest, host)
         planned = plan.settings if plan is not None else settings
-        n = planned.world_size if plan is not None and plan.fits else counts[0]
+        n = planned.world_size if plan is not None else counts[0]  # a miss: on the most GPUs tried
         per_node = n if n in sold else biggest
         nodes = -(-n // per_node)
         device = resolve_device(gpu)

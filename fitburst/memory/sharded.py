@@ -150,7 +150,8 @@ def materialize(model, rec, s, quantize) -> int:
     (the trace's quantize-on-load) then sharding, each module keeping its quantization state (replicated on every
     rank: bitsandbytes finds it on the module once FSDP has swapped the weight, ``fix_4bit_weight_quant_state_from_
     module``). The load phase's events are then rewritten as the allocations of what is left: the rank's shards,
-    in order. Returns the bytes loaded (what the trace's ``load_bytes`` records)."""
+    in order. Returns 0 for the trace's ``load_bytes``: no from_pretrained with a device map warms the caching
+    allocator up for the whole checkpoint (:func:`fitburst.memory.cuda_kernels.allocator_warmup`)."""
     if s.kbit:
         quantize()
         for m in model.modules():
@@ -170,7 +171,7 @@ def materialize(model, rec, s, quantize) -> int:
         else:
             live.pop(e.sid, None)
     rec.events[:] = list(live.values())
-    return sum(e.size for e in rec.events)
+    return 0
 
 
 @contextlib.contextmanager

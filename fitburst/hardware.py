@@ -126,8 +126,11 @@ def _parse_size(num: str, unit: str | None) -> int:
 
 def resolve_device(name: str = "auto") -> Device:
     """A named device, a ``kind:SIZE`` string (the size is the device's memory: for mps the budget MPS gets),
-    or ``auto`` / ``cuda`` / ``mps`` / ``cpu`` to probe this machine."""
-    raw = (name or "auto").strip()
+    or ``auto`` / ``cuda`` / ``mps`` / ``cpu`` to probe this machine. Several GPUs (``RTX4090 x2``, ``cuda:0,1``,
+    :func:`resolve_gpus`): one of them."""
+    raw = split_count(name or "auto")[0] or "auto"
+    if idx := _INDICES.match(raw.replace(" ", "")):
+        return probe_local("cuda", [int(i) for i in idx.group(1).split(",")])
     key = raw.upper().replace(" ", "")
     key = ALIASES.get(key, key)
     if key in _NAMED:
@@ -151,8 +154,103 @@ def resolve_device(name: str = "auto") -> Device:
         return probe_local(low)
     raise ValueError(
         f"unknown device {raw!r}: use auto, cuda, mps, cpu, cuda:24GiB / mps:36GiB / cpu:64GiB, "
-        f"or one of {', '.join(known_devices())}"
+        f"or one of {', '.join(known_devices())} (several GPUs: RTX4090 x2, cuda:24GiB x2, cuda:0,1)"
     )
+
+
+# --- several GPUs -------------------------------------------------------------------------------------------
+# ``preflight.device`` names one device as above, or several GPUs of one kind on this machine: ``<device> xN``
+# (``RTX4090 x2``, ``cuda:24GiB x2``, also ``2x RTX4090``), ``cuda:0,1`` (those visible GPUs, probed), ``auto`` /
+# ``cuda`` (every visible CUDA GPU). MPS is one device; ``cpu xN`` is N processes sharing this CPU's memory (gloo).
+
+_TIMES = re.compile(r"^(?:(?P<n1>\d+)\s*[x×]\s+(?P<d1>\S.*)|(?P<d2>.*\S)\s+[x×]\s*(?P<n2>\d+))$", re.I)
+_INDICES = re.compile(r"^cuda:(\d+(?:,\d+)+)$", re.I)  # cuda:0,1 (one GPU: CUDA_VISIBLE_DEVICES; cuda:1 is 1 GiB)
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs a run may use: ``count`` of one kind per node on ``nodes`` nodes. ``device`` is one GPU (its memory
+    and budget: a sharded run is planned per GPU); ``host_bytes``: each node's RAM, where known."""
+
+    device: Device
+    count: int = 1
+    nodes: int = 1
+    host_bytes: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.count * self.nodes
+
+    def label(self) -> str:
+        one = self.device.name if self.count == 1 else f"{self.count}x {self.device.name}"
+        return one if self.nodes == 1 else f"{self.nodes} nodes x {one}"
+
+
+def split_count(name: str) -> tuple[str, int | None]:
+    """``RTX4090 x2`` / ``2x RTX4090`` -> (``RTX4090``, 2); a name without a count -> (name, None)."""
+    m = _TIMES.match((name or "").strip())
+    if not m:
+        return (name or "").strip(), None
+    return (m["d1"] or m["d2"]).strip(), int(m["n1"] or m["n2"])
+
+
+def check_gpus(name: str) -> None:
+    """Refuse a ``preflight.device`` that cannot name this machine's devices, without probing (ValueError)."""
+    raw, n = split_count(name)
+    if _INDICES.match(raw.replace(" ", "")):
+        if n is not None:
+            raise ValueError(f"{name!r}: cuda:0,1 already names the GPUs; drop the count")
+        return
+    if n is not None and n < 1:
+        raise ValueError(f"{name!r}: the count must be 1 or more")
+    low = raw.lower()
+    if low in ("auto", "local", "cuda"):
+        if n is not None:
+            raise ValueError(f"{name!r}: {low} uses every visible CUDA GPU; to use fewer, name them (cuda:0,1) or "
+                             "a GPU and its count (RTX4090 x2)")
+        return
+    if low in ("cpu", "mps"):
+        kind = low
+    else:
+        kind = resolve_device(raw).kind  # a ValueError here lists the known names
+    if kind == "mps" and n not in (None, 1):
+        raise ValueError(f"{name!r}: MPS is one device (several devices train together on CUDA GPUs, or as CPU "
+                         "processes: cpu x2): drop the count")
+
+
+def named_device(name: str) -> Device | None:
+    """The device ``preflight.device`` names without probing this machine (one GPU of several), or None where only a
+    probe can tell (auto, cuda, mps, cpu, cuda:0,1)."""
+    raw = split_count(name)[0]
+    if raw.lower() in ("auto", "local", "cuda", "mps", "cpu") or _INDICES.match(raw.replace(" ", "")):
+        return None
+    return resolve_device(raw)
+
+
+def resolve_gpus(name: str = "auto") -> Gpus:
+    """The GPUs ``name`` stands for (:func:`check_gpus`'s forms): a named or sized device and its count, the listed
+    visible CUDA GPUs, or every visible one (``auto``, ``cuda``: probed; CPU or MPS when there is none). Several
+    GPUs of different memory are planned as the smallest. The host RAM is this machine's (a preflight runs on the
+    machine it plans for)."""
+    check_gpus(name)
+    raw, n = split_count(name)
+    host = host_ram_bytes()
+    if idx := _INDICES.match(raw.replace(" ", "")):
+        return Gpus(resolve_device(raw), len(idx.group(1).split(",")), 1, host)
+    if raw.lower() in ("auto", "local", "cuda"):
+        dev = probe_local(raw.lower())
+        return Gpus(dev, _cuda_count() if dev.kind == "cuda" else 1, 1, host)
+    dev = resolve_device(raw)
+    if dev.kind == "cpu" and n:  # N processes on this CPU (gloo): each has its share of the memory
+        dev = Device(f"{dev.name} / {n}", "cpu", dev.total_bytes // n, dev.budget_bytes // n, dev.supports_bf16,
+                     dev.supports_bnb, dev.context_bytes)
+    return Gpus(dev, n or 1, 1, host)
+
+
+def _cuda_count() -> int:
+    import torch  # only when a CUDA device was probed
+
+    return torch.cuda.device_count()
 
 
 def _cgroup_limit() -> int | None:
@@ -264,28 +362,45 @@ def fused_loss_installed(device: Device, dtype: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
-def probe_local(want: str = "auto") -> Device:
-    """Probe this machine; torch is imported lazily and only when a GPU may be there."""
+def host_ram_bytes() -> int:
+    """This machine's RAM (or its container's limit)."""
+    total, _ = _meminfo()
+    cg = _cgroup_limit()
+    return min(total, cg) if cg is not None else total
+
+
+def _cuda_device(torch, index: int) -> Device:
+    free, total = torch.cuda.mem_get_info(index)
+    props = torch.cuda.get_device_properties(index)
+    used_by_others = total - free
+    ctx = max(used_by_others, 141 * MiB)
+    cap = torch.cuda.get_device_capability(index)
+    return Device(f"cuda ({props.name})", "cuda", total, total - ctx, cap >= (8, 0), True, min(ctx, 600 * MiB))
+
+
+def probe_local(want: str = "auto", indices: list[int] | None = None) -> Device:
+    """Probe this machine; torch is imported lazily and only when a GPU may be there. With several visible CUDA
+    GPUs (or the ``indices`` asked for), the one with the smallest budget: a run sharded over them is planned for
+    it."""
     if want in ("auto", "local", "cuda", "mps"):
         try:
             import torch  # torch: heavy and optional here; only a probe for a GPU needs it
         except ImportError:
             torch = None  # type: ignore[assignment]
         if torch is not None and want in ("auto", "local", "cuda") and torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            props = torch.cuda.get_device_properties(0)
-            used_by_others = total - free
-            ctx = max(used_by_others, 141 * MiB)
-            cap = torch.cuda.get_device_capability(0)
-            return Device(
-                f"cuda ({props.name})", "cuda", total, total - ctx, cap >= (8, 0), True, min(ctx, 600 * MiB)
-            )
+            n = torch.cuda.device_count()
+            missing = [i for i in indices or [] if not 0 <= i < n]
+            if missing:
+                raise ValueError(f"no CUDA GPU {missing[0]} here: this machine shows {n} (cuda:0..{n - 1}; "
+                                 "CUDA_VISIBLE_DEVICES decides which are visible)")
+            return min((_cuda_device(torch, i) for i in (indices if indices is not None else range(n))),
+                       key=lambda d: d.budget_bytes)
         mps = getattr(torch, "backends", None) and torch.backends.mps.is_available() if torch else False
         if mps and want in ("auto", "local", "mps"):
             rec = int(torch.mps.recommended_max_memory())
             total, _ = _meminfo()
             return Device(f"mps ({_apple_chip()})", "mps", total, rec, True, False, 0)
-        if want in ("cuda", "mps"):
+        if want in ("cuda", "mps") or indices:
             raise ValueError(f"no {want} device on this machine (use a named device such as RTX4090)")
     return _cpu_device()
 
@@ -325,6 +440,18 @@ def canonical_gpu(name: str) -> str:
         if up in {n.upper() for n in per.values()}:
             return gpu
     raise ValueError(f"unknown GPU {name!r}: choose from {', '.join(SKY_NAMES)}")
+
+
+def gpu_entry(entry: str) -> tuple[str, int | None]:
+    """A ``burst.gpus`` entry as SkyPilot writes accelerators: ``A6000`` (the planner picks how many) or ``A6000:2``
+    (two per node) -> (fitburst name, count or None). ValueError for an unknown GPU or a bad count."""
+    name, sep, count = entry.strip().partition(":")
+    gpu = canonical_gpu(name)
+    if not sep:
+        return gpu, None
+    if not count.strip().isdigit() or int(count) < 1:
+        raise ValueError(f"{entry!r}: after the colon comes the number of GPUs per node, e.g. {gpu}:2")
+    return gpu, int(count)
 
 
 # --- the SDPA kernel a CUDA device runs -------------------------------------------------------------------

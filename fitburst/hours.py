@@ -50,6 +50,62 @@ MPS_DEFAULT_TFLOPS = 4.0  # an Apple chip not named: about an M2
 CPU_TFLOPS = 0.3  # sustained fp32 training throughput of a desktop CPU (time estimates only)
 
 
+# Several GPUs (FSDP): each step every rank receives the other ranks' shards of every block (all-gather; twice when
+# blocks are gathered again for backward) and reduces the gradients (reduce-scatter), overlapped with compute by
+# FSDP's prefetch. A step then takes as long as the longer of its compute and its communication: the scaling
+# efficiency is compute / max(compute, communication), not a fixed figure. Link bandwidth per GPU, one direction,
+# GB/s, from the vendors' data sheets: NVLink 4 (H100/H200 SXM) 450, NVLink 3 (A100 SXM) 300, NVLink 2 (V100) 150;
+# PCIe 4.0 x16 32 for the other cards (RTX 4090, A6000, L4, A10G, L40S: no NVLink in a rented or desktop box; a
+# two-card NVLink bridge on an A6000 or 3090 is faster), PCIe 3.0 x16 16 on the T4. Between rented nodes 100 Gbit/s
+# Ethernet is assumed (12.5 GB/s; providers' multi-node clusters often have more). NCCL's ring collectives reach
+# about 70 % of a link's peak (COLLECTIVE_FRACTION, an assumption in line with nccl-tests' bus bandwidth).
+LINK_GBPS = {"H100": 450.0, "H200": 450.0, "A100-40GB": 300.0, "A100-80GB": 300.0, "V100-16GB": 150.0,
+             "V100-32GB": 150.0, "T4": 16.0}
+PCIE4_GBPS = 32.0
+NODE_GBPS = 12.5
+COLLECTIVE_FRACTION = 0.7
+# even communication hidden entirely behind compute leaves some exposed (the first block's all-gather, the last
+# reduce-scatter) and takes some of the compute (NCCL's kernels share the GPU): at most this much (assumed)
+MAX_SCALING = 0.95
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How much of N GPUs' compute a sharded run keeps, and where the figure comes from."""
+
+    efficiency: float
+    source: str
+
+
+def link_gbps(device: Device, nodes: int = 1) -> tuple[float, str]:
+    """(GB/s one GPU's collectives get, what link that is)."""
+    name = gpu_name(device.name) if device.kind == "cuda" else None
+    gbps = LINK_GBPS.get(name or "", PCIE4_GBPS)
+    what = {450.0: "NVLink 4", 300.0: "NVLink 3", 150.0: "NVLink 2", 16.0: "PCIe 3.0 x16"}.get(gbps, "PCIe 4.0 x16")
+    if nodes > 1 and NODE_GBPS < gbps:
+        return NODE_GBPS, "100 Gbit/s between nodes (assumed)"
+    return gbps, what
+
+
+def scaling(comm_bytes: int, compute_s: float, device: Device, world_size: int, nodes: int = 1) -> Scaling:
+    """The scaling efficiency of one micro-batch on each of ``world_size`` GPUs: ``compute_s`` of compute per rank
+    against ``comm_bytes`` (:func:`fsdp_traffic`) over the link (:func:`link_gbps`) at COLLECTIVE_FRACTION."""
+    if world_size <= 1:
+        return Scaling(1.0, "one GPU")
+    gbps, link = link_gbps(device, nodes)
+    comm_s = comm_bytes * (world_size - 1) / world_size / (gbps * COLLECTIVE_FRACTION * 1e9)
+    eff = MAX_SCALING * (compute_s / max(compute_s, comm_s) if compute_s > 0 else 1.0)
+    return Scaling(eff, f"{eff:.0%} scaling over {world_size} GPUs: {compute_s:.2f} s compute vs {comm_s:.2f} s "
+                        f"FSDP traffic per micro-batch over {link} ({gbps:g} GB/s x {COLLECTIVE_FRACTION:.0%}), at "
+                        f"most {MAX_SCALING:.0%}")
+
+
+def fsdp_traffic(gathered: int, trained_numel: int, settings: TrainSettings) -> int:
+    """Bytes each rank's collectives move per micro-batch before the (N-1)/N of a ring: every gathered weight once
+    in forward and again in backward (once when kept gathered), and the gradients reduced in fp32."""
+    return gathered * (2 if settings.reshard_after_forward else 1) + 4 * trained_numel
+
+
 @dataclass(frozen=True)
 class Throughput:
     """Training throughput on one device and where the figure comes from."""
@@ -138,10 +194,38 @@ def train_tokens(spec, n_train: int | None = None, mean_len: float | None = None
 
 
 def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Throughput, tokens: int | None, *,
-                   cloud: bool = False) -> Hours | None:
-    """Wall-clock hours for ``tokens`` at ``speed`` (plus provisioning on a cloud node); None without tokens."""
+                   cloud: bool = False, device: Device | None = None, nodes: int = 1) -> Hours | None:
+    """Wall-clock hours for ``tokens`` at ``speed`` per GPU (plus provisioning on a cloud node); None without
+    tokens. A run sharded over ``settings.world_size`` GPUs of ``device`` (on ``nodes`` nodes) splits the tokens
+    between them at the :func:`scaling` efficiency its FSDP traffic leaves."""
     if not tokens:
         return None
-    seconds = tokens / speed.tokens_per_second(flops_per_token(shape, settings))
+    per_token = flops_per_token(shape, settings)
+    rate = speed.tokens_per_second(per_token)
+    n = settings.world_size
+    source = speed.source
+    if n > 1:
+        micro = settings.batch * settings.seq_len
+        eff = scaling(_traffic(shape, settings), micro / rate, device or _any_gpu(), n, nodes)
+        rate *= n * eff.efficiency
+        source += f"; {eff.source}"
+    seconds = tokens / rate
     overhead = CLOUD_OVERHEAD_HOURS if cloud else 0.0
-    return Hours(seconds / 3600 + overhead, speed.source + (f" + {overhead:g} h provisioning" if cloud else ""))
+    return Hours(seconds / 3600 + overhead, source + (f" + {overhead:g} h provisioning" if cloud else ""))
+
+
+def _traffic(shape: ModelShape | int, settings: TrainSettings) -> int:
+    """:func:`fsdp_traffic` of a run: from the model's shape, or without one (a traced architecture) from its
+    parameter count, each weight gathered at 2 bytes (the trained ones' gradients reduced)."""
+    from fitburst.memory.estimator import gathered_bytes, lora_params
+
+    if isinstance(shape, int):
+        trained = shape if settings.method == "full" else 0
+        return fsdp_traffic(2 * shape, trained, settings)
+    root, _, blocks, _, _ = gathered_bytes(shape, settings)
+    trained = shape.param_count() if settings.method == "full" else lora_params(shape, settings)
+    return fsdp_traffic(root + blocks, trained, settings)
+
+
+def _any_gpu() -> Device:
+    return Device("cuda", "cuda", 0, 0)

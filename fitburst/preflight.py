@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Literal
 from fitburst.cloud.rank import Candidate, rank_candidates
 from fitburst.data import PreparedData, count_records, run_settings
 from fitburst.errors import UserError
-from fitburst.hardware import resolve_device
+from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, Gpus, resolve_gpus
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
-from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate, plan_fit
+from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate
 from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
+from fitburst.memory.planner import plan_gpus, world_sizes
 from fitburst.models import resolve_model_ref, spec_shape
 from fitburst.probe import probe
 from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -52,8 +53,8 @@ class Verdict:
 class PreflightReport:
     pipeline: str
     verdict: Verdict
-    device: Device  # the local device planned for
-    plan: Plan  # the plan for the local device (fits or the closest miss)
+    device: Device  # the local device planned for (one GPU of ``gpus``)
+    plan: Plan  # the plan for the local device (fits or the closest miss); plan.settings.world_size GPUs
     seq_len: int
     planned: PipelineSpec  # the spec with the plan applied (what the train step runs)
     tokens: int | None = None  # tokens the run will process (time and cost estimates)
@@ -61,6 +62,12 @@ class PreflightReport:
     candidates: list[Candidate] = field(default_factory=list)  # cloud GPUs, best first (burst only)
     analytic: Estimate | None = None  # the analytic estimate of the planned settings, when the traced one decided
     unchecked: str | None = None  # why the traced estimate did not verify the plan (the analytic band decided)
+    gpus: Gpus | None = None  # the local GPUs the plan could use (None: the one device)
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the local plan trains on (FSDP over more than one)."""
+        return self.plan.settings.world_size
 
     @property
     def estimate(self):
@@ -86,7 +93,9 @@ class PreflightReport:
         return {
             "pipeline": self.pipeline, "verdict": self.verdict.placement, "reason": self.verdict.reason,
             "device": {"name": self.device.name, "kind": self.device.kind, "total_bytes": self.device.total_bytes,
-                       "budget_bytes": self.device.budget_bytes},
+                       "budget_bytes": self.device.budget_bytes, "count": self.gpus.count if self.gpus else 1,
+                       "host_bytes": self.gpus.host_bytes if self.gpus else None},
+            "world_size": self.world_size,
             "estimate": self.estimate.to_dict(), "changes": list(self.changes),
             "settings": asdict(self.plan.settings), "needed_bytes": self.plan.needed_bytes,
             "limit_bytes": self.plan.limit_bytes, "seq_len": self.seq_len, "spec_yaml": self.planned.to_yaml(),
@@ -125,21 +134,28 @@ class PreflightReport:
         time = f"\n\nTime here: ~{_duration(t.hours)} ({t.source})." if t else ""
         cands = ""
         if self.candidates:
-            cands = ("\n\n### Cloud candidates\n| GPU | provider | fits | est. peak GiB | $/h | hours | total $ |\n"
-                     "|---|---|---|---|---|---|---|\n")
+            cands = ("\n\n### Cloud candidates\n| GPUs | provider | fits | est. peak GiB per GPU | all GPUs GiB | "
+                     "$/h | hours | total $ |\n|---|---|---|---|---|---|---|---|\n")
             cands += "\n".join(
-                f"| {c.gpu} | {c.provider} | {c.fits} | "
-                f"{(c.estimate.device_total_bytes if c.estimate else 0) / GIB:.1f} "
+                f"| {c.gpus_label()} | {c.provider} | {c.fits} | "
+                f"{(c.estimate.device_total_bytes if c.estimate else 0) / GIB:.1f} | "
+                f"{(c.estimate.device_total_bytes * c.world_size if c.estimate else 0) / GIB:.1f} "
                 f"| {c.hourly_usd or '-'} | {c.est_hours or '-'} | {c.est_total_usd or '-'} |" for c in self.candidates)
+        n = self.world_size
+        sharded = (f"\n\nSharded with FSDP over {n} GPUs: every figure above is one GPU's; all {n} together reserve "
+                   f"{e.reserved_peak_bytes * n / GIB:.3f} GiB (device totals {e.device_total_bytes * n / GIB:.3f} "
+                   f"GiB)" + (f"; host RAM {e.host_bytes / GIB:.3f} GiB per node" if e.host_bytes else "") + "."
+                   if n > 1 else "")
+        where = self.device.name if n == 1 else f"{n}x {self.device.name}"
         return (
-            f"## Preflight: `{self.pipeline}` on {self.device.name}\n\n"
+            f"## Preflight: `{self.pipeline}` on {where}\n\n"
             f"**Verdict: {self.verdict.placement}** - {self.verdict.reason}\n\n"
             f"Reserved peak {e.reserved_peak_bytes / GIB:.3f} GiB, {self.plan.needed_bytes / GIB:.3f} GiB at the upper "
             f"edge of its error band{band}, against {self.plan.limit_bytes / GIB:.3f} GiB usable (budget less "
             f"{e.safety_margin:.0%} headroom): {_fit_words(self.plan)}. For reference: allocated "
             f"{e.allocated_peak_bytes / GIB:.3f} GiB, device total with the runtime's context "
             f"{e.device_total_bytes / GIB:.3f} GiB; peak phase: {e.peak_phase}; sequence length "
-            f"{self.seq_len}.{time}\n\n"
+            f"{self.seq_len}.{sharded}{time}\n\n"
             f"Estimate: {self.trace_line()}.\n\n"
             f"Training: {describe_lean(self.plan.settings, self.device)}.\n\n"
             f"| component | GiB |\n|---|---|\n{rows}\n\n### Plan\n{plan}{cands}\n")
@@ -186,15 +202,44 @@ class Checked:
     unchecked: str | None = None  # why the trace did not verify the plan (the analytic band decided)
 
 
+def host_limit(gpus: Gpus) -> int | None:
+    """Host RAM a node's sharded run may use for offloaded state and loading: its RAM less the system's reserve and
+    each rank's process (torch and transformers imported); None when the node's RAM is not known."""
+    if gpus.host_bytes is None:
+        return None
+    return gpus.host_bytes - CPU_RESERVE - gpus.count * CPU_CONTEXT
+
+
+def local_counts(spec: PipelineSpec, gpus: Gpus) -> list[int]:
+    """The GPU counts the local plan may use (:func:`fitburst.memory.planner.world_sizes` on this machine's
+    ``gpus``); PreflightFailed where ``training.distributed: fsdp`` has fewer than two."""
+    counts = world_sizes(spec.training.distributed, gpus.count)
+    if not counts:
+        raise PreflightFailed(f"{spec.name}: training.distributed is fsdp (2 or more GPUs) but preflight.device "
+                              f"{spec.preflight.device!r} is {gpus.label()}: name several GPUs (e.g. RTX4090 x2, "
+                              "cuda:0,1) or set training.distributed: auto")
+    return counts
+
+
 def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSettings, device: Device,
-                 seq_len: int) -> Checked:
-    """:func:`plan_fit` with the traced estimate behind it; where the trace cannot run (TraceUnsupported: torch
-    missing, int8, an architecture transformers cannot build) the analytic plan with its wider band, and why.
+                 seq_len: int, gpus: Gpus | None = None, *, trace: bool = True) -> Checked:
+    """:func:`fitburst.memory.planner.plan_gpus` over the GPU counts ``gpus`` allows (:func:`local_counts`; one
+    ``device`` when not given) with the traced estimate behind it; where the trace cannot run (TraceUnsupported:
+    torch missing, int8, an architecture transformers cannot build) the analytic plan with its wider band, and why.
     With no ``shape`` (an architecture the analytic estimate does not model) the trace plans alone, and a trace
-    that cannot run fails the preflight with what failed."""
+    that cannot run fails the preflight with what failed. ``trace`` False: the analytic plan alone, untraced."""
     from fitburst.memory.trace import TraceUnsupported
 
-    args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
+    gpus = gpus or Gpus(device)
+    counts = local_counts(spec, gpus)
+
+    def plan(exact: EstimateFn | None = None, quick: EstimateFn | None = None) -> Plan:
+        return plan_gpus(shape, settings, device, counts, spec.preflight.safety_margin,
+                         spec.preflight.allow.model_dump(), exact=exact, quick=quick, gpus_per_node=gpus.count,
+                         host_limit=host_limit(gpus))
+
+    if not trace and shape is not None:  # the analytic plan alone (the caller says why)
+        return Checked(plan(), None)
     exact = exact_estimate(spec, seq_len)
     if shape is None:
         what = (f"{spec.name}: {spec.model.name} is an architecture the analytic estimate does not model, so only "
@@ -204,15 +249,15 @@ def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSe
         from fitburst.memory.sliced import quick_estimate
 
         try:
-            return Checked(plan_fit(*args, exact=exact, quick=quick_estimate(local_spec(spec), seq_len)), exact)
+            return Checked(plan(exact, quick_estimate(local_spec(spec), seq_len)), exact)
         except TraceUnsupported as e:
             raise PreflightFailed(f"{what}, and it cannot run: {e}") from None
     if exact is None:
-        return Checked(plan_fit(*args), None, "preflight.exact is false")
+        return Checked(plan(), None, "preflight.exact is false")
     try:
-        return Checked(plan_fit(*args, exact=exact), exact)
+        return Checked(plan(exact), exact)
     except TraceUnsupported as e:
-        return Checked(plan_fit(*args), None, f"the traced estimate cannot run: {e}")
+        return Checked(plan(), None, f"the traced estimate cannot run: {e}")
 
 
 def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
@@ -223,7 +268,9 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
     hours = local_time.hours if local_time else None
     slow = plan.fits and cap is not None and hours is not None and hours > cap
     here = f"; ~{_duration(hours)} here ({local_time.source})" if local_time and hours is not None else ""
-    fits = (f"fits in {plan.limit_bytes / GIB:.2f} GiB (budget less {plan.estimate.safety_margin:.0%} headroom; "
+    n = plan.settings.world_size
+    fits = (f"fits in {plan.limit_bytes / GIB:.2f} GiB{' per GPU on ' + str(n) + ' GPUs (FSDP)' if n > 1 else ''} "
+            f"(budget less {plan.estimate.safety_margin:.0%} headroom; "
             f"{plan.needed_bytes / GIB:.2f} GiB at the estimate's upper edge)"
             + (f" after {len(plan.changes)} change(s)" if plan.changes else " as configured") + here)
     if policy == "never" or (policy == "auto" and plan.fits and not slow):
@@ -246,7 +293,7 @@ def decide(spec: PipelineSpec, plan: Plan, local_time: Hours | None,
         best = usable[0]
         cost = f", ~{best.est_hours} h, ~${best.est_total_usd}" if best.est_total_usd is not None else ""
         return Verdict("burst", f"{why}: bursting to {best.label()}{cost}"), candidates
-    refused = "; ".join(f"{c.gpu} on {c.provider}: {c.reason}" for c in candidates) or "no offer found"
+    refused = "; ".join(f"{c.gpus_label()} on {c.provider}: {c.reason}" for c in candidates) or "no offer found"
     if plan.fits and policy == "auto":
         return Verdict("local", f"{fits}; {why}, but no allowed cloud GPU is usable ({refused})"), candidates
     return Verdict("fail", f"{why}, and no allowed cloud GPU is usable: {refused}"), candidates
@@ -258,20 +305,22 @@ def _size(shape: ModelShape | None, plan: Plan) -> ModelShape | int:
 
 
 def conclude(spec: PipelineSpec, shape: ModelShape | None, device: Device, checked: Checked, seq_len: int,
-             tokens: int | None, *, measured_tokens_per_s: float | None = None) -> PreflightReport:
+             tokens: int | None, *, measured_tokens_per_s: float | None = None,
+             gpus: Gpus | None = None) -> PreflightReport:
     """Time the local plan, place the run (:func:`decide`) and write the report."""
     plan, exact = checked.plan, checked.exact
     local_time = (estimate_hours(_size(shape, plan), plan.settings, throughput(device, measured_tokens_per_s),
-                                 tokens) if plan.fits else None)
+                                 tokens, device=device) if plan.fits else None)
 
     verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
     planned = spec_with_settings(spec, plan.settings) if plan.fits else spec
     analytic = None
     if plan.estimate.method == "traced" and shape is not None:
-        analytic = Budget(device, spec.preflight.safety_margin).judge(estimate(shape, plan.settings, device))
+        analytic = Budget(device, spec.preflight.safety_margin, gpus_per_node=gpus.count if gpus else 1).judge(
+            estimate(shape, plan.settings, device))
     return PreflightReport(pipeline=spec.name, verdict=verdict, device=device, plan=plan, seq_len=seq_len,
                            planned=planned, tokens=tokens, local_time=local_time, candidates=candidates,
-                           analytic=analytic, unchecked=checked.unchecked)
+                           analytic=analytic, unchecked=checked.unchecked, gpus=gpus)
 
 
 def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, tokens: int | None,
@@ -311,17 +360,18 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
 
     ``n_train`` and ``mean_len`` (from the prepared data) give the token count behind the time estimates that
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
-    device = resolve_device(device_name or spec.preflight.device)
+    gpus = resolve_gpus(device_name or spec.preflight.device)
+    device = gpus.device
     shape = spec_shape(spec)
     settings, tokens = run_settings(spec, device, seq_len), train_tokens(spec, n_train, mean_len)
     if shape is not None and (why := bursts_anyway(spec, shape, settings, device, tokens)) is not None:
-        args = (shape, settings, device, spec.preflight.safety_margin, spec.preflight.allow.model_dump())
-        report = conclude(spec, shape, device, Checked(plan_fit(*args), exact_estimate(spec, seq_len), why), seq_len,
-                          tokens)
+        unchecked = replace(plan_checked(spec, shape, settings, device, seq_len, gpus, trace=False), unchecked=why,
+                            exact=exact_estimate(spec, seq_len))
+        report = conclude(spec, shape, device, unchecked, seq_len, tokens, gpus=gpus)
         if report.verdict.placement == "burst":
             return report
-    checked = plan_checked(spec, shape, settings, device, seq_len)
-    return conclude(spec, shape, device, checked, seq_len, tokens)
+    checked = plan_checked(spec, shape, settings, device, seq_len, gpus)
+    return conclude(spec, shape, device, checked, seq_len, tokens, gpus=gpus)
 
 
 def bursts_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
@@ -347,12 +397,13 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     """The report re-planned for a smaller budget on the same device (after a probe measured more than the
     estimate), from the already planned settings, and placed again."""
     device = replace(report.device, budget_bytes=budget_bytes)
+    gpus = replace(report.gpus, device=device) if report.gpus else None
     shape = spec_shape(spec)
     checked = plan_checked(spec, shape, run_settings(report.planned, device, report.seq_len), device,
-                           report.seq_len)
+                           report.seq_len, gpus)
     checked.plan.changes[:0] = [*report.changes, why]
     return conclude(report.planned, shape, device, checked, report.seq_len, report.tokens,
-                    measured_tokens_per_s=measured_tokens_per_s)
+                    measured_tokens_per_s=measured_tokens_per_s, gpus=gpus)
 
 
 def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> PreflightReport:
@@ -361,15 +412,16 @@ def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> 
     checked = Checked(report.plan, exact_estimate(spec, report.seq_len) if report.unchecked is None else None,
                       report.unchecked)
     return conclude(report.planned, shape, report.device, checked, report.seq_len, report.tokens,
-                    measured_tokens_per_s=tokens_per_s)
+                    measured_tokens_per_s=tokens_per_s, gpus=report.gpus)
 
 
-def plan_here(spec: PipelineSpec, seq_len: int) -> tuple[PipelineSpec, list[str], Estimate]:
-    """Plan ``spec`` for the device this process runs on, with no burst option (what the cloud node does before
-    training: it may be any GPU of the ordered list). Returns the planned spec, the changes and the estimate;
-    raises PreflightFailed when nothing allowed fits."""
-    device = resolve_device(spec.preflight.device)
-    plan = plan_checked(spec, spec_shape(spec), run_settings(spec, device, seq_len), device, seq_len).plan
+def plan_here(spec: PipelineSpec, seq_len: int, gpus: Gpus | None = None) -> tuple[PipelineSpec, list[str], Estimate]:
+    """Plan ``spec`` for the GPUs this process runs on (``gpus``, default this machine's: ``preflight.device``),
+    with no burst option (what the cloud node does before training: it may be any GPU of the ordered list).
+    Returns the planned spec, the changes and the estimate; raises PreflightFailed when nothing allowed fits."""
+    gpus = gpus or resolve_gpus(spec.preflight.device)
+    device = gpus.device
+    plan = plan_checked(spec, spec_shape(spec), run_settings(spec, device, seq_len), device, seq_len, gpus).plan
     if not plan.fits:
         raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "

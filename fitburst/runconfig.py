@@ -64,6 +64,9 @@ class TrainSettings:
     distributed: str = "auto"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # the ranks the model is sharded over (fitburst.memory.sharded; 1: one device, no sharding). ``batch`` stays per
+    # rank: N ranks x micro-batch b train as one device with N x b.
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
@@ -78,10 +81,10 @@ class TrainSettings:
             raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
-        if self.distributed == "fsdp" and self.quant == "int8":
+        if (self.distributed == "fsdp" or self.world_size > 1) and self.quant == "int8":
             raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
-        if min(self.batch, self.seq_len, self.grad_accum, self.rank) < 1:
-            raise ValueError("batch, seq_len, grad_accum and rank must be >= 1")
+        if min(self.batch, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
+            raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
 
     @property
     def kbit(self) -> bool:
@@ -113,11 +116,12 @@ class TrainSettings:
         ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
-        if self.distributed == "fsdp":
-            ck += " fsdp" + ("" if self.reshard_after_forward else " keep-gathered") + (
-                " cpu-offload" if self.cpu_offload else "")
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
-        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}"
+        fsdp = ""
+        if self.world_size > 1 or self.distributed == "fsdp":
+            fsdp = " fsdp" + (f"{self.world_size}" if self.world_size > 1 else "") + (
+                "" if self.reshard_after_forward else " keep-gathered") + (" cpu-offload" if self.cpu_offload else "")
+        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}{fsdp}"
 
 
 def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
@@ -156,7 +160,8 @@ def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
     training = spec.training.model_copy(update={
         "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
         "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload, "distributed": s.distributed,
+        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload,
+        "distributed": "fsdp" if s.world_size > 1 else s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})
     update = {"method": method, "training": training}

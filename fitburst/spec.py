@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from fitburst.errors import UserError
-from fitburst.hardware import SKY_NAMES, canonical_gpu, resolve_device
+from fitburst.hardware import SKY_NAMES, check_gpus, gpu_entry, named_device, split_count
 
 # What ``data.template: chatml`` renders a conversation with (and the demo tokenizer's own template)
 CHATML_TEMPLATE = (
@@ -223,7 +223,9 @@ SAFETY_MARGIN = 0.03
 
 
 class PreflightSpec(Strict):
-    device: str = Field(default="auto", description="auto, cuda, mps, cpu, or a named device such as T4")
+    device: str = Field(default="auto", description="auto (every visible CUDA GPU, else MPS or the CPU), cuda, mps, "
+                        "cpu, a named device such as T4, cuda:24GiB, or several GPUs of this machine: RTX4090 x2, "
+                        "cuda:24GiB x2, cuda:0,1")
     safety_margin: float = Field(default=SAFETY_MARGIN, ge=0.0, lt=0.9,
                                  description="headroom kept on top of the estimate's error band (fraction of budget)")
     allow: AllowSpec = Field(default_factory=AllowSpec)
@@ -234,9 +236,7 @@ class PreflightSpec(Strict):
     @field_validator("device")
     @classmethod
     def _known_device(cls, v: str) -> str:
-        if v.lower() in ("auto", "cpu", "cuda", "mps"):
-            return v
-        resolve_device(v)  # a ValueError here lists the known names and the kind:SIZE form
+        check_gpus(v)  # a ValueError here lists the known names, the kind:SIZE form and the multi-GPU forms
         return v
 
 
@@ -245,11 +245,16 @@ _DEFAULT_PROVIDERS: tuple[Provider, ...] = ("runpod", "lambda")
 
 
 class BurstSpec(Strict):
-    """When and where to rent a GPU (fitburst.cloud). GPU names as the memory estimator spells them."""
+    """When and where to rent GPUs (fitburst.cloud). GPU names as the memory estimator spells them."""
 
     policy: Literal["auto", "never", "always"] = "auto"
     gpus: list[str] = Field(default_factory=lambda: ["A6000", "T4"],
-                            description="T4, L4, A10G, A6000, A100-40GB, A100-80GB, H100 (RTXA6000 = A6000)")
+                            description="T4, L4, A10G, A6000, A100-40GB, A100-80GB, H100 (RTXA6000 = A6000); "
+                                        "NAME:N fixes N GPUs per node (A6000:2, H100:8), a bare name lets the "
+                                        "planner pick how many")
+    max_gpus_per_node: int = Field(default=8, ge=1, le=16, description="most GPUs one rented node may have")
+    max_nodes: int = Field(default=1, ge=1, le=64, description="most nodes one run may span (more than 1: "
+                                                              "multi-node FSDP over SkyPilot's num_nodes)")
     providers: list[Provider] = Field(default_factory=lambda: list(_DEFAULT_PROVIDERS))
     spot: bool = False
     max_hourly_usd: float | None = Field(default=None, gt=0)
@@ -265,7 +270,15 @@ class BurstSpec(Strict):
     def _known_gpus(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("list at least one GPU, e.g. [A6000, T4]")
-        return list(dict.fromkeys(canonical_gpu(g) for g in v))
+        entries = [gpu_entry(g) for g in v]
+        return list(dict.fromkeys(g if n is None else f"{g}:{n}" for g, n in entries))
+
+    def gpu_choices(self) -> list[tuple[str, int | None]]:
+        """(GPU, GPUs per node or None: the planner picks) for each ``gpus`` entry."""
+        return [gpu_entry(g) for g in self.gpus]
+
+    def gpu_names(self) -> list[str]:
+        return list(dict.fromkeys(g for g, _ in self.gpu_choices()))
 
     @field_validator("providers")
     @classmethod
@@ -288,10 +301,16 @@ class BurstSpec(Strict):
         if self.spot and self.bucket is None:
             raise ValueError("a spot node can be reclaimed mid-run and its disk goes with it: set burst.bucket "
                              "(s3://... or gs://...) so checkpoints survive and the restart resumes, or spot: false")
-        if not any(p in SKY_NAMES[g] for g in self.gpus for p in self.providers):
-            sellers = {g: ", ".join(SKY_NAMES[g]) for g in self.gpus}
+        over = [g for g, n in self.gpu_choices() if n is not None and n > self.max_gpus_per_node]
+        if over:
+            raise ValueError(f"{', '.join(f'{g}:{n}' for g, n in self.gpu_choices() if g in over)} asks for more "
+                             f"GPUs per node than max_gpus_per_node ({self.max_gpus_per_node}): lower the count, or "
+                             "raise burst.max_gpus_per_node")
+        names = self.gpu_names()
+        if not any(p in SKY_NAMES[g] for g in names for p in self.providers):
+            sellers = {g: ", ".join(SKY_NAMES[g]) for g in names}
             raise ValueError(
-                f"none of {self.gpus} is offered by {', '.join(self.providers)} "
+                f"none of {names} is offered by {', '.join(self.providers)} "
                 f"({'; '.join(f'{g} is on {s}' for g, s in sellers.items())})"
             )
         if self.max_total_usd is not None and self.max_hourly_usd is not None and (
@@ -608,8 +627,8 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
     out: list[tuple[tuple[str, ...], str]] = []
     device = spec.preflight.device
-    named = None if device.lower() in ("auto", "cpu", "cuda", "mps") else resolve_device(device)
-    kind = "mps" if device.lower() == "mps" else (named.kind if named else None)
+    named = named_device(device)
+    kind = "mps" if split_count(device)[0].lower() == "mps" else (named.kind if named else None)
     if named is not None and kind == "cuda" and not named.supports_bf16 and spec.training.precision == "bf16":
         out.append((("training", "precision"), f"{named.name} has no bf16 support: set training.precision: fp16 (or "
                                                "auto, which picks fp16 there)"))

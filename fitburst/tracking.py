@@ -274,13 +274,18 @@ class Tracker:
                        "memory.band": band.describe() if band else "",
                        "memory.band_measured": str(bool(band and band.measured)).lower(),
                        "planned.loss": rep["loss"],
-                       "planned.activation_offloading": str(rep["activation_offloading"]).lower()})
+                       "planned.activation_offloading": str(rep["activation_offloading"]).lower(),
+                       # the GPUs the plan trains on: the memory.* figures below are one GPU's, *_total all of them
+                       "world_size": str(rep["world_size"]), "nodes": str(est["nodes"])})
         self.log_metrics({"memory.estimated_peak_bytes": est["device_total_bytes"],
                           "memory.estimated_allocated_bytes": est["allocated_peak_bytes"],
                           # the figure memory.measured_peak_bytes compares with on this device kind
                           "memory.estimated_comparable_bytes": report.estimate.comparable_bytes(report.device.kind),
                           "memory.estimated_reserved_bytes": est["reserved_peak_bytes"],
-                          "memory.budget_bytes": est["budget_bytes"]})
+                          "memory.budget_bytes": est["budget_bytes"],
+                          "memory.estimated_peak_bytes_total": est["totals"]["device_total_bytes"],
+                          "memory.estimated_reserved_bytes_total": est["totals"]["reserved_peak_bytes"],
+                          "memory.estimated_host_bytes": est["host_bytes"]})
         self.log_dict(rep, "preflight/report.json")
         self.log_text(report.to_markdown(), "preflight/report.md")
         with tempfile.TemporaryDirectory() as d:

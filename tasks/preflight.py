@@ -45,4 +45,12 @@ def breakdown_rows(est: Estimate) -> list[dict]:
                          ("reserved (allocator)", est.reserved_peak_bytes),
                          ("device total (+ context)", est.device_total_bytes), ("budget", est.budget_bytes)):
         rows.append({"item": label, "GiB": round(value / gib, 4), "kind": "total"})
+    if est.world_size > 1:  # the figures above are one GPU's
+        n = est.world_size
+        rows.append({"item": f"reserved, all {n} GPUs", "GiB": round(est.reserved_peak_bytes * n / gib, 4),
+                     "kind": "all GPUs"})
+        rows.append({"item": f"device total, all {n} GPUs", "GiB": round(est.device_total_bytes * n / gib, 4),
+                     "kind": "all GPUs"})
+        if est.host_bytes:
+            rows.append({"item": "host RAM per node", "GiB": round(est.host_bytes / gib, 4), "kind": "host"})
     return rows

@@ -27,7 +27,8 @@ GiB = 1 << 30
 def snapshot_prices(monkeypatch):
     """Price cloud GPUs from the snapshot (no SkyPilot catalog download offline)."""
     real = gpus.offers
-    monkeypatch.setattr("fitburst.cloud.rank.offers", lambda g, p, spot=False: real(g, p, spot, use_catalog=False))
+    monkeypatch.setattr("fitburst.cloud.rank.offers",
+                        lambda g, p, spot=False, count=1: real(g, p, spot, use_catalog=False, count=count))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,8 @@ def test_burst_candidates_are_the_pipelines_gpus_only():
 
 def test_no_usable_cloud_gpu_fails_with_the_reasons():
     spec, r = _preflight("qwen7b-lora", "T4", **{"data.max_seq_len": 2048, "preflight.allow.quantize": False,
-                                                "burst.gpus": ["T4"], "burst.providers": ["azure"]})
+                                                "burst.gpus": ["T4"], "burst.providers": ["azure"],
+                                                "burst.max_gpus_per_node": 1})
     assert r.verdict.placement == "fail"
     assert "T4 on azure: does not fit in T4" in r.verdict.reason
 

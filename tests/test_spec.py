@@ -86,6 +86,11 @@ def test_defaults_merge_and_qlora_quant_default(tmp_path):
         # nothing to adapt
         (GOOD.replace("training:\n      max", "method: {target_modules: []}\n    training:\n      max"), 9,
          ["method.target_modules", "at least 1"]),
+        # several GPUs: a bad count, more per node than the limit, MPS x2 (FSDP's own refusals: below)
+        (GOOD + "    burst: {gpus: ['A6000:two']}\n", 11, ["burst.gpus", "GPUs per node, e.g. A6000:2"]),
+        (GOOD + "    burst: {gpus: ['H100:8'], max_gpus_per_node: 4}\n", 11,
+         ["H100:8", "max_gpus_per_node (4)", "raise burst.max_gpus_per_node"]),
+        (GOOD + "    preflight: {device: mps x2}\n", 11, ["preflight.device", "MPS is one device", "drop the count"]),
     ],
 )
 def test_mistakes_are_located(tmp_path, bad, line, needles):
@@ -171,3 +176,12 @@ def test_distributed_combinations_that_cannot_run_are_refused_with_the_field_and
     fine = load_pipeline(write(tmp_path, GOOD), "a", {"training.distributed": "fsdp",
                                                       "training.fsdp.cpu_offload": True})
     assert fine.training.fsdp.cpu_offload and fine.training.fsdp.reshard_after_forward  # the defaults that work
+
+
+def test_gpu_counts_are_canonical_and_multi_gpu_devices_accepted(tmp_path):
+    spec = load_pipeline(write(tmp_path, GOOD), "a", {"burst.gpus": ["RTXA6000:2", "a100-80gb", "H100:8"],
+                                                     "preflight.device": "RTX4090 x2"})
+    assert spec.burst.gpus == ["A6000:2", "A100-80GB", "H100:8"]
+    assert spec.burst.gpu_choices() == [("A6000", 2), ("A100-80GB", None), ("H100", 8)]
+    assert spec.burst.gpu_names() == ["A6000", "A100-80GB", "H100"]
+    assert load_pipeline(write(tmp_path, GOOD), "a", {"preflight.device": "cuda:0,1"}).preflight.device == "cuda:0,1"

@@ -44,23 +44,25 @@ SNAPSHOT: dict[tuple[str, str], tuple[float, float | None, float]] = {
 
 @dataclass
 class Offer:
-    """One provider's cheapest 1-GPU instance for a fitburst GPU name."""
+    """One provider's cheapest instance with ``count`` GPUs of a fitburst GPU name."""
 
     gpu: str  # fitburst name
     provider: str  # runpod | lambda | aws | gcp | azure
     accelerator: str  # SkyPilot catalog name on that provider
-    memory_gib: float | None
-    hourly_usd: float | None  # on-demand or spot, as asked
+    memory_gib: float | None  # one GPU's memory
+    hourly_usd: float | None  # the instance, on-demand or spot, as asked
     region: str | None
     instance_type: str | None
     source: str  # "skypilot-catalog" | "fitburst-snapshot-<date>"
+    count: int = 1  # GPUs on the instance
+    host_memory_gib: float | None = None  # the instance's RAM, where the catalog says
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
-    """Ask SkyPilot's catalog (may raise when it cannot be fetched)."""
+def _catalog_offers(gpu: str, provider: str, spot: bool, count: int = 1) -> list[Offer]:
+    """Ask SkyPilot's catalog for instances with ``count`` of ``gpu`` (may raise when it cannot be fetched)."""
     from sky import catalog, sky_logging  # heavy; only on the burst path
 
     from fitburst.logs import routed
@@ -71,7 +73,7 @@ def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
         found = catalog.list_accelerators(
             gpus_only=True,
             name_filter=f"^{re.escape(acc)}$",
-            quantity_filter=1,
+            quantity_filter=count,
             clouds=SKY_CLOUD[provider],
             case_sensitive=False,
             all_regions=True,
@@ -81,7 +83,7 @@ def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
         if name.upper() != acc.upper():
             continue
         for info in infos:
-            if int(info.accelerator_count) != 1:
+            if int(info.accelerator_count) != count:
                 continue
             price = info.spot_price if spot else info.price
             if price is None or price != price:  # NaN: not offered that way
@@ -91,11 +93,13 @@ def _catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
                     gpu,
                     provider,
                     name,
-                    info.device_memory,
+                    info.device_memory / count if info.device_memory else None,
                     float(price),
                     info.region,
                     info.instance_type,
                     "skypilot-catalog",
+                    count,
+                    info.memory,
                 )
             )
     return out
@@ -111,10 +115,10 @@ def offers_ttl() -> float:
     return float(os.environ.get("FITBURST_OFFERS_TTL", 3600))
 
 
-def _kept_catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
+def _kept_catalog_offers(gpu: str, provider: str, spot: bool, count: int = 1) -> list[Offer]:
     """:func:`_catalog_offers`, or its answer of the last :func:`offers_ttl` seconds (an unreadable catalog too:
     raised again as CatalogUnavailable)."""
-    path = cache_root() / "offers" / f"{provider}-{gpu}-{'spot' if spot else 'on-demand'}.json"
+    path = cache_root() / "offers" / f"{provider}-{gpu}x{count}-{'spot' if spot else 'on-demand'}.json"
     ttl = offers_ttl()
     try:
         if ttl > 0 and time.time() - path.stat().st_mtime < ttl:
@@ -125,7 +129,7 @@ def _kept_catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
     except (OSError, ValueError, TypeError):  # none kept, or a file cut short: ask the catalog
         pass
     try:
-        found = _catalog_offers(gpu, provider, spot)
+        found = _catalog_offers(gpu, provider, spot, count)
         kept = {"offers": [o.to_dict() for o in found]}
     except Exception as e:  # noqa: BLE001 - network errors, missing catalog, pandas errors
         found, kept = [], {"unavailable": type(e).__name__}
@@ -140,12 +144,14 @@ def _kept_catalog_offers(gpu: str, provider: str, spot: bool) -> list[Offer]:
 
 
 def offers(
-    gpus: list[str], providers: list[str], spot: bool = False, use_catalog: bool = True
+    gpus: list[str], providers: list[str], spot: bool = False, use_catalog: bool = True, count: int = 1
 ) -> list[Offer]:
-    """The cheapest offer per (gpu, provider) among ``providers`` for each GPU, cheapest first within a GPU.
+    """The cheapest offer per (gpu, provider) among ``providers`` for each GPU, cheapest first within a GPU, of
+    instances with ``count`` GPUs.
 
     SkyPilot's catalog is the source (its answer kept for :func:`offers_ttl`); a provider whose catalog cannot be
-    read falls back to :data:`SNAPSHOT` (the offer's ``source`` says so). Combinations the provider does not
+    read falls back to :data:`SNAPSHOT` (the offer's ``source`` says so; several GPUs priced as ``count`` times
+    one). Combinations the provider does not
     sell are left out.
     """
     result: list[Offer] = []
@@ -158,7 +164,7 @@ def offers(
             found: list[Offer] = []
             if use_catalog and catalog_ok.get(provider, True):
                 try:
-                    found = _kept_catalog_offers(gpu, provider, spot)
+                    found = _kept_catalog_offers(gpu, provider, spot, count)
                     catalog_ok[provider] = True
                 except CatalogUnavailable as e:
                     log.warning(
@@ -179,10 +185,11 @@ def offers(
                                 provider,
                                 SKY_NAMES[gpu][provider],
                                 snap[2],
-                                price,
+                                price * count,
                                 None,
                                 None,
-                                f"fitburst-snapshot-{SNAPSHOT_DATE}",
+                                f"fitburst-snapshot-{SNAPSHOT_DATE}" + (f" x {count}" if count > 1 else ""),
+                                count,
                             )
                         ]
             if found:

@@ -249,6 +249,8 @@ def burst_train(
     """
     candidates = [Candidate.from_dict(c) for c in candidates]
     ok = check_budget(spec, candidates)
+    if gpus_per_node * nodes == 1 and ok:  # the plan's GPUs: the best usable candidate's count (the ranking's)
+        gpus_per_node, nodes = ok[0].gpus_per_node, ok[0].nodes
     # the node's spec file and staged workdir live only until the launch has uploaded them (dry runs included)
     with tempfile.TemporaryDirectory(prefix="fitburst-task-") as tmp:
         spec_path = write_node_spec(spec, tmp, sharded=gpus_per_node * nodes > 1)

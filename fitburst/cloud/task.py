@@ -142,7 +142,8 @@ def sky_resources(candidates: list[Candidate], spot: bool, autostop_minutes: int
     for c in candidates:
         r: dict[str, Any] = {
             "infra": SKY_CLOUD[c.provider].lower(),
-            "accelerators": {c.accelerator: gpus_per_node},
+            # the candidate's own count (the planner's per GPU type), else the task's
+            "accelerators": {c.accelerator: c.gpus_per_node if c.gpus_per_node > 1 else gpus_per_node},
             "use_spot": spot,
             "disk_size": 100,
         }
@@ -323,7 +324,7 @@ def dry_run_report(
             f"{_num(c.est_total_usd):>8}  {notes}"
         )
     offered = {c.gpu for c in candidates}
-    for gpu in spec.burst.gpus:
+    for gpu in spec.burst.gpu_names():
         if gpu not in offered and gpu in SKY_NAMES:
             lines.append(
                 f"  {gpu}: not offered by {', '.join(spec.burst.providers)} "
@@ -336,7 +337,7 @@ def dry_run_report(
             f"~${best.est_total_usd:.2f}" if best.est_total_usd is not None else "unknown (no token count)"
         )
         lines.append(
-            f"chosen: {best.gpu} on {best.provider} as {best.accelerator}, ${best.hourly_usd:.2f}/h, "
+            f"chosen: {best.gpus_label()} on {best.provider} as {best.accelerator}, ${best.hourly_usd:.2f}/h, "
             f"~{_num(best.est_hours)} h, total {total}; then in order: "
             + (", ".join(c.label() for c in ok[1:]) or "none")
         )

@@ -12,7 +12,7 @@ from fitburst.hardware import Device
 from fitburst.spec import SAFETY_MARGIN
 
 from .calibration import band_for
-from .estimator import Estimate
+from .estimator import Estimate, TrainSettings, host_bytes
 
 
 @dataclass(frozen=True)
@@ -27,25 +27,36 @@ class Budget:
     device: Device
     headroom: float = SAFETY_MARGIN
     scout: bool = False
+    gpus_per_node: int = 1  # a sharded run's GPUs on one node (more ranks than this span several nodes)
+    host_limit: int | None = None  # host RAM a node has for the run's host side (None: not checked)
 
     @property
     def limit(self) -> int:
         return int(self.device.budget_bytes * (1 - self.headroom))
 
     def judge(self, e: Estimate) -> Estimate:
-        """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing)."""
-        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name)
+        """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing); a
+        sharded run also with its nodes and the host RAM each needs (:func:`host_bytes`), which must fit too."""
+        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name, e.world_size)
         e.safety_margin = self.headroom
-        e.fits = self.needed(e) <= self.limit
+        if e.world_size > 1:
+            per_node = min(e.world_size, self.gpus_per_node)
+            e.nodes = -(-e.world_size // per_node)
+            e.host_bytes = host_bytes(e.params, TrainSettings(**e.settings), per_node)
+        e.fits = self.needed(e) <= self.limit and self.host_fits(e)
         return e
+
+    def host_fits(self, e: Estimate) -> bool:
+        return self.host_limit is None or e.host_bytes <= self.host_limit
 
     def needed(self, e: Estimate) -> int:
         """The most ``e``'s run may need: its reserved figure at the band's upper edge."""
         kind, kbit = self.device.kind, _kbit(e)
         if self.scout:
-            lowest = int(e.reserved_peak_bytes * (1 + band_for(f"{e.method}-vs-traced", kind, kbit).low))
-            return band_for("traced", kind, kbit, self.device.name).upper(lowest)
-        return (e.band or band_for(e.method, kind, kbit, self.device.name)).upper(e.reserved_peak_bytes)
+            lowest = int(e.reserved_peak_bytes * (1 + band_for(f"{e.method}-vs-traced", kind, kbit, None,
+                                                                e.world_size).low))
+            return band_for("traced", kind, kbit, self.device.name, e.world_size).upper(lowest)
+        return (e.band or band_for(e.method, kind, kbit, self.device.name, e.world_size)).upper(e.reserved_peak_bytes)
 
     def margin(self, e: Estimate) -> int:
         """Bytes left under the limit at the band's upper edge (negative: by how much it misses)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from pydantic import ValidationError
 
@@ -70,7 +71,15 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                         "the plan needs the memory)")
     p.add_argument("--activation-offloading", action="store_true",
                    help="training.activation_offloading (CUDA): saved activations in pinned host memory")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node the run is sharded over with FSDP (figures "
+                   "are per GPU; totals across all GPUs are shown beside them)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each (multi-node FSDP)")
+    p.add_argument("--offload", action="store_true", help="FSDP: sharded weights, gradients and optimizer state in "
+                   "host memory (training.fsdp.cpu_offload)")
+    p.add_argument("--keep-gathered", action="store_true", help="FSDP: keep each block's gathered weights from "
+                   "forward to backward (training.fsdp.reshard_after_forward: false)")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON (today's keys per GPU; totals, "
+                   "host_bytes and world_size beside them)")
     p.add_argument(
         "--exact",
         action="store_true",
@@ -96,7 +105,9 @@ def spec_from_args(args: argparse.Namespace, device: Device) -> PipelineSpec:
                      "gradient_checkpointing": args.grad_checkpointing, "optimizer": args.optimizer,
                      "precision": args.dtype or ("bf16" if device.supports_bf16 else "fp16"),
                      "attention": args.attention, "pure_bf16": args.pure_bf16, "loss": args.loss,
-                     "activation_offloading": args.activation_offloading},
+                     "activation_offloading": args.activation_offloading,
+                     "distributed": "fsdp" if args.gpus * args.nodes > 1 else "none",
+                     "fsdp": {"cpu_offload": args.offload, "reshard_after_forward": not args.keep_gathered}},
         "eval": {"enabled": False}})
 
 
@@ -115,12 +126,17 @@ def run_estimate(args: argparse.Namespace) -> int:
         if args.activation_offloading and device.kind != "cuda":
             raise ValueError(f"--activation-offloading (training.activation_offloading) moves saved activations off a "
                              f"CUDA GPU; {device.name} is {device.kind}")
+        if args.gpus < 1 or args.nodes < 1:
+            raise ValueError("--gpus and --nodes: 1 or more")
+        if (args.offload or args.keep_gathered) and args.gpus * args.nodes == 1:
+            raise ValueError("--offload and --keep-gathered are FSDP's: shard over --gpus 2 or more")
         try:
             spec = spec_from_args(args, device)
         except ValidationError as e:
             err = e.errors()[0]
             raise ValueError(f"--{'-'.join(str(p) for p in err['loc'][1:])}: {err['msg']}") from None
-        settings = settings_from_spec(spec, device, args.seq_len, images=args.images)
+        settings = replace(settings_from_spec(spec, device, args.seq_len, images=args.images),
+                           world_size=args.gpus * args.nodes)
         if args.images and shape is not None and shape.vision is None:
             raise ValueError(f"--images: {args.model} has no vision tower (a vision-language model takes images)")
         quick = None
@@ -131,7 +147,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         exact = _traced(spec, args.seq_len) if args.exact or (shape is None and quick is None) else quick
         # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
         plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact,
-                        quick=quick if args.exact else None)
+                        quick=quick if args.exact else None, gpus_per_node=args.gpus)
         if exact is not None:
             est = exact(settings, device)
         else:
@@ -148,13 +164,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         est.notes.append(f"{why}: traced instead (the real model built by transformers on the meta device and "
                          "stepped on fake tensors; seconds, not instant)")
         est.notes += [n for n in plan.estimate.notes if n.startswith("planned by")]
-    est = Budget(device, args.safety_margin).judge(est)
+    est = Budget(device, args.safety_margin, gpus_per_node=args.gpus).judge(est)
     est.plan = [] if est.fits else list(plan.changes)
     if args.json:
         d = est.to_dict()
         d["error_band"] = d.pop("band")  # the band the fit was judged by (fitburst.memory.calibration)
         d["verdict"] = "local" if plan.fits else "burst"
-        d["needed_bytes"] = Budget(device, args.safety_margin).needed(est)
+        d["needed_bytes"] = Budget(device, args.safety_margin, gpus_per_node=args.gpus).needed(est)
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
         # the planned settings' own breakdown beside the as-configured one above
         d["planned_components"] = plan.estimate.components if plan.changes else None
@@ -192,7 +208,9 @@ def _print_human(name: str, settings, device, est, plan) -> None:
     budget = Budget(device, est.safety_margin)
     needed = max(budget.needed(est), est.reserved_peak_bytes)
     con = Console()
-    t = Table(title=f"{name}: {settings.describe()} on {device.name} (peak phase: {est.peak_phase})")
+    where = device.name if est.world_size == 1 else (
+        f"{est.world_size}x {device.name}" + (f" on {est.nodes} nodes" if est.nodes > 1 else "") + ", per GPU")
+    t = Table(title=f"{name}: {settings.describe()} on {where} (peak phase: {est.peak_phase})")
     t.add_column("component")
     t.add_column("GiB", justify="right")
     for k, v in sorted(est.components.items(), key=lambda kv: -kv[1]):
@@ -204,6 +222,13 @@ def _print_human(name: str, settings, device, est, plan) -> None:
     t.add_row(f"budget (less {est.safety_margin:.0%} headroom; context left out)", g(budget.limit))
     t.add_section()
     t.add_row("device total (reserved + context), for reference", g(est.device_total_bytes))
+    if est.world_size > 1:  # every figure above is one GPU's
+        n = est.world_size
+        t.add_section()
+        t.add_row(f"all {n} GPUs: reserved", g(est.reserved_peak_bytes * n))
+        t.add_row(f"all {n} GPUs: device total", g(est.device_total_bytes * n))
+        t.add_row("host RAM per node (loading" + (", offloaded state)" if settings.cpu_offload else ")"),
+                  g(est.host_bytes))
     con.print(t)
     con.print(f"error band: {est.band.describe()}")
     p = est.params

@@ -70,10 +70,19 @@ class Estimate:
     method: str = "analytic"  # analytic | traced: which error band (fitburst.memory.calibration) applies
     band: ErrorBand | None = None  # set by Budget.judge (fitburst.memory.budget): the band the fit was judged by
     fits: bool | None = None  # set by Budget.judge: None until judged against a budget
+    # several GPUs (FSDP): every figure above is one GPU's (each rank holds as much); ``host_bytes``: the host RAM one
+    # node needs for the run beyond the processes themselves (:func:`host_bytes`)
+    world_size: int = 1
+    nodes: int = 1
+    host_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["headroom_bytes"] = self.budget_bytes - self.device_total_bytes + self._context()
+        d["gpus_per_node"] = self.world_size // max(self.nodes, 1)
+        d["totals"] = {k: getattr(self, k) * self.world_size  # across all GPUs of the run
+                       for k in ("allocated_peak_bytes", "reserved_peak_bytes", "device_total_bytes")}
+        d["host_bytes_total"] = self.host_bytes * self.nodes
         return d
 
     @classmethod
@@ -289,6 +298,7 @@ class _Ctx:
     norm32: bool = False  # CUDA's and MPS's autocast run native layer_norm in fp32 (a 16-bit stream's norms keep an
     # fp32 copy of their input)
     half_to_float: bool = False  # CUDA's softmax of fp16 scores to fp32 (cuda_kernels.softmax_half_to_float)
+    fsdp_mp: bool = False  # FSDP's mixed precision: LoRA adapters gathered in 16 bits (no fp32 copy of their input)
 
 
 def _norm(saved: dict, key: str, in_key: str, rg_in: bool, c: _Ctx, shape: ModelShape, width: int) -> bool:
@@ -326,9 +336,11 @@ def _linear(saved: dict, name: str, in_key: str, fan_in: int, rg_in: bool, c: _C
         return True
     if name in c.targets and c.lora16:  # autocast: peft runs the adapter in 16 bits, no fp32 copy of its input
         if c.drop:  # dropout keeps its mask; lora_A keeps the dropout output, or (k-bit's fp32 stream) its
-            # 16-bit cast, the fp32 output then freed
-            saved[f"{name}.noise"] = c.mask_b * T * fan_in
+            # 16-bit cast, the fp32 output then freed (FSDP's 16-bit adapters: dropout on the 16-bit input itself)
+            saved[f"{name}.noise"] = (c.lora16 if c.fsdp_mp and c.mask_b != 1 else c.mask_b) * T * fan_in
             saved[f"{name}.drop"] = c.lora16 * T * fan_in
+        elif c.fsdp_mp:  # lora_A keeps the block's own 16-bit input
+            saved[in_key] = c.lora16 * T * fan_in
         else:  # a 16-bit copy of its own: peft casts the input to the adapter's fp32 dtype (transient), autocast
             # casts that back for lora_A
             saved[f"{name}.cast16"] = c.lora16 * T * fan_in
@@ -659,7 +671,11 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     :class:`fitburst.memory.budget.Budget`."""
     s = settings
     d = DTYPE_BYTES[s.dtype]
-    a = 4 if s.kbit else d
+    # FSDP's mixed precision (fitburst.memory.sharded.mixed_precision) gathers every weight in the compute dtype and
+    # casts each block's inputs to it: a 16-bit stream even where k-bit preparation or fp32 master weights would
+    # make it fp32, and no autocast copies of fp32 weights
+    mp = s.world_size > 1 and s.amp
+    a = 4 if s.kbit and not mp else d
     a_lm = 4 if s.kbit and not s.amp else d  # k-bit's fp32 head; under autocast its output is 16-bit
     T = s.batch * s.seq_len
     b, S, padded = s.batch, s.seq_len, s.batch > 1 if s.padded is None else s.padded
@@ -689,11 +705,12 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         padded=padded,
         kv_expanded=kv_expanded,
         merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
-        master=s.master_weights,
+        master=s.master_weights and not mp,
         lora16=d if s.amp and not full else 0,
         gpu_amp=device.kind in ("cuda", "mps") and s.amp,
         norm32=device.kind in ("cuda", "mps") and s.amp and not full and not s.kbit and shape.norm_style == "layernorm",
         half_to_float=device.kind == "cuda" and s.dtype == "fp16" and a == 2,
+        fsdp_mp=mp,
     )
     V, h = shape.vocab, shape.hidden
     notes: list[str] = [expanded_kv_note(device)] if kv_expanded else []
@@ -762,7 +779,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     logits = a_lm * T * V
     L = len(per_layer)
     if ckpt:
-        A_layers_kept = [(4 if s.master_weights else a) * T * h] * L  # checkpointing keeps each layer's input
+        A_layers_kept = [(4 if c.master else a) * T * h] * L  # checkpointing keeps each layer's input
         recompute = [
             max(0, x - (a * T * h if "x" in sv else 0))
             for x, sv in zip(per_layer, per_layer_full, strict=True)
@@ -771,7 +788,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         A_layers_kept = per_layer
         recompute = [0] * L
     # autocast's 16-bit copies of the fp32 adapters (cached through the forward, kept for backward)
-    lora_cast = d * P_tr if c.lora16 else 0
+    lora_cast = d * P_tr if c.lora16 and not mp else 0
     v = shape.vision
     pixels = 4 * s.batch * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
     shared += pixels  # the batch's pixel_values (fp32) live through the step
@@ -811,7 +828,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         loss_fwd = logits + (a_lm + 4) * T * V
         loss_bwd = kept_logits + (a_lm + 8) * T * V
     # autocast's 16-bit copy of an fp32 head (master weights, k-bit's fp32 head), kept for its backward
-    head16 = d * V * h if s.master_weights or (s.kbit and s.amp) else 0
+    head16 = d * V * h if (s.master_weights or (s.kbit and s.amp)) and not mp else 0
     if fused:
         terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
         loss_fwd = loss_bwd = terms.peak
@@ -843,7 +860,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         if full:
             g_so_far += int(layer_params * pbytes)
     if full:  # embedding gradient (dense) arrives last
-        emb_g = pbytes * V * h
+        emb_g = pbytes * V * h if s.world_size == 1 else 0  # sharded: in fsdp_buffers (its reduction)
         tot = shared_bwd + g_so_far + emb_g + kept_logits
         if tot > sum(best_b):
             best_b = (
@@ -862,6 +879,13 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         loss_ev = fused_eval_bytes(kernel, chunk, h, V, a_lm) if fused else a_lm * Te * V + 8 * chunk * V
         ev = loss_ev + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
+    if s.world_size > 1:  # per rank: model states sharded, FSDP's gathered weights and gradient buffers
+        buffers = fsdp_buffers(shape, s)
+        replicated = weight_bytes(shape, s).get("weights_quantized", 0) - _packed_4bit(shape, s)
+        phases = {k: _per_rank(v, s.world_size, replicated, buffers[k], k == "optimizer_step", s.cpu_offload)
+                  for k, v in phases.items()}
+        notes.append(f"FSDP over {s.world_size} GPUs: per-GPU figures (model states / {s.world_size}, activations of "
+                     "this GPU's micro-batch, gathered blocks and gradient buffers)")
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]
@@ -894,7 +918,115 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         notes=notes,
         calibration_factor=factor,
         reserved_calibration_factor=rfactor,
+        world_size=s.world_size,
     )
+
+
+# --- FSDP (fitburst.memory.sharded): per rank -------------------------------------------------------------
+
+
+def _packed_4bit(shape: ModelShape, s: TrainSettings) -> int:
+    """Bytes of the packed 4-bit weights (sharded; their quantization statistics stay whole on every rank)."""
+    if s.quant not in ("nf4", "fp4"):
+        return 0
+    return sum(c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks()) // 2
+
+
+def gathered_bytes(shape: ModelShape, s: TrainSettings) -> tuple[int, int, int, int, int]:
+    """(root bytes, largest block's bytes, all blocks' bytes, largest block's trained numel, root's trained numel)
+    as FSDP gathers them: the compute dtype under its mixed precision, else each weight's own (fp32 adapters, master
+    weights, k-bit's fp32 norms); packed 4-bit weights as packed. The root holds what no block does (embeddings,
+    head, final norms, a vision tower's extras)."""
+    d = DTYPE_BYTES[s.dtype]
+    mp = s.amp
+    full = s.method == "full"
+    base = d if mp or not (full and s.master_weights) else 4
+    rest = d if mp else (4 if s.kbit or s.master_weights or s.dtype == "fp32" else d)  # norms, embeddings
+    trained = 4 if not s.pure_bf16 else d
+    train_g = d if mp else trained
+    per_lora = {}
+    if not full:
+        t = resolve_targets(shape, s.targets)
+        for _, dec in shape.blocks():
+            per_lora[dec] = sum(s.rank * (lin.fan_in + lin.fan_out) for lin in shape.layer_linears(dec)
+                                if lin.name in t)
+            per_lora[dec] += sum(mult * s.rank * shape.experts * (fi + fo) for _, mult, fi, fo in
+                                 shape.lora_experts(s.targets))
+    blocks = []
+    for c, dec in shape.blocks():
+        lin = sum(x.fan_in * x.fan_out for x in shape.layer_linears(dec))
+        bias = sum(x.fan_out for x in shape.layer_linears(dec) if x.bias)
+        other = shape.norm_params_per_layer(dec) + bias + shape.expert_params
+        weights = (lin // 2 if s.quant in ("nf4", "fp4") else lin * base) + other * (rest if s.kbit else base)
+        lora = per_lora.get(dec, 0)
+        numel = lora if not full else lin + other
+        blocks += [(weights + lora * train_g, numel)] * c
+    root_numel = shape.embed_params + shape.lm_head_params + shape.final_norm_params + shape.extra_params
+    root = root_numel * (rest if s.kbit else base)
+    biggest = max(blocks, default=(0, 0))
+    return root, biggest[0], sum(b for b, _ in blocks), biggest[1], root_numel if full else 0
+
+
+def fsdp_buffers(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+    """What FSDP2 adds on a rank in each phase of the step, from its code (torch.distributed.fsdp._fully_shard) and
+    measured against the sharded trace: the root's weights are gathered for the whole step; in forward a block's
+    gathered weights, its all-gather buffer (kept until the next block's copy-out) and the next block's buffer
+    (3 blocks' worth); the loss runs beside one; backward holds a block and the prefetched one (2) plus the
+    gradient reduction of one block or of the root: its unsharded gradient (compute dtype) and the fp32
+    reduce-scatter input. Keeping gathered weights after forward (``reshard_after_forward`` off) holds every block
+    from forward to its backward."""
+    root, block, blocks, train, root_train = gathered_bytes(shape, s)
+    reduce = (DTYPE_BYTES[s.dtype] if s.amp else 4) + 4
+    if s.reshard_after_forward:
+        fwd, loss, bwd = root + 3 * block, root + block, root + 2 * block
+    else:
+        fwd, loss, bwd = root + blocks + block, root + blocks, root + blocks + block
+    bwd = max(bwd + train * reduce, root + root_train * reduce)
+    return {"forward": fwd, "vision": root + 3 * block, "loss": loss, "backward": bwd, "optimizer_step": 0,
+            "eval": root + 2 * block}
+
+
+def _per_rank(comp: dict[str, int], n: int, replicated: int, buffers: int, step: bool,
+              offload: bool = False) -> dict[str, int]:
+    """One phase's components on one of ``n`` ranks: model states sharded (4-bit statistics ``replicated``: they
+    are no parameters), activations and transients as the rank's own (the optimizer ``step``'s temporaries are
+    sharded too), FSDP's ``buffers`` added. With ``offload`` the sharded states and the optimizer step live in host
+    memory (:func:`host_bytes`)."""
+    out = {}
+    for k, v in comp.items():
+        if k in ("weights", "weights_fp32", "lora_weights", "gradients", "optimizer_states") or (
+                step and k == "transient"):
+            v = 0 if offload else -(-v // n)
+        elif k == "weights_quantized":
+            v = replicated + (0 if offload else -(-(v - replicated) // n))
+        out[k] = v
+    out["fsdp_buffers"] = buffers
+    return out
+
+
+def model_state_bytes(params: dict[str, int], s: TrainSettings) -> dict[str, int]:
+    """The whole run's weights (as trained: 4-bit packed, fp32 masters), gradients and optimizer state, from an
+    estimate's parameter counts (``total``, ``trainable``, ``base``): what FSDP shards, offloads and loads."""
+    d = DTYPE_BYTES[s.dtype]
+    frozen = params["total"] - (params["trainable"] if s.method != "full" else params["total"])
+    per = 0.5 if s.quant in ("nf4", "fp4") else 1.0 if s.quant == "int8" else (4 if s.master_weights else d)
+    pbytes = 4 if (s.method != "full" or s.master_weights) else d
+    state = {"adamw": 2 * pbytes, "sgd": pbytes}.get(s.optimizer, 2)
+    return {"weights": int(frozen * per + params["trainable"] * pbytes), "gradients": params["trainable"] * pbytes,
+            "optimizer_states": params["trainable"] * state}
+
+
+def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> int:
+    """Host RAM one node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards of the
+    weights, gradients and optimizer state; and while loading, one copy of the base weights as loaded (the node's
+    first rank reads the checkpoint, the others take their shards from it, as accelerate's CPU-RAM-efficient
+    loading does). 0 for one device (the weights load onto it)."""
+    if s.world_size <= 1:
+        return 0
+    states = model_state_bytes(params, s)
+    loaded = states["weights"] - states["gradients"] if s.method != "full" else states["weights"]
+    offloaded = sum(states.values()) // s.world_size * gpus_per_node if s.cpu_offload else 0
+    return loaded + offloaded
 
 
 def _comp(w: dict, lora_w: int, grads: int, opt: int, acts: int, loss: int, transient: int) -> dict[str, int]:

@@ -119,6 +119,8 @@ def plan_fit(
     *,
     exact: EstimateFn | None = None,
     quick: EstimateFn | None = None,
+    gpus_per_node: int = 1,
+    host_limit: int | None = None,
 ) -> Plan:
     """Fastest settings that fit ``device``: the band's upper edge within budget x (1 - ``safety_margin``).
 
@@ -129,13 +131,13 @@ def plan_fit(
     estimate) choosing what is worth tracing (:func:`_plan_exact_only`).
     """
     allowed = {r.key: True for r in LADDER} | dict(allow or {})
+    budget = Budget(device, safety_margin, gpus_per_node=gpus_per_node, host_limit=host_limit)
     if shape is None:
         if exact is None:
             raise ValueError("an architecture with no analytic estimate is planned by an exact estimate only")
-        return _plan_exact_only(settings, device, safety_margin, allowed, exact, quick)
-    budget = Budget(device, safety_margin)
+        return _plan_exact_only(settings, budget, allowed, exact, quick)
     # with an exact check behind it, the search only picks plans worth tracing; the trace decides
-    scout = Budget(device, safety_margin, scout=True) if exact is not None else budget
+    scout = replace(budget, scout=True) if exact is not None else budget
 
     def analytic(s: TrainSettings, d: Device) -> Estimate:
         return estimate(shape, s, d)
@@ -208,16 +210,66 @@ def plan_fit(
     # nothing fits here: the closest miss (judged as the analytic estimate it is), and how long a sequence would fit
     base = budget.judge(base)
     assert base.band is not None  # judge sets it
-    longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
+    longest = max_seq_len_that_fits(shape, settings, device, safety_margin) if budget.host_fits(base) else 0
     why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
            f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
            f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
+    if not budget.host_fits(base):
+        assert budget.host_limit is not None  # host_fits is False only against a limit
+        what = "offloaded state and loading" if settings.cpu_offload else "loading"
+        why.append(f"and {_gib(base.host_bytes)} of host RAM per node ({what}), of {_gib(budget.host_limit)}: turn "
+                   "training.fsdp.cpu_offload off or use more GPUs")
     if rejected:
         why.append(f"the exact estimate rejected the {len(rejected)} cheapest plan(s) the analytic one accepted")
     why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"
                if longest else f"no sequence length fits {device.name} as configured")
     base.plan = list(why)
     return Plan(False, settings, why, base, budget.needed(base), budget.limit)
+
+
+def world_sizes(distributed: str, per_node: int, max_nodes: int = 1, fixed: int | None = None) -> list[int]:
+    """The GPU counts a plan may use, fewest first: ``training.distributed`` none: 1; auto: 1, then as many as
+    needed; fsdp: 2 or more. Up to ``per_node`` GPUs on one node (all of them when ``fixed`` per node), then whole
+    nodes of ``per_node`` (or ``fixed``) GPUs up to ``max_nodes``; counts past 2 on one node are powers of two (how
+    machines come), ``per_node`` itself included."""
+    if distributed == "none":
+        return [1]
+    if fixed is not None:
+        one = [fixed]
+    else:
+        one = sorted({n for n in (1, 2, 4, 8, 16) if n <= per_node} | {per_node})
+    node = fixed or per_node
+    out = one + [node * k for k in range(2, max_nodes + 1)]
+    return [n for n in out if n >= (2 if distributed == "fsdp" else 1)]
+
+
+def plan_gpus(shape: ModelShape | None, settings: TrainSettings, device: Device, counts: list[int],
+              safety_margin: float = SAFETY_MARGIN, allow: Mapping[str, bool] | None = None, *,
+              exact: EstimateFn | None = None, quick: EstimateFn | None = None, gpus_per_node: int | None = None,
+              host_limit: int | None = None) -> Plan:
+    """The fastest plan on the fewest of ``counts`` GPUs of ``device`` (:func:`world_sizes`), each count planned by
+    :func:`plan_fit` (more than one: sharded with FSDP, every figure per GPU); when none fits, the closest miss on
+    the most GPUs. ``gpus_per_node``: GPUs one node has (default: all of them on one); ``host_limit``: host RAM a
+    node has for what a sharded run keeps there."""
+    if not counts:
+        raise ValueError("no GPU count to plan for")
+    plan: Plan | None = None
+    for n in counts:
+        plan = plan_fit(shape, replace(settings, world_size=n), device, safety_margin, allow, exact=exact,
+                        quick=quick, gpus_per_node=gpus_per_node or n, host_limit=host_limit)
+        if plan.fits:
+            break
+    assert plan is not None
+    n = plan.settings.world_size
+    if n > 1:
+        e = plan.estimate
+        where = f"{n} GPUs" + (f" on {e.nodes} nodes" if e.nodes > 1 else "")
+        why = ("the run fits no fewer" if plan.fits else "the most allowed, and it does not fit there either")
+        plan.changes.insert(0, f"FSDP over {where} ({why}): per GPU {_gib(plan.needed_bytes)} at the estimate's "
+                               f"upper edge, {_gib(e.reserved_peak_bytes * n)} reserved across all"
+                               + (f"; host RAM {_gib(e.host_bytes)} per node" if e.host_bytes else ""))
+        e.plan = list(plan.changes)
+    return plan
 
 
 def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
@@ -236,7 +288,7 @@ def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
     return lo
 
 
-def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: float, allowed: Mapping[str, bool],
+def _plan_exact_only(settings: TrainSettings, budget: Budget, allowed: Mapping[str, bool],
                      exact: EstimateFn, quick: EstimateFn | None = None) -> Plan:
     """The fastest plan the exact estimate alone finds, for an architecture the analytic estimate does not model.
 
@@ -248,8 +300,8 @@ def _plan_exact_only(settings: TrainSettings, device: Device, safety_margin: flo
     estimate, :mod:`fitburst.memory.sliced`) a plan is traced only where the quick figure leaves room for it (the
     low edge of its band against the trace fits, as :class:`Budget` scouts), and what it rules out prunes the
     search as a rejected trace does."""
-    budget = Budget(device, safety_margin)
-    scout = Budget(device, safety_margin, scout=True)
+    device = budget.device
+    scout = replace(budget, scout=True)
     traced: list[str] = []
     screened: list[str] = []
 

@@ -88,8 +88,9 @@ def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int
 def peak_components(events: list[Event], start: int) -> dict[str, int]:
     """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
     ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``cuda_workspaces`` (cuBLAS's,
-    on CUDA), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum to the peak
-    of :func:`live_peaks`."""
+    on CUDA), ``fsdp_buffers`` (a sharded run's gathered weights and gradient reductions, the sharded gradients
+    they leave included), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum
+    to the peak of :func:`live_peaks`."""
     cur = peak = 0
     at = -1
     for i, e in enumerate(events):
@@ -101,6 +102,7 @@ def peak_components(events: list[Event], start: int) -> dict[str, int]:
         if e.kind == "alloc":
             kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
                 "cuda_workspaces" if e.tag == "workspace" else
+                "fsdp_buffers" if e.tag.startswith("fsdp_") else
                 "optimizer_states" if e.phase.startswith("warmup.") else "step_tensors")
             live[e.sid] = (e.size, kind)
         else:
@@ -119,6 +121,7 @@ def _recorder_cls():
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -129,8 +132,16 @@ def _recorder_cls():
     gemm_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
     gemm_4bit = gemm_4bit.default if gemm_4bit is not None else None
     matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+    region_enter = torch.ops.profiler._record_function_enter_new.default
+    region_exit = {torch.ops.profiler._record_function_exit.default,
+                   torch.ops.profiler._record_function_exit._RecordFunction}
     cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
     efficient = aten._scaled_dot_product_efficient_attention.default
+
+    def _local(t):
+        """A DTensor's (a parameter, gradient or optimizer state sharded by FSDP2) own shard: its storage is what the
+        rank holds (the wrapper's storage has the global shape)."""
+        return t._local_tensor if isinstance(t, DTensor) else t
 
     class Recorder(TorchDispatchMode):
         """Records every new output storage (alloc) and its deallocation (free) in order."""
@@ -139,38 +150,77 @@ def _recorder_cls():
             super().__init__()
             self.events: list[Event] = []
             self.live: dict[int, int] = {}  # storage _cdata -> sid
+            self.sizes: dict[int, int] = {}  # sid -> bytes, while live
+            self.finalized: set[int] = set()  # storages (_cdata) with a finalizer registered
             self.phase = "load"
             self.tag = ""
+            self.regions: list[str] = []  # open torch.profiler regions (FSDP names its collectives this way)
             self._next = 0
             self.h2f: set[int] = set()  # sids of softmax outputs computed from an fp16 input's fp32 copy
             self.counters: set[int] = set()  # 0-dim tensors incremented in place (optimizer step counters)
             self._upcast: int | None = None  # sid of an fp32 copy of an fp16 tensor made by the last op
 
         def _free(self, key: int, sid: int, size: int) -> None:
-            if self.live.get(key) == sid:
-                del self.live[key]
-            self.events.append(Event("free", sid, size, self.phase))
+            """A tracked storage died: free what it holds now (nothing, if a resize to 0 freed it already)."""
+            cur = self.live.pop(key, None)
+            if cur is not None:
+                self.events.append(Event("free", cur, self.sizes.pop(cur, size), self.phase))
+
+        def resized(self, st, before: int, after: int) -> None:
+            """``st`` was resized from ``before`` to ``after`` bytes (:func:`fitburst.memory.sharded.storage_resizes`):
+            the bytes it held are freed and the new size allocated, under a new id."""
+            key = st._cdata
+            if (cur := self.live.pop(key, None)) is not None:
+                self.events.append(Event("free", cur, self.sizes.pop(cur, before), self.phase))
+            elif key not in self.finalized:  # a storage made before the recorder: track it from here on
+                self.finalized.add(key)
+                weakref.finalize(st, self._finalized, key, -1, 0)
+            if after:
+                sid = self._next
+                self._next += 1
+                self.live[key], self.sizes[sid] = sid, after
+                self.events.append(Event("alloc", sid, after, self.phase, "resize_", self.tag or self.region_tag()))
+
+        def region_tag(self) -> str:
+            """The tag of what FSDP allocates in its collectives' regions (``fsdp_all_gather``: gathered weights
+            and their buffer; ``fsdp_reduce_scatter``: gradient buffers), else ""."""
+            for name in reversed(self.regions):
+                if name.startswith("FSDP::"):
+                    what = name[6:].split(" ")[0]
+                    return ("fsdp_all_gather" if what.startswith("all_gather") or what.endswith("_prefetch") else
+                            "fsdp_reduce_scatter" if "reduce" in what else "")
+            return ""
 
         def track(self, t, op: str = "", tag: str = "") -> int | None:
             if not isinstance(t, torch.Tensor):
                 return None
-            st = t.untyped_storage()
+            st = _local(t).untyped_storage()
             key = st._cdata
             if key in self.live:
                 return None
             size = st.nbytes()
             sid = self._next
             self._next += 1
-            self.live[key] = sid
-            self.events.append(Event("alloc", sid, size, self.phase, op, tag or self.tag))
-            weakref.finalize(st, self._free, key, sid, size)
+            self.live[key], self.sizes[sid] = sid, size
+            self.events.append(Event("alloc", sid, size, self.phase, op, tag or self.tag or self.region_tag()))
+            if key not in self.finalized:
+                self.finalized.add(key)
+                weakref.finalize(st, self._finalized, key, sid, size)
             return len(self.events) - 1
 
+        def _finalized(self, key: int, sid: int, size: int) -> None:
+            self.finalized.discard(key)
+            self._free(key, sid, size)
+
         def sid_of(self, t) -> int | None:
-            return self.live.get(t.untyped_storage()._cdata)
+            return self.live.get(_local(t).untyped_storage()._cdata)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is region_enter:
+                self.regions.append(args[0])
+            elif func in region_exit and self.regions:
+                self.regions.pop()
             leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if leaves and not any(  # integer bookkeeping on
                     isinstance(t, FakeTensor) or t.is_meta or t.is_floating_point() for t in leaves):
@@ -178,11 +228,11 @@ def _recorder_cls():
                     return func(*args, **kwargs)
             if func is aten._local_scalar_dense.default:  # .item() has no data here: step counters read 1
                 t = args[0]  # (they were incremented), anything else 0 (loss, GradScaler's found-inf flag)
-                return False if t.dtype == torch.bool else int(t.untyped_storage()._cdata in self.counters)
+                return False if t.dtype == torch.bool else int(_local(t).untyped_storage()._cdata in self.counters)
             if func.overloadpacket in counter_ops:
                 for t in tree_leaves(args[0]):
                     if isinstance(t, torch.Tensor) and t.dim() == 0:
-                        self.counters.add(t.untyped_storage()._cdata)
+                        self.counters.add(_local(t).untyped_storage()._cdata)
             if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 # MoE experts (transformers' grouped_mm): the meta kernel accepts only bf16 (as the CUDA kernel
                 # once did); the CPU and CUDA kernels run fp32/fp16 too, with an output of the same shape and dtype
@@ -312,7 +362,8 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
         model = replace_with_bnb_linear(model, modules_to_not_convert=head,
                                         quantization_config=quantization_config(s.quant, s.double_quant,
-                                                                                torch_dtype(s.dtype)))
+                                                                                torch_dtype(s.dtype),
+                                                                                sharded=s.world_size > 1))
         model.is_loaded_in_4bit = True
     return model
 
@@ -498,7 +549,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     from fitburst.models import EXPANDED_KV
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
-    from . import cuda_kernels, mps_kernels
+    from . import cuda_kernels, mps_kernels, sharded
     from .autocast_policy import device_autocast
     from .loss_kernels import loss_kernel_of, traced_fused_loss
 
@@ -507,6 +558,10 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         raise TraceUnsupported(
             "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
+    if s.world_size > 1 and not sharded.in_fake_group():  # rank 0 of world_size, in a fake process group
+        with sharded.fake_process_group(s.world_size):
+            return trace_step(spec, settings, seq_len=seq_len, foreach=foreach, step=step,
+                              kbit_read_ahead=kbit_read_ahead, autocast_of=autocast_of, device=device)
     t0 = time.perf_counter()
     step = step or optimizer_step
     sp = spec_with_settings(spec, s)
@@ -516,16 +571,20 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
+    sharded.shard_on_meta(model, s)
     padded = s.batch > 1 if s.padded is None else s.padded
     rec = _recorder_cls()()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
     sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
             else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
-    with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, gpu_like_masking(padded),
-          device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
-        load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
-        _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+    with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
+          gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
+        if s.world_size > 1:
+            load_bytes = sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
+        else:
+            load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
+            _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
@@ -660,6 +719,8 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]
+    if s.world_size > 1:
+        notes.append(f"traced as rank 0 of {s.world_size} (FSDP2 in a fake process group): per-GPU figures")
     if trace.kv_expanded:
         notes.append(cuda_kernels.expanded_kv_note(device))
     events = trace.events
@@ -691,4 +752,4 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         budget_bytes=device.budget_bytes,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced")
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size)

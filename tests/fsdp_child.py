@@ -1,0 +1,76 @@
+"""One rank of a real FSDP2 run over gloo (started by torchrun from tests/test_sharded.py and
+benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
+(fitburst.train.prepare_for_training, fitburst.memory.sharded.shard_model), two warm-up steps of
+fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
+storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "losses"}.
+
+argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), TrainSettings as JSON.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from fitburst.device import make_amp, torch_dtype, weight_dtype
+from fitburst.memory.sharded import mixed_precision, shard_model
+from fitburst.memory.trace import _batch
+from fitburst.models import auto_model_class, quantization_config
+from fitburst.runconfig import TrainSettings, spec_with_settings
+from fitburst.spec import PipelineSpec
+from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+
+
+class FrozenAwareTracker(MemTracker):
+    """torch's MemTracker, which registers a gradient hook on every parameter: frozen ones (LoRA's base) refuse
+    hooks, and their gradients never exist anyway."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+def main() -> None:
+    folder, s = sys.argv[1], TrainSettings(**json.loads(sys.argv[2]))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    cls = auto_model_class(config)
+    if s.kbit:
+        model = cls.from_pretrained(folder, dtype=torch_dtype(s.dtype), device_map="cpu", attn_implementation="sdpa",
+                                    quantization_config=quantization_config(s.quant, s.double_quant,
+                                                                            torch_dtype(s.dtype), sharded=True))
+    else:
+        model = cls.from_config(config, dtype=weight_dtype(s.dtype, s.method, s.pure_bf16), attn_implementation="sdpa")
+    spec = spec_with_settings(PipelineSpec.model_validate(
+        {"name": "fsdp", "model": {"name": folder}, "data": {"path": "unused.jsonl"}}), s)
+    model = prepare_for_training(model, spec)
+    shard_model(model, dist.get_world_size(), s.reshard_after_forward, mixed_precision(s.dtype, s.pure_bf16))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(s.optimizer, params, 1e-3, 0.0)
+    amp = make_amp(s.dtype, "cpu", pure_bf16=s.pure_bf16)
+    padded = s.batch > 1 if s.padded is None else s.padded
+
+    def step() -> float:
+        micro = [_batch(s.batch, s.seq_len, padded) for _ in range(s.grad_accum)]
+        return optimizer_step(model, opt, params, micro, device="cpu", max_grad_norm=1.0, amp=amp)
+
+    losses = [step(), step()]
+    tracker = FrozenAwareTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        losses.append(step())
+    peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {"rank": dist.get_rank(), "peak": peak, "losses": losses})
+    if dist.get_rank() == 0:  # one writer: lines of several processes would interleave
+        print("\n".join(json.dumps(r) for r in rows), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

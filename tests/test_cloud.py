@@ -206,7 +206,7 @@ def test_a_catalog_answer_is_kept_for_the_ttl_and_an_unreadable_catalog_is_remem
     monkeypatch.setenv("FITBURST_OFFERS_TTL", "3600")
     asked: list[str] = []
 
-    def catalog(gpu, provider, spot):
+    def catalog(gpu, provider, spot, count=1):
         asked.append(provider)
         if provider == "lambda":
             raise ConnectionError("offline")

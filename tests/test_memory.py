@@ -373,12 +373,12 @@ def test_estimate_cli_json_contract():
 
 def test_import_is_light_and_70b_estimate_is_fast():
     code = (
-        "import sys, time; t=time.time(); import fitburst.memory as m; "
+        "import sys, time; t=time.process_time(); import fitburst.memory as m; "
         "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), "
         "m.resolve_device('RTX4090')); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; "
-        "print(time.time()-t)"
+        "print(time.process_time()-t)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 1.0
+    assert float(r.stdout) < 1.0  # CPU seconds: a loaded machine stretches the wall clock, not the work

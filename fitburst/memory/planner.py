@@ -210,19 +210,30 @@ def plan_fit(
     # nothing fits here: the closest miss (judged as the analytic estimate it is), and how long a sequence would fit
     base = budget.judge(base)
     assert base.band is not None  # judge sets it
-    longest = max_seq_len_that_fits(shape, settings, device, safety_margin) if budget.host_fits(base) else 0
-    why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
-           f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
-           f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if not budget.host_fits(base):
+        gpu_fits = budget.needed(base) <= budget.limit
         assert budget.host_limit is not None  # host_fits is False only against a limit
         what = "offloaded state and loading" if settings.cpu_offload else "loading"
-        why.append(f"and {_gib(base.host_bytes)} of host RAM per node ({what}), of {_gib(budget.host_limit)}: turn "
-                   "training.fsdp.cpu_offload off or use more GPUs")
+        why = [f"nothing fits {device.name}: the host RAM does not: {_gib(base.host_bytes)} per node ({what}) of "
+               f"{_gib(budget.host_limit)}" + (f", while each GPU would hold its part ({_gib(budget.needed(base))} of "
+                                               f"{_gib(budget.limit)} at the upper edge)" if gpu_fits else
+                                               f", and each GPU needs {_gib(budget.needed(base))} of "
+                                               f"{_gib(budget.limit)}")
+               + ": a node with more RAM, more GPUs"
+               + (", or training.fsdp.cpu_offload off" if settings.cpu_offload else "")]
+        longest = 0
+    else:
+        longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
+        why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
+               f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
+               f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if rejected:
         why.append(f"the exact estimate rejected the {len(rejected)} cheapest plan(s) the analytic one accepted")
-    why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"
-               if longest else f"no sequence length fits {device.name} as configured")
+    if not budget.host_fits(base):
+        why.append("a shorter sequence does not help: the host RAM decides")
+    else:
+        why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"
+                   if longest else f"no sequence length fits {device.name} as configured")
     base.plan = list(why)
     return Plan(False, settings, why, base, budget.needed(base), budget.limit)
 

@@ -143,6 +143,9 @@ def _kept_catalog_offers(gpu: str, provider: str, spot: bool, count: int = 1) ->
     return found
 
 
+_WARNED: set[str] = set()  # providers whose unreadable catalog was reported
+
+
 def offers(
     gpus: list[str], providers: list[str], spot: bool = False, use_catalog: bool = True, count: int = 1
 ) -> list[Offer]:
@@ -167,12 +170,14 @@ def offers(
                     found = _kept_catalog_offers(gpu, provider, spot, count)
                     catalog_ok[provider] = True
                 except CatalogUnavailable as e:
-                    log.warning(
-                        "SkyPilot catalog for %s unavailable (%s); using fitburst's %s price snapshot",
-                        provider,
-                        e,
-                        SNAPSHOT_DATE,
-                    )
+                    if provider not in _WARNED:  # once per process: each GPU count asks again
+                        _WARNED.add(provider)
+                        log.warning(
+                            "SkyPilot catalog for %s unavailable (%s); using fitburst's %s price snapshot",
+                            provider,
+                            e,
+                            SNAPSHOT_DATE,
+                        )
                     catalog_ok[provider] = False
             if not catalog_ok.get(provider, False) or not use_catalog:
                 snap = SNAPSHOT.get((gpu, provider))

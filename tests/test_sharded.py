@@ -219,3 +219,14 @@ def test_cli_estimate_gpus_prints_per_gpu_figures_in_todays_keys_and_totals_besi
     assert four["host_bytes"] > 0 == one["host_bytes"]
     assert main(["--model", "Qwen/Qwen2.5-7B", "--offload", "--device", "H100"]) == 2
     assert "--offload" in capsys.readouterr().err
+
+
+def test_gpu_check_on_a_machine_without_cuda_says_so_and_exits_2():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: benchmarks/gpu_check.py runs for real here")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 2
+    assert "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr + out.stdout

@@ -195,14 +195,14 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
 
 
 def fsdp_child(folder: str, settings_json: str, out: str) -> None:
-    """One rank (torchrun, NCCL): the tiny model sharded by fitburst.memory.sharded.shard_model, the loop's
+    """One rank (torchrun, NCCL): the demo model sharded by fitburst.distributed.shard, the loop's
     optimizer_step, readings as above; rank 0 writes them to ``out``."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig
 
     from fitburst.device import make_amp, weight_dtype
-    from fitburst.memory.sharded import mixed_precision, shard_model
+    from fitburst.distributed import shard
     from fitburst.memory.trace import _batch
     from fitburst.models import auto_model_class
     from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -221,7 +221,7 @@ def fsdp_child(folder: str, settings_json: str, out: str) -> None:
     spec = spec_with_settings(PipelineSpec.model_validate(
         {"name": "fsdp", "model": {"name": folder}, "data": {"path": "unused.jsonl"}}), s)
     model = prepare_for_training(model, spec)
-    shard_model(model, dist.get_world_size(), s.reshard_after_forward, mixed_precision(s.dtype), device_type="cuda")
+    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward)
     torch.cuda.empty_cache()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

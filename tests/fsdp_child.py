@@ -1,6 +1,6 @@
 """One rank of a real FSDP2 run over gloo (started by torchrun from tests/test_sharded.py and
 benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
-(fitburst.train.prepare_for_training, fitburst.memory.sharded.shard_model), two warm-up steps of
+(fitburst.train.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
 storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "losses"}.
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fitburst.device import make_amp, torch_dtype, weight_dtype
-from fitburst.memory.sharded import mixed_precision, shard_model
+from fitburst.distributed import shard
 from fitburst.memory.trace import _batch
 from fitburst.models import auto_model_class, quantization_config
 from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -48,7 +48,7 @@ def main() -> None:
     spec = spec_with_settings(PipelineSpec.model_validate(
         {"name": "fsdp", "model": {"name": folder}, "data": {"path": "unused.jsonl"}}), s)
     model = prepare_for_training(model, spec)
-    shard_model(model, dist.get_world_size(), s.reshard_after_forward, mixed_precision(s.dtype, s.pure_bf16))
+    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(s.optimizer, params, 1e-3, 0.0)

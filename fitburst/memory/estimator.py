@@ -671,7 +671,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     :class:`fitburst.memory.budget.Budget`."""
     s = settings
     d = DTYPE_BYTES[s.dtype]
-    # FSDP's mixed precision (fitburst.memory.sharded.mixed_precision) gathers every weight in the compute dtype and
+    # FSDP's mixed precision (fitburst.distributed.mixed_precision) gathers every weight in the compute dtype and
     # casts each block's inputs to it: a 16-bit stream even where k-bit preparation or fp32 master weights would
     # make it fp32, and no autocast copies of fp32 weights
     mp = s.world_size > 1 and s.amp

@@ -1,16 +1,14 @@
-"""Sharding a model with torch's FSDP2, and tracing the sharded step as rank 0 of N in one process.
+"""Tracing the step of a run sharded with FSDP2 as rank 0 of N, in one process.
 
-:func:`shard_model` is the one place a model is sharded: ``fully_shard`` on each block (the classes transformers
-names in ``_no_split_modules``: decoder and encoder layers, vision blocks), then on the root. The training loop
-(``fitburst.distributed``) and the preflight's trace both call it, so what is traced is what trains.
-
-:func:`fake_process_group` stands one process in for rank 0 of ``world_size`` ranks (torch's fake process group:
-collectives return at once, their output buffers are allocated as on a real rank). Under ``FakeTensorMode`` the
-sharded step then runs at full size with no memory: sharded parameters, gradients and optimizer state, the
-all-gather and reduce-scatter buffers and the prefetch of the next block's all-gather, in the order a real rank
-allocates them. :func:`storage_resizes` makes those visible to the trace's recorder: FSDP2 allocates and frees
-unsharded parameters by resizing their storage (``UntypedStorage.resize_``), which no dispatch mode sees (torch's
-own ``MemTracker`` patches it the same way).
+The model is sharded by the training loop's own function (:func:`fitburst.distributed.shard`: ``fully_shard`` per
+block, then the root, the run's mixed precision), so what is traced is what trains. :func:`fake_process_group`
+stands one process in for rank 0 of ``world_size`` ranks (torch's fake process group: collectives return at once,
+their output buffers are allocated as on a real rank). Under ``FakeTensorMode`` the sharded step then runs at full
+size with no memory: sharded parameters, gradients and optimizer state, the all-gather and reduce-scatter buffers
+and the prefetch of the next block's all-gather, in the order a real rank allocates them. :func:`storage_resizes`
+makes those visible to the trace's recorder: FSDP2 allocates and frees unsharded parameters by resizing their
+storage (``UntypedStorage.resize_``), which no dispatch mode sees (torch's own ``MemTracker`` patches it the same
+way).
 """
 
 from __future__ import annotations
@@ -21,59 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # heavy: imported where sharding runs
     import torch
-
-FSDP_DEFAULTS = {"reshard_after_forward": True, "offload": False}
-
-
-def block_classes(model) -> set[str]:
-    """Class names of the blocks each get their own ``fully_shard``: the base model's ``_no_split_modules`` (the
-    classes accelerate's FSDP auto-wrap picks too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    if not names:
-        raise ValueError(f"{type(base).__name__} names no blocks (_no_split_modules): FSDP cannot shard it per block")
-    return names
-
-
-def mixed_precision(dtype: str, pure_bf16: bool = False):
-    """The FSDP2 mixed-precision policy matching a run's precision (fitburst.device): a 16-bit run under autocast
-    all-gathers parameters in its compute dtype and reduces gradients in fp32 (the sharded parameters, and so the
-    optimizer step, stay in their stored dtype: fp32 adapters and master weights); fp32 and pure bf16 keep the
-    stored dtype throughout."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if dtype == "fp32" or pure_bf16:
-        return MixedPrecisionPolicy()
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-
-
-def shard_model(model, world_size: int, reshard_after_forward: bool = True, mp_policy=None, *,
-                offload: bool = False, device_type: str = "cpu"):
-    """Shard ``model`` over ``world_size`` ranks of the default process group (which must have that size):
-    ``fully_shard`` per block, then the root. ``reshard_after_forward``: free each block's gathered parameters
-    after its forward (gather again in backward) rather than keep them to the backward; ``mp_policy``: a
-    ``MixedPrecisionPolicy`` (:func:`mixed_precision`), default keeps the stored dtypes; ``offload``: sharded
-    parameters, gradients and optimizer state live in host memory (``CPUOffloadPolicy``, unpinned). Works on a
-    model on the meta device (materialize afterwards with ``to_empty``) or on real weights. Returns the model."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    if dist.get_world_size() != world_size:
-        raise ValueError(f"the process group has {dist.get_world_size()} ranks, not world_size {world_size}")
-    with unset_fake_temporarily():  # the mesh's rank lookup reads values (a trace shards on fake tensors)
-        mesh = init_device_mesh(device_type, (world_size,))
-    kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
-                          "offload_policy": CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()}
-    names = block_classes(model)
-    for m in list(model.modules()):
-        if type(m).__name__ in names:
-            fully_shard(m, reshard_after_forward=reshard_after_forward, **kw)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
-    return model
 
 
 @contextlib.contextmanager
@@ -131,9 +76,11 @@ def in_fake_group() -> bool:
 
 
 def _shard_traced(model, s) -> None:
-    """Shard a model being traced as the run will be (offload is left to :func:`traced`'s tagging: on the fake CPU
-    device of a trace there is no host to offload to)."""
-    shard_model(model, s.world_size, s.reshard_after_forward, mixed_precision(s.dtype, s.pure_bf16))
+    """Shard a model being traced as the training loop shards it (:func:`fitburst.distributed.shard`); offload is
+    left to :func:`traced`'s tagging: on the fake CPU device of a trace there is no host to offload to."""
+    from fitburst.distributed import shard
+
+    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
 
 
 def shard_on_meta(model, s) -> None:
@@ -158,7 +105,10 @@ def materialize(model, rec, s, quantize) -> int:
             state = getattr(getattr(m, "weight", None), "quant_state", None)
             if type(m).__name__ == "Linear4bit" and state is not None:
                 m.quant_state = state
-        _shard_traced(model, s)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # FSDP's default mesh reads rank values; the fake weights stay fake
+            _shard_traced(model, s)
     else:
         model.to_empty(device="cpu")
     adapters = {rec.sid_of(local(p)) for n, p in model.named_parameters() if "lora_" in n}

@@ -64,7 +64,7 @@ class TrainSettings:
     distributed: str = "auto"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    # the ranks the model is sharded over (fitburst.memory.sharded; 1: one device, no sharding). ``batch`` stays per
+    # the ranks the model is sharded over (fitburst.distributed.shard; 1: one device, no sharding). ``batch`` stays per
     # rank: N ranks x micro-batch b train as one device with N x b.
     world_size: int = 1
 

@@ -4,7 +4,9 @@ against the preflight's estimates of the same runs.
     python benchmarks/gpu_check.py [--steps 4] [--out benchmarks/results]
 
 Configurations: the demo (tiny Llama, LoRA); a QLoRA nf4 run of a wider demo model (bitsandbytes on the GPU); with
-two or more visible GPUs an FSDP run over all of them (torchrun, NCCL). Each single-GPU run goes through
+two or more visible GPUs a full fine-tune of that model with FSDP over all of them, through the product's own
+multi-GPU path (``fitburst.distributed.run_local``: torchrun, NCCL), each rank's peak as the loop records it. Each
+single-GPU run goes through
 ``fitburst.train.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
 loads (``fitburst.train.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``),
 after the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.cuda.memory._snapshot()``
@@ -24,7 +26,6 @@ import csv
 import json
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -137,23 +138,28 @@ class Readings:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def _local_ref(spec):
+    """``spec`` with its model named by the folder the loader reads (the trace builds the model from its config)."""
+    from fitburst.models import resolve_model_ref
+
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(spec.model.name)})})
+
+
 def estimates(spec, seq_len: int, device) -> dict[str, object]:
     """The preflight's analytic and traced estimates of the run ``spec`` trains on ``device`` (one micro-batch of
     ``seq_len`` tokens, unpadded)."""
     from fitburst.data import run_settings
     from fitburst.memory import Budget, estimate
     from fitburst.memory.trace import TraceUnsupported, traced_estimate
-    from fitburst.models import resolve_model_ref, spec_shape
+    from fitburst.models import spec_shape
 
     s = replace(run_settings(spec, device, seq_len), padded=False)
     out: dict[str, object] = {}
     shape = spec_shape(spec)
     if shape is not None:
         out["analytic"] = Budget(device).judge(estimate(shape, s, device))
-    ref = resolve_model_ref(spec.model.name)
-    local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
     try:
-        out["traced"] = Budget(device).judge(traced_estimate(local, s, device, seq_len=seq_len))
+        out["traced"] = Budget(device).judge(traced_estimate(_local_ref(spec), s, device, seq_len=seq_len))
     except TraceUnsupported as e:
         print(f"  traced estimate unavailable: {e}", file=sys.stderr)
     return out
@@ -194,81 +200,37 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
 # --- FSDP over every visible GPU ------------------------------------------------------------------------------
 
 
-def fsdp_child(folder: str, settings_json: str, out: str) -> None:
-    """One rank (torchrun, NCCL): the demo model sharded by fitburst.distributed.shard, the loop's
-    optimizer_step, readings as above; rank 0 writes them to ``out``."""
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoConfig
-
-    from fitburst.device import make_amp, weight_dtype
-    from fitburst.distributed import shard
-    from fitburst.memory.trace import _batch
-    from fitburst.models import auto_model_class
-    from fitburst.runconfig import TrainSettings, spec_with_settings
-    from fitburst.spec import PipelineSpec
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
-
-    rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    s = TrainSettings(**json.loads(settings_json))
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("cuda"):
-        model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.dtype, s.method))
-    readings = Readings(Path(out).parent)
-    readings.take(f"after_load_rank{rank}")
-    spec = spec_with_settings(PipelineSpec.model_validate(
-        {"name": "fsdp", "model": {"name": folder}, "data": {"path": "unused.jsonl"}}), s)
-    model = prepare_for_training(model, spec)
-    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward)
-    torch.cuda.empty_cache()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(s.optimizer, params, 1e-4, 0.0)
-    amp = make_amp(s.dtype, "cuda")
-    batch = {k: v.cuda() for k, v in _batch(s.batch, s.seq_len, False).items()}
-    optimizer_step(model, opt, params, [batch], device="cuda", max_grad_norm=1.0, amp=amp)
-    readings.take(f"after_warmup_step_rank{rank}")
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(2):
-        optimizer_step(model, opt, params, [batch], device="cuda", max_grad_norm=1.0, amp=amp)
-    readings.take(f"peak_rank{rank}")
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, readings.rows)
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
-
-
-def run_fsdp(n: int, results: Path, device) -> list[dict]:
-    from fitburst.demo_models import demo_model_dir
+def run_fsdp(n: int, data: Path, steps: int, results: Path, device) -> list[dict]:
+    """A full fine-tune of the wider demo model sharded over ``n`` GPUs through the product's own multi-GPU path
+    (:func:`fitburst.distributed.run_local`: torchrun, one ``fitburst train`` per rank, NCCL), each rank's peak as
+    the loop records it (``TrainResult.rank_peaks``: max_memory_allocated / reserved of the whole run), against the
+    traced per-GPU estimate (rank 0 of ``n``) of the same settings."""
+    from fitburst.data import prepare_pipeline, run_settings
+    from fitburst.distributed import run_local
     from fitburst.memory import Budget
     from fitburst.memory.trace import traced_estimate
-    from fitburst.runconfig import TrainSettings
-    from fitburst.spec import PipelineSpec
+    from fitburst.spec import load_pipeline
+    from fitburst.train import TrainResult
 
-    folder = str(demo_model_dir(hidden_size=1024, num_hidden_layers=8))
-    s = TrainSettings(method="full", batch=1, seq_len=512, dtype="bf16" if device.supports_bf16 else "fp16",
-                      world_size=n, padded=False)
-    out = results / "gpu_check" / f"fsdp-{n}" / "ranks.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                    __file__, "--fsdp-child", folder, json.dumps(s.__dict__), str(out)], check=True)
-    spec = PipelineSpec.model_validate({"name": "fsdp", "model": {"name": folder}, "data": {"path": "x.jsonl"}})
-    e = Budget(device, gpus_per_node=n).judge(traced_estimate(spec, s, device, seq_len=s.seq_len))
+    over = {**configs(data, steps)["demo-qlora-nf4"], "method.type": "full", "method.quant": "none",
+            "training.distributed": "fsdp", "data.max_seq_len": 256}
+    spec = load_pipeline(REPO / "pipelines.yaml", "demo", over)
+    prepared = prepare_pipeline(spec)
+    seq = prepared.stats["max"]
+    run_dir = results / "gpu_check" / f"fsdp-{n}"
+    run_local(spec, prepared.dir, run_dir, n, device="cuda")
+    peaks = TrainResult.load(run_dir).rank_peaks
+    s = replace(run_settings(spec, device, seq), padded=False, world_size=n)
+    e = Budget(device, gpus_per_node=n).judge(traced_estimate(_local_ref(spec), s, device, seq_len=seq))
     rows = []
-    for rank, readings in enumerate(json.loads(out.read_text())):
-        for stage, r in readings.items():
-            row = {"config": f"fsdp-full-{n}gpus", "stage": stage, "gpu": device.name, "world_size": n, **r,
-                   "est_method": "traced"}
-            if stage.startswith("peak"):
-                row.update(est_allocated=e.allocated_peak_bytes, est_reserved=e.reserved_peak_bytes,
-                           est_device_total=e.device_total_bytes,
-                           alloc_ratio=round(r["max_allocated"] / e.allocated_peak_bytes, 4),
-                           reserved_ratio=round(r["max_reserved"] / e.reserved_peak_bytes, 4),
-                           device_ratio=round(r["device_used"] / e.device_total_bytes, 4))
-            rows.append({**row, "rank": rank})
+    for rank, p in enumerate(peaks):
+        rows.append({"config": f"fsdp-full-{n}gpus", "stage": "peak (whole run)", "gpu": device.name,
+                     "world_size": n, "rank": rank, "max_allocated": p.allocated_bytes,
+                     "max_reserved": p.reserved_bytes,
+                     "est_method": "traced", "est_allocated": e.allocated_peak_bytes,
+                     "est_reserved": e.reserved_peak_bytes, "est_device_total": e.device_total_bytes,
+                     "alloc_ratio": round((p.allocated_bytes or 0) / e.allocated_peak_bytes, 4),
+                     "reserved_ratio": round((p.reserved_bytes or 0) / e.reserved_peak_bytes, 4)})
     return rows
 
 
@@ -292,11 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is the warm-up)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    p.add_argument("--fsdp-child", nargs=3, metavar=("FOLDER", "SETTINGS", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.fsdp_child:
-        fsdp_child(*args.fsdp_child)
-        return 0
     n = cuda_or_exit()
     os.environ.setdefault("FITBURST_TRACE_CACHE", "0")  # estimate afresh: the check is of today's code
     from fitburst.hardware import resolve_device
@@ -309,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, overrides in configs(data, max(args.steps, 2)).items():
             print(f"== {name} on {device.name}", flush=True)
             rows += run_one(name, overrides, args.out, device)
-    if n >= 2:
-        print(f"== FSDP over {n} GPUs", flush=True)
-        rows += run_fsdp(n, args.out, device)
+        if n >= 2:
+            print(f"== FSDP over {n} GPUs", flush=True)
+            rows += run_fsdp(n, data, max(args.steps, 2), args.out, device)
     gpu = device.name.replace("cuda (", "").rstrip(")").replace(" ", "_")
     path = args.out / f"gpu_check-{gpu}.csv"
     with path.open("w", newline="") as f:

@@ -184,9 +184,14 @@ def cmd_train(args) -> int:
         if args.plan:
             planned = None
             if w.main:
+                from fitburst.hardware import Gpus, resolve_gpus
                 from fitburst.preflight import plan_here
 
-                planned = plan_here(spec, prepared.stats["max"])
+                # the ranks torchrun started are the GPUs: per GPU, over this node's and the other nodes'
+                here = resolve_gpus(spec.preflight.device)
+                gpus = (Gpus(here.device, w.local_size, w.size // w.local_size, here.host_bytes) if w.sharded
+                        else here)
+                planned = plan_here(spec, prepared.stats["max"], gpus)
             if w.sharded:  # every rank trains rank 0's plan (their GPUs' free memory may differ slightly)
                 from fitburst.device import select_device
 

@@ -213,7 +213,7 @@ def host_limit(gpus: Gpus) -> int | None:
 def local_counts(spec: PipelineSpec, gpus: Gpus) -> list[int]:
     """The GPU counts the local plan may use (:func:`fitburst.memory.planner.world_sizes` on this machine's
     ``gpus``); PreflightFailed where ``training.distributed: fsdp`` has fewer than two."""
-    counts = world_sizes(spec.training.distributed, gpus.count)
+    counts = world_sizes(spec.training.distributed, gpus.count, gpus.nodes)
     if not counts:
         raise PreflightFailed(f"{spec.name}: training.distributed is fsdp (2 or more GPUs) but preflight.device "
                               f"{spec.preflight.device!r} is {gpus.label()}: name several GPUs (e.g. RTX4090 x2, "

@@ -135,7 +135,7 @@ def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
     spec = spec_for(pipelines_file, "demo", training__distributed="fsdp", training__fsdp__reshard_after_forward=False)
     s = settings_from_spec(spec)
     assert (s.distributed, s.reshard_after_forward, s.cpu_offload) == ("fsdp", False, False)
-    assert s.describe().endswith("fsdp keep-gathered adamw sdpa")
+    assert s.describe().endswith("adamw sdpa fsdp keep-gathered")
     back = spec_with_settings(spec, s)
     assert back.training.distributed == "fsdp" and back.training.fsdp == spec.training.fsdp
     assert spec.config_hash() == spec_for(pipelines_file, "demo").config_hash()  # the same run folder, any sharding

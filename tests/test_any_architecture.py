@@ -4,6 +4,7 @@ them, so `fitburst estimate --exact` and `fitburst preflight` trace them, and pl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,26 @@ def test_a_config_that_cannot_be_sliced_says_why():
                      ({"model_type": "x", "num_hidden_layers": 3}, "deeper than 3")]:
         with pytest.raises(NotSliceable, match=why):
             depth(bad)
+
+
+def test_a_gpt_neox_pipeline_without_target_modules_runs_the_dag(tmp_path, root, prefect_server):
+    """data prep -> preflight (the trace plans an architecture the analytic path does not model) -> train (LoRA on
+    every linear layer but the head, the default) -> eval -> MLflow, through the Prefect flow."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import finetune
+
+    model = _model_folder(tmp_path, "gpt_neox", ARCHS["gpt_neox"])
+    pipelines = tmp_path / "pipelines.yaml"
+    pipelines.write_text(json.dumps({"pipelines": {"neox": {
+        "model": {"name": model},
+        "data": {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64},
+        "method": {"type": "lora", "rank": 4},
+        "training": {"max_steps": 3, "micro_batch_size": 2, "precision": "fp32", "log_every": 1},
+        "preflight": {"device": "cpu:8GiB"}, "burst": {"policy": "never"}, "tracking": {"log_model": False}}}}))
+    out = finetune(pipeline="neox", pipelines_file=str(pipelines))
+    run = MlflowClient().get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED", out
+    assert run.data.metrics["memory.estimated_peak_bytes"] > 0 and out["eval_tuned_loss"] > 0
+    adapter = json.loads((Path(out["adapter_dir"]) / "adapter_config.json").read_text())
+    assert {n.rsplit(".", 1)[-1] for n in adapter["target_modules"]} == LINEARS["gpt_neox"]

@@ -256,24 +256,29 @@ def test_a_config_that_cannot_be_sliced_says_why():
             depth(bad)
 
 
-def test_a_gpt_neox_pipeline_without_target_modules_runs_the_dag(tmp_path, root, prefect_server):
-    """data prep -> preflight (the trace plans an architecture the analytic path does not model) -> train (LoRA on
-    every linear layer but the head, the default) -> eval -> MLflow, through the Prefect flow."""
+@pytest.mark.parametrize("arch", ["t5", "gpt_neox", "phi3"])
+def test_a_pipeline_without_target_modules_runs_the_dag(arch, tmp_path, root, prefect_server):
+    """data prep -> preflight (for GPT-NeoX the trace plans an architecture the analytic path does not model) ->
+    train (LoRA on every linear layer but the head, the default) -> eval -> MLflow, through the Prefect flow."""
     from mlflow.tracking import MlflowClient
 
     from flows.finetune import finetune
 
-    model = _model_folder(tmp_path, "gpt_neox", ARCHS["gpt_neox"])
+    if arch == "t5":
+        model = "fitburst/tiny-t5"
+        data = {"path": str(root / "fitburst/demo/seq2seq.jsonl"), "format": "input_target", "max_seq_len": 64,
+                "max_target_len": 32}
+    else:
+        model = _model_folder(tmp_path, arch, ARCHS["gpt_neox"] if arch == "gpt_neox" else PHI3)
+        data = {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64}
     pipelines = tmp_path / "pipelines.yaml"
-    pipelines.write_text(json.dumps({"pipelines": {"neox": {
-        "model": {"name": model},
-        "data": {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64},
-        "method": {"type": "lora", "rank": 4},
+    pipelines.write_text(json.dumps({"pipelines": {arch: {
+        "model": {"name": model}, "data": data, "method": {"type": "lora", "rank": 4},
         "training": {"max_steps": 3, "micro_batch_size": 2, "precision": "fp32", "log_every": 1},
         "preflight": {"device": "cpu:8GiB"}, "burst": {"policy": "never"}, "tracking": {"log_model": False}}}}))
-    out = finetune(pipeline="neox", pipelines_file=str(pipelines))
+    out = finetune(pipeline=arch, pipelines_file=str(pipelines))
     run = MlflowClient().get_run(out["mlflow_run_id"])
     assert run.info.status == "FINISHED", out
     assert run.data.metrics["memory.estimated_peak_bytes"] > 0 and out["eval_tuned_loss"] > 0
     adapter = json.loads((Path(out["adapter_dir"]) / "adapter_config.json").read_text())
-    assert {n.rsplit(".", 1)[-1] for n in adapter["target_modules"]} == LINEARS["gpt_neox"]
+    assert {n.rsplit(".", 1)[-1] for n in adapter["target_modules"]} == LINEARS[arch]

@@ -159,6 +159,15 @@ LINEARS = {  # every linear layer of each family but the output head: what peft'
 }
 
 
+def _family_case(arch: str, tmp_path, root) -> tuple[str, dict]:
+    """(model name, data section) of a tiny model of ``arch`` and data its family reads."""
+    if arch == "t5":
+        return "fitburst/tiny-t5", {"path": str(root / "fitburst/demo/seq2seq.jsonl"), "format": "input_target",
+                                    "max_seq_len": 64, "max_target_len": 32}
+    model = _model_folder(tmp_path, arch, ARCHS["gpt_neox"] if arch == "gpt_neox" else PHI3)
+    return model, {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64}
+
+
 @pytest.mark.parametrize("arch", ["t5", "gpt_neox", "phi3"])
 def test_a_pipeline_without_target_modules_trains_every_family(arch, tmp_path, root):
     """No method.target_modules: LoRA on every linear layer but the head (q_proj, v_proj fit none of these), and
@@ -169,13 +178,7 @@ def test_a_pipeline_without_target_modules_trains_every_family(arch, tmp_path, r
     from fitburst.spec import PipelineSpec
     from fitburst.train import train
 
-    if arch == "t5":
-        model = "fitburst/tiny-t5"
-        data = {"path": str(root / "fitburst/demo/seq2seq.jsonl"), "format": "input_target", "max_seq_len": 64,
-                "max_target_len": 32}
-    else:
-        model = _model_folder(tmp_path, arch, ARCHS["gpt_neox"] if arch == "gpt_neox" else PHI3)
-        data = {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64}
+    model, data = _family_case(arch, tmp_path, root)
     spec = PipelineSpec.model_validate({
         "name": f"{arch}-default-targets", "model": {"name": model}, "data": data,
         "method": {"type": "lora", "rank": 4}, "eval": {"enabled": False},
@@ -264,13 +267,7 @@ def test_a_pipeline_without_target_modules_runs_the_dag(arch, tmp_path, root, pr
 
     from flows.finetune import finetune
 
-    if arch == "t5":
-        model = "fitburst/tiny-t5"
-        data = {"path": str(root / "fitburst/demo/seq2seq.jsonl"), "format": "input_target", "max_seq_len": 64,
-                "max_target_len": 32}
-    else:
-        model = _model_folder(tmp_path, arch, ARCHS["gpt_neox"] if arch == "gpt_neox" else PHI3)
-        data = {"path": str(root / "fitburst/demo/instructions.jsonl"), "format": "alpaca", "max_seq_len": 64}
+    model, data = _family_case(arch, tmp_path, root)
     pipelines = tmp_path / "pipelines.yaml"
     pipelines.write_text(json.dumps({"pipelines": {arch: {
         "model": {"name": model}, "data": data, "method": {"type": "lora", "rank": 4},

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,3 +32,23 @@ def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def read_kept(path: Path, ttl: float | None = None) -> dict | None:
+    """What :func:`keep` wrote at ``path``, or None: none kept, a file cut short, or (with ``ttl``) older than
+    ``ttl`` seconds (``ttl`` 0: never kept)."""
+    try:
+        if ttl is not None and not (ttl > 0 and time.time() - path.stat().st_mtime < ttl):
+            return None
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) else None
+
+
+def keep(path: Path, kept: dict) -> None:
+    """Write ``kept`` to ``path`` as JSON, atomically (concurrent writers leave one whole file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(kept))
+    tmp.replace(path)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -128,19 +127,14 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_preflight(args) -> int:
-    from fitburst.preflight import data_facts, preflight
+    from fitburst.data_facts import pipeline_facts
+    from fitburst.preflight import preflight
     from fitburst.spec import load_pipeline
 
     spec = load_pipeline(args.file, args.pipeline, parse_overrides(args.set))
-    try:
-        from fitburst.data import prepare_pipeline
-
-        seq, n_train, mean = data_facts(spec, prepare_pipeline(spec))
-    except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
-        seq, n_train, mean = data_facts(spec)
-        logging.getLogger(__name__).warning("could not tokenize the data (%s); planning for "
-                                            "data.max_seq_len=%d", type(e).__name__, seq)
-    report = preflight(spec, args.seq_len or seq, args.device, n_train=n_train, mean_len=mean)
+    facts = pipeline_facts(spec)
+    report = preflight(spec, args.seq_len or facts.longest, args.device, n_train=facts.n_train,
+                       mean_len=facts.mean)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from fitburst.cloud.rank import Candidate, rank_candidates
-from fitburst.data import PreparedData, count_records, run_settings
+from fitburst.data import PreparedData, run_settings
 from fitburst.errors import UserError
 from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, Gpus, resolve_gpus
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
@@ -342,16 +342,6 @@ def cloud_candidates(spec: PipelineSpec, report: PreflightReport) -> list[Candid
     run that ran out of memory with every step-down taken bursts to them)."""
     return report.candidates or rank_cloud(spec, spec_shape(spec), report.seq_len, report.tokens,
                                            exact_estimate(spec, report.seq_len))
-
-
-def data_facts(spec: PipelineSpec, prepared=None) -> tuple[int, int | None, float | None]:
-    """(longest sequence, training examples, mean length) of the prepared data; without prepared data (its
-    tokenizer cannot be fetched here) ``data.max_seq_len`` for both lengths and the data file's record count."""
-    if prepared is not None:
-        return prepared.stats["max"], prepared.n_train, prepared.stats["mean"]
-    n = count_records(spec.data_source(), spec.data)[0]
-    seq = spec.data.max_seq_len
-    return seq, round(n * (1 - spec.data.val_split)), seq
 
 
 def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, *, n_train: int | None = None,

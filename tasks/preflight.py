@@ -7,8 +7,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
+from fitburst.data_facts import data_facts
 from fitburst.memory import Estimate
-from fitburst.preflight import PreflightReport, data_facts, preflight, probe_and_replan
+from fitburst.preflight import PreflightReport, preflight, probe_and_replan
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
 from tasks import artifact_key
@@ -17,8 +18,8 @@ from tasks import artifact_key
 @task(name="preflight", cache_policy=NONE)
 def preflight_task(spec: PipelineSpec, prepared: PreparedData | None, tracker: Tracker) -> PreflightReport:
     # prepared is None on a dry run without a tokenizer: the longest allowed sequence, record count from the file
-    seq, n_train, mean = data_facts(spec, prepared)
-    report = preflight(spec, seq, n_train=n_train, mean_len=mean)
+    facts = data_facts(spec, prepared)
+    report = preflight(spec, facts.longest, n_train=facts.n_train, mean_len=facts.mean)
     if spec.preflight.probe and report.verdict.placement == "local" and prepared is not None:
         report, _ = probe_and_replan(spec, prepared, report, tracker)
     log = get_run_logger()

@@ -30,6 +30,7 @@ os.environ.update({
     "HF_HUB_OFFLINE": "1",
     "FITBURST_TRACE_CACHE": "0",  # tests patch kernel rules no cache key sees; test_trace_cache turns it on
     "FITBURST_OFFERS_TTL": "0",  # tests seed SkyPilot catalogs of their own: ask them every time
+    "FITBURST_HUB_MISS_TTL": "0",  # a tokenizer one test could not load is tried again by the next
     "TOKENIZERS_PARALLELISM": "false",
 })
 os.chdir(_TMP)  # nothing a test writes by default lands in the checkout

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from fitburst.cloud import gpus
+from fitburst.data_facts import data_facts
 from fitburst.hours import Hours, estimate_hours, throughput
 from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.calibration import band_for
-from fitburst.preflight import data_facts, decide, preflight
+from fitburst.preflight import decide, preflight
 from fitburst.spec import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +44,8 @@ def records_20k(tmp_path_factory) -> Path:
 def _preflight(name: str, device: str, **over):
     over = {"preflight.exact": False, **over}  # the analytic planner; tracing 1.5-7B models takes minutes here
     spec = load_pipeline(PIPELINES, name, over)
-    seq, n, mean = data_facts(spec)
-    return spec, preflight(spec, seq, device, n_train=n, mean_len=mean)
+    facts = data_facts(spec)
+    return spec, preflight(spec, facts.longest, device, n_train=facts.n_train, mean_len=facts.mean)
 
 
 # --- the local device is timed as what it is (issue 9.4) ------------------------------------------------

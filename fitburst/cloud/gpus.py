@@ -8,14 +8,12 @@ source it came from.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import time
 from dataclasses import asdict, dataclass
 
-from fitburst.cache import cache_root
+from fitburst.cache import cache_root, keep, read_kept
 from fitburst.hardware import SKY_CLOUD, SKY_NAMES, canonical_gpu
 
 log = logging.getLogger(__name__)
@@ -120,13 +118,13 @@ def _kept_catalog_offers(gpu: str, provider: str, spot: bool, count: int = 1) ->
     raised again as CatalogUnavailable)."""
     path = cache_root() / "offers" / f"{provider}-{gpu}x{count}-{'spot' if spot else 'on-demand'}.json"
     ttl = offers_ttl()
+    kept = read_kept(path, ttl)
+    if kept is not None and "unavailable" in kept:
+        raise CatalogUnavailable(kept["unavailable"])
     try:
-        if ttl > 0 and time.time() - path.stat().st_mtime < ttl:
-            kept = json.loads(path.read_text())
-            if "unavailable" in kept:
-                raise CatalogUnavailable(kept["unavailable"])
+        if kept is not None:
             return [Offer(**o) for o in kept["offers"]]
-    except (OSError, ValueError, TypeError):  # none kept, or a file cut short: ask the catalog
+    except (KeyError, TypeError):  # a file of another shape: ask the catalog
         pass
     try:
         found = _catalog_offers(gpu, provider, spot, count)
@@ -134,10 +132,7 @@ def _kept_catalog_offers(gpu: str, provider: str, spot: bool, count: int = 1) ->
     except Exception as e:  # noqa: BLE001 - network errors, missing catalog, pandas errors
         found, kept = [], {"unavailable": type(e).__name__}
     if ttl > 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(kept))
-        tmp.replace(path)
+        keep(path, kept)
     if "unavailable" in kept:
         raise CatalogUnavailable(kept["unavailable"])
     return found

@@ -370,7 +370,6 @@ class ScheduleSpec(Strict):
 
 
 NotifyEvent = Literal["failed", "completed", "burst"]
-NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("failed", "completed", "burst")
 _DEFAULT_EVENTS: tuple[NotifyEvent, ...] = ("failed",)
 NOTIFY_SECRETS = ("webhook_url", "slack_webhook_url", "discord_webhook_url")
 

@@ -84,6 +84,18 @@ def _miss_path(spec: PipelineSpec) -> Path:
     return cache_root() / "facts" / f"no-tokenizer-{name}.json"
 
 
+def known_miss(spec: PipelineSpec) -> str | None:
+    """Why the pipeline's tokenizer could not be loaded within the last :func:`miss_ttl` seconds, or None."""
+    miss = read_kept(_miss_path(spec), miss_ttl())
+    return str(miss.get("error")) if miss is not None else None
+
+
+def remember_miss(spec: PipelineSpec, error: Exception) -> None:
+    """Keep that the pipeline's tokenizer could not be loaded (``error``), for :func:`known_miss`."""
+    if miss_ttl() > 0:
+        keep(_miss_path(spec), {"error": type(error).__name__})
+
+
 def pipeline_facts(spec: PipelineSpec) -> DataFacts:
     """The pipeline's data facts: kept ones when nothing that decides them changed, else its data prepared (bad
     data refused as data prep refuses it) and the facts kept; the worst case when the tokenizer cannot be had."""
@@ -91,17 +103,16 @@ def pipeline_facts(spec: PipelineSpec) -> DataFacts:
     path = cache_root() / "facts" / f"{_facts_key(spec, files)}.json" if files is not None else None
     if path is not None and (kept := read_kept(path)) is not None:
         return DataFacts(**kept)
-    if files is None and (miss := read_kept(_miss_path(spec), miss_ttl())) is not None:
+    if files is None and (why := known_miss(spec)) is not None:
         log.warning("the tokenizer of %s could not be loaded in the last %.0f min (%s); planning for "
-                    "data.max_seq_len=%d", spec.model.name, miss_ttl() / 60, miss["error"], spec.data.max_seq_len)
+                    "data.max_seq_len=%d", spec.model.name, miss_ttl() / 60, why, spec.data.max_seq_len)
         return data_facts(spec)
     try:
         facts = data_facts(spec, prepare_pipeline(spec))
     except OSError as e:  # e.g. a hub tokenizer that cannot be fetched here
         log.warning("could not tokenize the data (%s); planning for data.max_seq_len=%d", type(e).__name__,
                     spec.data.max_seq_len)
-        if miss_ttl() > 0:
-            keep(_miss_path(spec), {"error": type(e).__name__})
+        remember_miss(spec, e)
         return data_facts(spec)
     files = tokenizer_files(spec)  # a hub tokenizer is on disk now that it has loaded
     if files is not None:

@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData, prepare_pipeline
+from fitburst.data_facts import known_miss, remember_miss
 from fitburst.models import tokenizer_for
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker
@@ -17,11 +18,16 @@ def data_prep(spec: PipelineSpec, tracker: Tracker, dry_run: bool = False) -> Pr
     plans for the worst case, data.max_seq_len."""
     log = get_run_logger()
     m = spec.model
+    if dry_run and (why := known_miss(spec)) is not None:  # asked within the hour: the hub's retries not again
+        log.warning("dry run: the tokenizer of %s could not be loaded within the hour (%s); planning for "
+                    "data.max_seq_len=%d", m.name, why, spec.data.max_seq_len)
+        return None
     try:
         tok = tokenizer_for(m)
     except OSError as e:
         if not dry_run:
             raise
+        remember_miss(spec, e)
         log.warning("dry run: cannot load the tokenizer of %s (%s); planning for data.max_seq_len=%d",
                     m.name, type(e).__name__, spec.data.max_seq_len)
         return None

@@ -91,3 +91,29 @@ def test_a_tokenizer_the_hub_could_not_give_is_not_asked_for_again_within_the_ho
     assert "could not be loaded in the last 60 min" in err and not_fitburst_lines(err)[:-1] == []
     _, loaded, _ = preflight(tmp_path, pipelines, FITBURST_HUB_MISS_TTL="0")
     assert loaded
+
+
+def test_a_dry_run_does_not_ask_the_hub_again_within_the_hour_of_a_miss(monkeypatch, tmp_path):
+    """The DAG's data prep on a dry run: a tokenizer that could not be loaded is not tried again (each try waits on
+    the hub client's retries), and the preflight plans for data.max_seq_len."""
+    from prefect.logging import disable_run_logger
+
+    from fitburst.spec import load_pipeline
+    from tasks import data_prep as node
+
+    monkeypatch.setenv("FITBURST_CACHE", str(tmp_path))
+    monkeypatch.setenv("FITBURST_HUB_MISS_TTL", "3600")
+    tried: list[str] = []
+
+    def unreachable(model):
+        tried.append(model.name)
+        raise OSError("hub unreachable")
+
+    monkeypatch.setattr(node, "tokenizer_for", unreachable)
+    spec = load_pipeline(REPO / "pipelines.yaml", "qwen7b-lora")
+    with disable_run_logger():
+        assert node.data_prep.fn(spec, None, dry_run=True) is None
+        assert node.data_prep.fn(spec, None, dry_run=True) is None
+        assert tried == [spec.model.name]
+        with pytest.raises(OSError):  # a real run needs its tokenizer: it is tried, and the error is the run's
+            node.data_prep.fn(spec, None, dry_run=False)

@@ -130,6 +130,20 @@ def test_a_multi_gpu_multi_node_task_passes_skypilot_validation(demo):
         build_task(spec, _candidates(), prepared_dir=prepared, nodes=0)
 
 
+def test_a_task_asks_only_for_candidates_planned_over_its_number_of_nodes(demo):
+    """SkyPilot's task has one num_nodes: a 4-GPU candidate on one node is not asked for as 2 nodes of 4 (8 GPUs,
+    a plan nobody made, at twice the price) behind a best candidate of 2 nodes."""
+    spec, prepared = demo
+    two_nodes = Candidate("H100", "lambda", "H100", 80, True, 2 * 8 * 2.99, 1.0, 47.84, gpus_per_node=8, nodes=2)
+    one_node = Candidate("A6000", "runpod", "RTXA6000", 48, True, 4 * 0.49, 1.5, 2.94, gpus_per_node=4)
+    task = build_task(spec, [two_nodes, one_node], prepared_dir=prepared, gpus_per_node=8, nodes=2)
+    again = sky.Task.from_yaml_str(task_yaml(task))
+    assert again.num_nodes == 2
+    assert [(str(r.cloud), r.accelerators) for r in again.resources] == [("Lambda", {"H100": 8})]
+    alone = build_task(spec, [one_node], prepared_dir=prepared, gpus_per_node=4)
+    assert [r.accelerators for r in alone.resources] == [{"RTXA6000": 4}]
+
+
 def test_every_node_of_a_multi_node_cluster_is_pulled_home():
     from fitburst.cloud.launch import every_node
 

@@ -171,9 +171,11 @@ def build_task(
     """Load train.yaml with SkyPilot's Task.from_yaml and fill it in for ``spec`` on ``candidates``.
 
     ``gpus_per_node`` x ``nodes``: the GPUs the run is sharded over (the plan's choice; 1 x 1: one GPU, the task as
-    it always was). More than one: each resource asks for ``<GPU>:gpus_per_node``, the task for ``nodes`` nodes,
-    and train.yaml's run block starts torchrun on every node from SkyPilot's node variables, with
-    ``training.distributed: fsdp`` in the node's spec.
+    it always was). More than one: each resource asks for ``<GPU>:gpus_per_node`` (a candidate planned over several
+    GPUs, for its own count), the task for ``nodes`` nodes, and train.yaml's run block starts torchrun on every node
+    from SkyPilot's node variables, with ``training.distributed: fsdp`` in the node's spec. A candidate planned
+    over several GPUs on another number of nodes is left out: SkyPilot's task has one ``num_nodes`` for all its
+    resources.
 
     ``spec_path``: the resolved spec to mount and ``workdir``: the staged package (written into a new temp folder
     when None; the caller deletes it: burst_train passes its own, removed after the launch).
@@ -219,7 +221,9 @@ def build_task(
     if spec.burst.bucket:
         url = bucket_url(spec, run_name or "run")
         task.set_storage_mounts({f"~/{JOB_DIR}/run": sky.Storage(source=url, mode=sky.StorageMode.MOUNT_CACHED)})
-    resources = sky_resources(ok, spec.burst.spot, spec.burst.autostop_minutes, spec.burst.bucket, gpus_per_node)
+    # one task has one node count: a candidate planned over another number of nodes cannot stand in for the best
+    same = [c for c in ok if c.nodes == nodes or c.world_size == 1]
+    resources = sky_resources(same, spec.burst.spot, spec.burst.autostop_minutes, spec.burst.bucket, gpus_per_node)
     task.set_resources(sky.Resources.from_yaml_config({"ordered": resources}))
     return task
 

@@ -876,7 +876,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
         chunk = min(Te, EVAL_CHUNK_TOKENS)
-        loss_ev = fused_eval_bytes(kernel, chunk, h, V, a_lm) if fused else a_lm * Te * V + 8 * chunk * V
+        loss_ev = (fused_eval_bytes(kernel, chunk, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
+                   if fused else a_lm * Te * V + 8 * chunk * V)
         ev = loss_ev + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)
     if s.world_size > 1:  # per rank: model states sharded, FSDP's gathered weights and gradient buffers

@@ -8,11 +8,16 @@ the order the library does; the analytic estimate sums the same terms (:func:`fu
 autocast dtype, else the weights'), ``head_bytes``: the head weight's own element size, ``head_grad``: the head
 trains (full fine-tuning).
 
-- ``cce`` (cut-cross-entropy 25.1, ``cce.py``, ``cce_lse_forward.py``, ``indexed_dot.py``, ``cce_backward.py``):
-  forward: ``lse`` (n fp32) and the per-vocabulary ``logit_avg`` (v fp32) kept for backward, the lock array
-  (n/128 uint32) and ``neg_dot`` (n fp32) transient; backward: ``sort_logit_avg``'s argsort (v int64 then v
-  int32), ``de`` (n x h, the hidden states' dtype: the gradient it returns), the lock arrays (about n and v int32),
-  and with a trained head ``dc`` (v x h in the hidden dtype, then cast to the head's dtype).
+- ``cce`` (cut-cross-entropy 25.1, ``cce.py``, ``utils.py``, ``cce_lse_forward.py``, ``indexed_dot.py``,
+  ``cce_backward.py``; checked by running that code with the Triton launches stubbed out,
+  tests/test_cuda_loss_rules.py): forward keeps ``lse`` (n fp32), the per-vocabulary ``logit_avg`` (v fp32) and the
+  labelled rows' indices (``valids``, n int32 at most: fitburst's shifted labels always ignore some rows); the lock
+  array is freed before ``neg_dot`` (n fp32, and its soft-capped copy) is made. Backward: ``sort_logit_avg``'s
+  argsort (sort's v fp32 values and v int64 indices, then the v int32 ordering), then ``de`` (n x h, the hidden
+  states' dtype: the gradient it returns), the two lock arrays (n and v int32, rounded to ``ceil(h / 64)``) and with
+  a trained head ``dc`` (v x h in the hidden dtype); a head of another dtype gets ``dc`` cast to it by autograd once
+  CCE's saved tensors (and fitburst's cast copy of the head, the estimate's ``head16``) are freed. No autotuning
+  copies: CCE tunes only with ``CCE_AUTOTUNE`` set (its fixed configs otherwise).
 - ``liger`` (liger-kernel 0.8, ``ops/fused_linear_cross_entropy.py``): the gradients are computed in the forward
   and kept for backward: ``grad_input`` (n x h), ``grad_weight`` (v x h, head's dtype) when the head trains,
   ``loss_1d`` (n fp32); the logits exist one chunk at a time: chunk = next_pow2(ceil(n / ceil(v / h))) rows (at
@@ -61,16 +66,21 @@ def liger_chunk_rows(n: int, h: int, v: int) -> int:
 
 
 def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
-                     head_bytes: int | None = None) -> LossTerms:
-    """The rule of ``kernel`` (see the module docstring) for one training call over ``n`` rows."""
+                     head_bytes: int | None = None, softcap: bool = True) -> LossTerms:
+    """The rule of ``kernel`` (see the module docstring) for one training call over ``n`` rows. ``softcap``: the
+    model soft-caps its logits (the estimate does not know, and counts it: 4n bytes at most)."""
     hb = head_bytes or a
     if kernel == "cce":
-        kept = 4 * n + 4 * v
-        fwd = 4 * n + 4 * -(-n // 128)
-        bwd = 12 * v + n * h * a + 4 * n + 4 * v
-        if head_grad:
-            bwd += v * h * a + (v * h * hb if hb != a else 0)
-        return LossTerms(kept, fwd, bwd)
+        kept = 4 * n + 4 * v + 4 * n  # lse, logit_avg, valids
+        fwd = 4 * n * (2 if softcap else 1)  # neg_dot (and its soft-capped copy)
+        sort = 12 * v  # argsort: v fp32 values + v int64 indices, then indices + the v int32 ordering
+        nd = -(-h // 64)  # CCE's lock arrays: (ceil(rows / nd), nd) int32 for de and for dc
+        locks = 4 * nd * (-(-n // nd) + -(-v // nd))
+        kernel_phase = 4 * v + n * h * a + locks + (v * h * a if head_grad else 0)  # ordering, de, locks, dc
+        # autograd's cast of dc to the head's dtype, once the saved tensors and the head's cast copy (v x h x a,
+        # counted by the estimate as head16) are gone; valids lives on in ctx.params
+        cast = n * h * a + v * h * hb + 4 * n - kept if head_grad and hb != a else 0
+        return LossTerms(kept, fwd, max(sort, kernel_phase, cast))
     if kernel == "liger":
         c = liger_chunk_rows(n, h, v)
         kept = n * h * a + 4 * n + (v * h * hb if head_grad else 0)
@@ -87,10 +97,16 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
     raise ValueError(f"unknown fused loss kernel {kernel!r}")
 
 
-def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int) -> int:
-    """What the eval's loss adds for ``n`` labelled rows at a time under no_grad (fitburst.families.causal)."""
+def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
+                     head_bytes: int | None = None, softcap: bool = True) -> int:
+    """What the eval's loss adds for ``n`` labelled rows at a time under no_grad (fitburst.families.causal);
+    ``head_grad``, ``head_bytes``, ``softcap`` as for :func:`fused_loss_terms`."""
     if kernel == "cce":
-        return 8 * n + 4 * -(-n // 128)
+        valids = 12 * n  # nonzero's int64 row indices and their int32 copy (then dropped: every row is labelled)
+        # lse and neg_dot (and its soft-capped copy), the lock array freed before neg_dot; a head that trains and
+        # needs no cast reaches CCE with requires_grad even under no_grad: logit_avg too
+        loss = 4 * n * (3 if softcap else 2) + (4 * v if head_grad and (head_bytes or a) == a else 0)
+        return max(valids, loss)
     if kernel == "liger":  # grad_input is allocated even with no gradient asked for
         c = liger_chunk_rows(n, h, v)
         return n * h * a + 5 * n + c * v * a + c * h * a

@@ -1,0 +1,189 @@
+"""The CUDA fused-loss rule of Cut Cross-Entropy's Triton kernel (fitburst.memory.loss_kernels, ``cce``) against
+CCE's own code, on this CPU:
+
+- memory: CCE's Python autograd Function (cce.py and the kernel wrappers), called as fitburst calls it, with the three
+  Triton launches stubbed out (they write into buffers the wrappers allocate, and allocate nothing themselves); the
+  torch profiler counts every allocation of the CPU allocator;
+- numbers: the kernels themselves under Triton's interpreter (``TRITON_INTERPRET=1``), in fp16 (the interpreter
+  computes no bf16: it stores it as uint16 and multiplies the bit patterns), against the standard loss.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fitburst.families.loss import linear_cross_entropy, shifted_labels
+from fitburst.memory.loss_kernels import fused_eval_bytes, fused_loss_terms
+
+pytest.importorskip("cut_cross_entropy")
+pytest.importorskip("triton")
+
+KERNELS = (("cut_cross_entropy.cce_lse_forward", "_cce_lse_forward_kernel"),
+           ("cut_cross_entropy.indexed_dot", "_indexed_neg_dot_forward_kernel"),
+           ("cut_cross_entropy.cce_backward", "_cce_backward_kernel"))
+B, S, H, V = 4, 250, 64, 3000  # n = 1000 rows; small enough that every term of the rule shows
+PAD = 20  # padded positions at the end of each sequence (labels -100)
+
+
+class _NoLaunch:
+    """A Triton kernel whose launch (``kernel[grid](...)``) does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    import importlib
+
+    for module, name in KERNELS:
+        monkeypatch.setattr(importlib.import_module(module), name, _NoLaunch())
+
+
+def _profiled(fn):
+    """(peak, end) of the bytes the CPU allocator holds during ``fn()`` above what it held before, and its result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    cur = peak = 0
+    for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if e.name() == "[memory]":
+            cur += e.nbytes()
+            peak = max(peak, cur)
+    return peak, cur, out
+
+
+def _inputs(dtype, head: str):
+    """The hidden states (leaf, as the body hands them) and the head's weight: ``frozen`` (LoRA), ``trained`` (full
+    fine-tune in the 16-bit dtype) or ``fp32`` (full fine-tune with fp32 master weights under autocast); the
+    causal family's shifted labels of a padded batch, flattened."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B * S, H, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) * 0.1).to(torch.float32 if head == "fp32" else dtype)
+    weight.requires_grad_(head != "frozen")
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[:, S - PAD:] = -100
+    return hidden, weight, shifted_labels(labels).reshape(-1)
+
+
+@pytest.mark.parametrize("head", ["frozen", "trained", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cce_rule_matches_what_cce_allocates(stubbed, dtype, head, softcap):
+    """Forward (what it keeps, its transient peak) and backward (its peak, the gradients it returns included) of
+    CCE's Function as fitburst's causal family calls it: the rule's figures, up to the bound it takes (every row
+    labelled: lse, valids, neg_dot, its capped copy and the de lock array are sized by the labelled rows)."""
+    hidden, weight, labels = _inputs(dtype, head)
+    a, n = hidden.element_size(), hidden.shape[0]
+    labelled = int((labels != -100).sum())
+    slack = 16 * (n - labelled) + 16  # the bound: up to 4 arrays of rows; the loss and its gradient (0-dim)
+
+    def forward():
+        with torch.autocast("cpu", dtype=dtype, enabled=head == "fp32"):
+            return linear_cross_entropy(hidden, weight, labels, kernel="cce", softcap=softcap)
+
+    forward().backward()  # compiles CCE's sort_logit_avg before the measured step
+    hidden.grad = weight.grad = None
+    f_peak, kept, loss = _profiled(forward)
+    b_peak, _, _ = _profiled(loss.backward)
+    rule = fused_loss_terms("cce", n, H, V, a, head_grad=head != "frozen", head_bytes=weight.element_size(),
+                            softcap=softcap is not None)
+    head16 = V * H * a if head == "fp32" else 0  # fitburst's cast of the head: the estimate's head16, not the rule's
+    assert 0 <= rule.kept + head16 - kept <= slack, (kept, rule)
+    assert 0 <= rule.kept + head16 + rule.forward - f_peak <= slack, (f_peak, rule)
+    assert 0 <= rule.kept + head16 + rule.backward - (kept + b_peak) <= slack, (kept + b_peak, rule)
+
+
+@pytest.mark.parametrize("head", ["frozen", "trained", "fp32"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cce_eval_rule_matches_what_cce_allocates(stubbed, head, softcap):
+    """The eval's call (fitburst.families.causal.eval_loss): labelled rows only, under no_grad, hidden states with
+    no gradient; a trained head that needs no cast still reaches CCE with requires_grad."""
+    hidden, weight, labels = _inputs(torch.bfloat16, head)
+    keep = labels != -100
+    hidden, labels = hidden.detach()[keep], labels[keep]
+    n = hidden.shape[0]
+
+    def forward():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=head == "fp32"):
+            return linear_cross_entropy(hidden, weight, labels, kernel="cce", softcap=softcap)
+
+    forward()
+    peak, _, _ = _profiled(forward)
+    head16 = V * H * 2 if head == "fp32" else 0  # fitburst's cast of the head, freed with the call
+    rule = fused_eval_bytes("cce", n, H, V, 2, head_grad=head != "frozen", head_bytes=weight.element_size(),
+                            softcap=softcap is not None)
+    assert abs(rule + head16 - peak) <= 16, (peak, rule)  # the loss and its sum (0-dim fp32)
+
+
+def test_cce_kernels_are_not_autotuned():
+    """CCE tunes its kernels only with CCE_AUTOTUNE set; the tuner would clone LSE (``restore_value``) and
+    Triton's benchmark would allocate its 256 MiB L2-flush buffer on the first call of each shape, which the rule
+    leaves out. Unset, the kernels run one fixed configuration (a Heuristics, not an Autotuner)."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    if os.environ.get("CCE_AUTOTUNE", "0") != "0":
+        pytest.skip("CCE_AUTOTUNE is set here")
+    for module, name in KERNELS:
+        kernel = getattr(importlib.import_module(module), name)
+        assert isinstance(kernel, Heuristics) and not isinstance(kernel, Autotuner), (name, type(kernel))
+
+
+_INTERPRETED = textwrap.dedent("""
+    import types, sys, torch
+    import triton.language as tl
+    import cut_cross_entropy.tl_utils as tl_utils
+    # the interpreter runs no extern (libdevice) call: log1p and tanh from triton.language's own functions
+    tl_utils.tl_libdevice = types.SimpleNamespace(log1p=lambda x: tl.log(1.0 + x),
+                                                  tanh=lambda x: 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+    from fitburst.families.loss import linear_cross_entropy, shifted_labels
+    from torch.nn.functional import cross_entropy
+
+    def rel(x, ref):
+        return float((x.float() - ref).abs().max() / ref.abs().max())
+
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for softcap in (None, 30.0):
+        for train_head in (False, True):
+            hidden = torch.randn(96, 64, generator=g).half().requires_grad_(True)
+            weight = (torch.randn(300, 64, generator=g) * 0.2).half().requires_grad_(train_head)
+            labels = torch.randint(0, 300, (2, 48), generator=g)
+            labels[:, -6:] = -100
+            labels = shifted_labels(labels).reshape(-1)
+            loss = linear_cross_entropy(hidden, weight, labels, kernel="cce", softcap=softcap)
+            loss.backward()
+            h32 = hidden.detach().float().requires_grad_(True)
+            w32 = weight.detach().float().requires_grad_(True)
+            logits = h32 @ w32.T
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            ref = cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+            ref.backward()
+            errs = [rel(loss.detach(), ref.detach()), rel(hidden.grad, h32.grad)]
+            if train_head:
+                errs.append(rel(weight.grad, w32.grad))
+            print(softcap, train_head, errs)
+            worst = max(worst, *errs)
+    print("worst", worst)
+    sys.exit(0 if worst < 1e-2 else 1)
+""")
+
+
+def test_cce_triton_kernels_under_the_interpreter_give_the_standard_loss():
+    """CCE's three Triton kernels run for real (Triton's interpreter, on CPU tensors), called as fitburst calls them
+    (shifted labels with ignored rows, soft-capping or not, a frozen or trained head): the loss and the gradients of
+    the hidden states and the head equal the standard loss's to 1e-2 relative (fp16 inputs, fp32 reference)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("CCE_AUTOTUNE", None)
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]

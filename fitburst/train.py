@@ -36,9 +36,10 @@ from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
 from fitburst.hardware import resolve_device
+from fitburst.memory.estimator import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
-from fitburst.spec import PipelineSpec
+from fitburst.spec import PipelineSpec, resolve_quant
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,27 @@ class TrainResult:
 
 # --- model setup ---------------------------------------------------------------------------------------
 
-def build_model(spec: PipelineSpec, device: str, precision: str, *, sharded: bool = False):
+def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World = SINGLE):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
-    method; ``sharded``: then shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`), each
-    rank's shards on ``device``. Returns (model, tokenizer)."""
-    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=sharded), spec)
-    if sharded:
-        fs = spec.training.fsdp
-        distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
-                          cpu_offload=fs.cpu_offload, pure_bf16=spec.training.pure_bf16)
+    method. Several ranks (``world``): shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`),
+    each rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.estimator.loads_once`),
+    only rank 0 reads the checkpoint: the other ranks build the same model without weights, LoRA adapters included,
+    and receive every weight, the adapters' initial ones too, from rank 0 (:func:`fitburst.distributed.
+    fill_from_rank0`). Returns (model, tokenizer)."""
+    if not world.sharded:
+        return prepare_for_training(load_pipeline_model(spec, device, precision), spec), tokenizer_for(spec.model)
+    fs = spec.training.fsdp
+    once = loads_once(resolve_quant(spec.method.type, spec.method.quant))
+    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=True,
+                                                     empty=once and not world.main), spec)
+    distributed.same_layout(model)
+    full = model.state_dict() if once and world.main else {}  # references to rank 0's weights, no copy
+    distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
+                      cpu_offload=fs.cpu_offload, pure_bf16=spec.training.pure_bf16)
+    if once:  # offloaded shards live in host memory, as FSDP's CPU offload keeps them
+        distributed.fill_from_rank0(model, full, "cpu" if fs.cpu_offload else device)
+        del full  # rank 0's whole copy goes: each rank now holds its shards only
+    else:
         _quant_states_to(model, device)
     return model, tokenizer_for(spec.model)
 
@@ -506,7 +519,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
 
     meter = MemoryMeter(device)
     meter.reset()
-    model, tok = build_model(spec, device, precision, sharded=w.sharded)
+    model, tok = build_model(spec, device, precision, world=w)
     trainable, total = count_params(model)
     offload = activation_offloading(spec, model, kind)
     params = [p for p in model.parameters() if p.requires_grad]

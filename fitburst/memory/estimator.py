@@ -1016,6 +1016,15 @@ def model_state_bytes(params: dict[str, int], s: TrainSettings) -> dict[str, int
             "optimizer_states": params["trainable"] * state}
 
 
+def loads_once(quant: str) -> bool:
+    """Whether a sharded run reads its checkpoint once (rank 0 loads the whole model into host RAM, every other rank
+    builds it without weights and receives its shards from rank 0: :func:`fitburst.distributed.fill_from_rank0`)
+    rather than once per rank. Not with 4-bit weights: bitsandbytes quantizes as it loads, and the packed shape and
+    quantization state (absmax, code: no parameters) exist only on a rank that loaded; a rank that built the model
+    without weights holds the unquantized shape and no state to receive them into."""
+    return quant not in ("nf4", "fp4")
+
+
 def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> int:
     """Host RAM one node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards of the
     weights, gradients and optimizer state; and while loading, one copy of the base weights as loaded (the node's

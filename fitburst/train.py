@@ -70,6 +70,8 @@ class TrainResult:
     loss: str = "standard"  # the loss kernel that ran (standard, or the fused one: cce, liger, cce_compile, chunked)
     activation_offloading: bool = False
     world_size: int = 1  # processes (GPUs) the run was sharded over
+    grad_accum: int = 1  # as trained: a resume at another world size sets it to keep the effective batch
+    samples_per_step: int = 0  # the effective batch: world size x micro-batch x grad_accum
     rank_peaks: list[MemoryPeak] = field(default_factory=list)  # several ranks: each rank's peak, in rank order
 
     def save(self) -> None:
@@ -288,9 +290,11 @@ def _checkpoint_state(scheduler, amp: Amp | None) -> dict:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2, *,
-                    amp: Amp | None = None, world: World = SINGLE, samples: int | None = None) -> Path:
+                    amp: Amp | None = None, world: World = SINGLE, samples: int | None = None,
+                    samples_per_step: int | None = None) -> Path:
     """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned.
-    ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then).
+    ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then);
+    ``samples_per_step``: its effective batch, all ranks' (a resume at another world size keeps it: :func:`keep_batch`).
 
     Several ranks (collective: every rank calls it): the weights and optimizer state as sharded by FSDP, through
     torch.distributed.checkpoint (:func:`fitburst.distributed.save_sharded`); the rest is rank 0's (the same on every
@@ -301,7 +305,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
 
     dest = run_dir / "checkpoints" / f"step-{step}"
     tmp = dest.with_name(dest.name + ".tmp")
-    meta = {"step": step, "samples": samples, "world_size": world.size}
+    meta = {"step": step, "samples": samples, "world_size": world.size, "samples_per_step": samples_per_step}
     if not world.sharded:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -398,6 +402,37 @@ def checkpoint_samples(ckpt: Path, samples_per_step: int) -> int:
     meta = json.loads((ckpt / "state.json").read_text())
     samples = meta.get("samples")
     return int(samples) if samples is not None else meta["step"] * samples_per_step
+
+
+def keep_batch(spec: PipelineSpec, meta: dict | None, w: World) -> PipelineSpec:
+    """The spec a run resuming from a checkpoint (its ``state.json``, ``meta``; None: a fresh run) trains with.
+    Resumed at another world size than the checkpoint's, an optimizer step must take as many samples as it did
+    (``samples_per_step``: ranks x ``micro_batch_size`` x ``grad_accum``), or the run would go on with another
+    effective batch under the same learning-rate schedule: ``grad_accum`` is set to keep it, and where no whole
+    ``grad_accum`` does with this ``micro_batch_size``, the resume is refused with what to set. At the same world
+    size the spec stands as it is (the OOM step-down trades micro-batch for accumulation itself)."""
+    if meta is None or meta.get("world_size", 1) == w.size:
+        return spec
+    tr, step = spec.training, meta["step"]
+    want = meta.get("samples_per_step") or (meta["samples"] // step if meta.get("samples") and step else None)
+    if want is None or want == w.size * tr.micro_batch_size * tr.grad_accum:
+        return spec
+    was = f"{meta.get('world_size', 1)} rank(s)"
+    if want % (w.size * tr.micro_batch_size) == 0:
+        accum = want // (w.size * tr.micro_batch_size)
+        log.warning("resuming a checkpoint of %s on %d: training.grad_accum %d -> %d keeps its %d samples per "
+                    "optimizer step", was, w.size, tr.grad_accum, accum, want)
+        return spec.with_overrides({"training.grad_accum": accum})
+    if want % w.size:
+        fix = f"resume on a number of ranks that divides {want}, or start a new run folder to train with another batch"
+    else:
+        per_rank = want // w.size
+        micro = max(m for m in range(1, tr.micro_batch_size + 1) if per_rank % m == 0)
+        fix = (f"set training.micro_batch_size: {micro} and training.grad_accum: {per_rank // micro} (any pair "
+               f"whose product is {per_rank})")
+    raise TrainError(f"pipeline '{spec.name}': the checkpoint at step {step} trained {want} samples per optimizer "
+                     f"step on {was}; on {w.size} ranks training.micro_batch_size {tr.micro_batch_size} takes no "
+                     f"whole training.grad_accum to {want}: {fix}")
 
 
 # --- the loop --------------------------------------------------------------------------------------------
@@ -514,6 +549,12 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     if tr.activation_offloading and kind != "cuda":
         activation_offloading(spec, None, kind)  # refused before the model loads
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
+    ckpt = latest_checkpoint(run_dir) if w.main else None
+    meta = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else None
+    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
+        ckpt, meta = distributed.broadcast((ckpt, meta))
+    spec = keep_batch(spec, meta, w)  # before the model loads: a refusal costs nothing
+    tr = spec.training
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
     torch.manual_seed(tr.seed)
 
@@ -531,9 +572,6 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     step, resumed_from = 0, None
     per_step = w.size * tr.micro_batch_size * tr.grad_accum  # samples one optimizer step takes, all ranks
     samples = 0
-    ckpt = latest_checkpoint(run_dir)
-    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
-        ckpt = distributed.broadcast(ckpt)
     if ckpt is not None:
         step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp, world=w,
                                               params=params)
@@ -579,13 +617,15 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
                     on_metrics(row, step)
                 window_loss, window_tokens = 0.0, 0
             if step % tr.checkpoint_every == 0 and step < steps:
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
+                                samples_per_step=per_step)
     except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
         optimizer.zero_grad(set_to_none=True)
         if w.sharded:  # a checkpoint is collective and the other ranks may be anywhere: the last one stands
             _record_rank_failure(run_dir, w, step, exc, meter)
         elif step > (resumed_from or 0):
-            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, samples=samples)
+            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, samples=samples,
+                                   samples_per_step=per_step)
             log.error("training stopped at step %d (%s); resumable checkpoint: %s", step, type(exc).__name__, path)
         if isinstance(exc, torch.OutOfMemoryError):
             raise TrainError(f"out of memory at step {step} on {device}: lower training.micro_batch_size or "
@@ -598,7 +638,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
             metrics_file.close()
     seconds = time.perf_counter() - t0
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
-        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
+        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
+                                samples_per_step=per_step)
 
     adapter_dir = run_dir / "adapter"
     save_trained(model, tok, adapter_dir, spec, w)
@@ -613,7 +654,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
         skipped_steps=amp.skipped_steps, peak=peak, loss=kernel, activation_offloading=offload is not None,
-        world_size=w.size, rank_peaks=rank_peaks)
+        world_size=w.size, rank_peaks=rank_peaks, grad_accum=tr.grad_accum, samples_per_step=per_step)
     if w.main:
         result.save()
     return result

@@ -223,7 +223,8 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks_and_in_one_process(tmp_path
     assert four["world_size"] == 4
     ckpt = tmp_path / "four" / "checkpoints" / "step-2"
     assert len(list((ckpt / "sharded").glob("*.distcp"))) == 4 and (ckpt / "sharded" / ".metadata").exists()
-    assert json.loads((ckpt / "state.json").read_text()) == {"step": 2, "samples": 16, "world_size": 4}
+    assert json.loads((ckpt / "state.json").read_text()) == {"step": 2, "samples": 16, "world_size": 4,
+                                                             "samples_per_step": 8}
     one_process(spec.with_overrides({"training.micro_batch_size": 8}), demo_prepared, tmp_path / "one")
     assert_same_run(tmp_path / "one", tmp_path / "four", spec.training.learning_rate)  # 4 ranks x 2 as 1 x 8
 
@@ -238,6 +239,45 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks_and_in_one_process(tmp_path
         assert list(got) == [3, 4]  # the samples of steps 3 and 4, as the 4-rank run took them
         for step in got:
             assert got[step] == pytest.approx(want[step], rel=FP32_REL)
+
+
+def test_a_resume_at_another_world_size_keeps_the_effective_batch(tmp_path, pipelines_file, demo_prepared):
+    """A one-process checkpoint (micro-batch 4 x 2 accumulated: 8 samples per step) resumed by two ranks with the
+    same spec: grad_accum becomes 1, so steps 3 and 4 take the samples, and reach the losses, of the one-process
+    run (which would otherwise have gone on with 16 samples per step)."""
+    spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4,
+                    training__grad_accum=2, training__distributed="fsdp")
+    one_process(spec, demo_prepared, tmp_path / "one")
+    ckpt = tmp_path / "one" / "checkpoints" / "step-2"
+    assert json.loads((ckpt / "state.json").read_text())["samples_per_step"] == 8
+    shutil.copytree(ckpt, tmp_path / "two" / "checkpoints" / "step-2")
+    result = torchrun(2, spec, demo_prepared, tmp_path / "two")
+    assert result["resumed_from"] == 2 and result["grad_accum"] == 1 and result["samples_per_step"] == 8
+    got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert list(got) == [3, 4]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=FP32_REL)
+
+
+def test_a_resume_no_grad_accum_can_keep_is_refused_with_what_to_set(pipelines_file):
+    from fitburst.distributed import World
+    from fitburst.errors import UserError
+    from fitburst.train import keep_batch
+
+    spec = spec_for(pipelines_file, "demo", training__micro_batch_size=4, training__grad_accum=2)
+    four = {"step": 6, "samples": 96, "world_size": 4, "samples_per_step": 16}
+    two, three = World(rank=0, size=2, local_size=2), World(rank=0, size=3, local_size=3)
+    assert keep_batch(spec, four, two).training.grad_accum == 2  # 2 x 4 x 2: already 16
+    assert keep_batch(spec, four, World()).training.grad_accum == 4  # one process: 1 x 4 x 4
+    assert keep_batch(spec, {**four, "world_size": 2}, two) is spec  # same world size: as the spec says
+    assert keep_batch(spec, {"step": 6, "samples": 48, "world_size": 1}, two).training.grad_accum == 1  # 8 per step
+    with pytest.raises(UserError, match=r"16 samples per optimizer step on 4 rank.*on 3 ranks.*resume on a number "
+                                        r"of ranks that divides 16"):
+        keep_batch(spec, four, three)
+    six = spec_for(pipelines_file, "demo", training__micro_batch_size=6)
+    with pytest.raises(UserError, match=r"training.micro_batch_size 6 takes no whole training.grad_accum to 16: set "
+                                        r"training.micro_batch_size: 4 and training.grad_accum: 2"):
+        keep_batch(six, four, two)
 
 
 # --- QLoRA: 4-bit weights that shard, and the traps ------------------------------------------------------------

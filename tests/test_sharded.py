@@ -196,6 +196,17 @@ def test_host_ram_counts_one_loaded_copy_per_node_or_one_per_rank_for_4bit_weigh
         assert 35 * per_node <= host("meta-llama/Llama-3.1-70B", qlora, per_node) <= 44 * per_node
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_trace_counts_a_4bit_model_as_the_analytic_estimate_does(tmp_path, world_size):
+    """A 4-bit weight is counted by the values it packs, not by its packed storage's elements (2 per uint8, 4 per
+    bf16 element once sharded): the host RAM and the time of a traced plan are figured from this count."""
+    s = TrainSettings(method="qlora", rank=8, batch=1, seq_len=32, dtype="bf16", world_size=world_size)
+    folder = model_folder(tmp_path, "llama")
+    traced = trace_step(spec_for(folder), s, seq_len=32).params
+    analytic = estimate(load_shape(str(folder)), s, resolve_device("cpu")).params
+    assert traced == {"total": analytic["total"], "trainable": analytic["trainable"]}
+
+
 def test_fsdp_scaling_follows_the_link():
     """Full fine-tuning of a 7B model moves ~30 GB per micro-batch: NVLink keeps up, PCIe does not."""
     from fitburst.hours import estimate_hours, throughput

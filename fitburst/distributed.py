@@ -19,9 +19,12 @@ What :func:`fitburst.train.train` asks of this module when torchrun started it (
 Rank 0 alone writes the run folder's records (metrics, result, adapter) and talks to MLflow and Prefect; every
 rank measures its own memory peak and rank 0 records them all (:func:`gather`).
 
-Loading: every rank loads the model on the CPU and ``fully_shard`` moves each rank's shards to its GPU, so no GPU
-ever holds the whole model (a 4-bit base keeps its packed weights in the compute dtype, ``bnb_4bit_quant_storage``,
-so they shard like any weight: :func:`fitburst.models.quantization_config`).
+Loading (:func:`fitburst.train.build_model`): rank 0 alone reads the checkpoint into host RAM; every other rank builds
+the model without weights (meta device), every rank shards it, and :func:`fill_from_rank0` gives each rank its
+shards of rank 0's weights, so a node holds one copy of the model while loading, not one per rank, and no GPU ever
+holds the whole model. A 4-bit base is loaded by every rank (:func:`fitburst.memory.estimator.loads_once` says why),
+its packed weights stored in the compute dtype, ``bnb_4bit_quant_storage``, so they shard like any weight
+(:func:`fitburst.models.quantization_config`).
 
 torch is imported inside the functions: this module is on the import path of train.py, which keeps it light.
 """
@@ -166,6 +169,37 @@ def shard(model, precision: str, *, reshard_after_forward: bool = True, cpu_offl
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def same_layout(model) -> None:
+    """Refuse a model whose parameters (tied ones counted once) differ from rank 0's before sharding: FSDP would
+    shard different tensors on different ranks and its first all-gather would hang or fail far from the cause."""
+    names = [n for n, _ in model.named_parameters()]
+    ref = broadcast(names)
+    if names != ref:
+        diff = sorted(set(names) ^ set(ref))[:4]
+        raise DistributedError(f"this rank built {len(names)} parameters, rank 0 loaded {len(ref)} (first that "
+                               f"differ: {diff}): the model built without weights is not the model loaded; train "
+                               "with one process, or report the architecture")
+
+
+def fill_from_rank0(model, full: dict, device: str) -> None:
+    """Fill a sharded ``model`` from rank 0's full state dict ``full`` (the others pass an empty dict): torch's
+    ``set_model_state_dict`` with ``broadcast_from_rank0`` sends one tensor at a time and each rank keeps its shard
+    of it. A rank whose model was built without weights gets storage for its shards on ``device`` first
+    (``to_empty``, which keeps tied weights tied); its buffers (which ``to_empty`` would blank) are kept as built:
+    persistent ones are then overwritten from rank 0, non-persistent ones (a rotary embedding's ``inv_freq``) are
+    not in a state dict and were computed from the config as on rank 0. Collective: every rank calls it."""
+    import torch.distributed as dist  # heavy: loaded only when training
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if dist.get_rank() != 0:
+        buffers = dict(model.named_buffers())
+        model.to_empty(device=device)
+        for name, buf in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, buf)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def all_sum(value, device: str):

@@ -143,13 +143,29 @@ def attn_implementation(attention: str, config, target: Device | None, precision
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32",
-               sharded: bool = False):
+               sharded: bool = False, empty: bool = False):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
     an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.families`): :func:`auto_model_class`.
     ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`). ``sharded``: FSDP
-    will shard it (:func:`quantization_config`)."""
+    will shard it (:func:`quantization_config`).
+
+    ``empty``: the same model from the same config.json with its weights on the meta device and nothing read from
+    the checkpoint (accelerate's ``init_empty_weights``, which keeps the buffers real: a rotary embedding's
+    ``inv_freq`` is computed from the config as on load), tied as loading ties it; the ranks of a sharded run that
+    receive their shards from rank 0 build this (:func:`fitburst.distributed.fill_from_rank0`). Unquantized only."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
     auto = auto_model_class(config)
+    if empty:
+        if quant != "none":
+            raise ValueError(f"an empty {quant} model has no quantization state to receive (load it instead)")
+        from accelerate import init_empty_weights  # accelerate: heavy
+
+        impl = attn_implementation(attention, config, target, precision, trust_remote_code)
+        with init_empty_weights():
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                     **({"attn_implementation": impl} if impl is not None else {}))
+        model.tie_weights()  # init_empty_weights re-creates each parameter it registers, the tied head's too
+        return model
     # device_map puts each weight straight onto the device in its final dtype: no CPU copy to move afterwards
     kwargs = dict(config=config, dtype=dtype, revision=revision, token=token, trust_remote_code=trust_remote_code,
                   device_map={"": device})
@@ -174,10 +190,11 @@ def load_config(name: str, revision: str | None = None, token: str | None = None
 
 
 def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None,
-                        sharded: bool = False):
+                        sharded: bool = False, empty: bool = False):
     """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
     revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for
-    FSDP (:mod:`fitburst.distributed`), loaded into host memory, from where each rank's shards go to ``device``."""
+    FSDP (:mod:`fitburst.distributed`), loaded into host memory, from where each rank's shards go to ``device``;
+    ``empty``: built without weights (:func:`load_model`)."""
     m, method, tr = spec.model, spec.method, spec.training
     quant = resolve_quant(method.type, method.quant)
     check_quant_supported(quant, device)
@@ -186,10 +203,11 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
     load_on = "cpu" if sharded else device
     if path is not None:
         return load_model(path, dtype=dtype, device=load_on, attention=tr.attention, target=target,
-                          precision=precision)
+                          precision=precision, empty=empty)
     return load_model(m.name, dtype=dtype, device=load_on, quant=quant, double_quant=method.double_quant,
                       attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
-                      trust_remote_code=m.trust_remote_code, target=target, precision=precision, sharded=sharded)
+                      trust_remote_code=m.trust_remote_code, target=target, precision=precision, sharded=sharded,
+                      empty=empty)
 
 
 def _disable_bnb_cpu_repack(model) -> None:

@@ -36,9 +36,10 @@ from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
 from fitburst.hardware import resolve_device
+from fitburst.memory.estimator import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
-from fitburst.spec import PipelineSpec
+from fitburst.spec import PipelineSpec, resolve_quant
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class TrainResult:
     loss: str = "standard"  # the loss kernel that ran (standard, or the fused one: cce, liger, cce_compile, chunked)
     activation_offloading: bool = False
     world_size: int = 1  # processes (GPUs) the run was sharded over
+    grad_accum: int = 1  # as trained: a resume at another world size sets it to keep the effective batch
+    samples_per_step: int = 0  # the effective batch: world size x micro-batch x grad_accum
     rank_peaks: list[MemoryPeak] = field(default_factory=list)  # several ranks: each rank's peak, in rank order
 
     def save(self) -> None:
@@ -83,15 +86,27 @@ class TrainResult:
 
 # --- model setup ---------------------------------------------------------------------------------------
 
-def build_model(spec: PipelineSpec, device: str, precision: str, *, sharded: bool = False):
+def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World = SINGLE):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
-    method; ``sharded``: then shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`), each
-    rank's shards on ``device``. Returns (model, tokenizer)."""
-    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=sharded), spec)
-    if sharded:
-        fs = spec.training.fsdp
-        distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
-                          cpu_offload=fs.cpu_offload, pure_bf16=spec.training.pure_bf16)
+    method. Several ranks (``world``): shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`),
+    each rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.estimator.loads_once`),
+    only rank 0 reads the checkpoint: the other ranks build the same model without weights, LoRA adapters included,
+    and receive every weight, the adapters' initial ones too, from rank 0 (:func:`fitburst.distributed.
+    fill_from_rank0`). Returns (model, tokenizer)."""
+    if not world.sharded:
+        return prepare_for_training(load_pipeline_model(spec, device, precision), spec), tokenizer_for(spec.model)
+    fs = spec.training.fsdp
+    once = loads_once(resolve_quant(spec.method.type, spec.method.quant))
+    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=True,
+                                                     empty=once and not world.main), spec)
+    distributed.same_layout(model)
+    full = model.state_dict() if once and world.main else {}  # references to rank 0's weights, no copy
+    distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
+                      cpu_offload=fs.cpu_offload, pure_bf16=spec.training.pure_bf16)
+    if once:  # offloaded shards live in host memory, as FSDP's CPU offload keeps them
+        distributed.fill_from_rank0(model, full, "cpu" if fs.cpu_offload else device)
+        del full  # rank 0's whole copy goes: each rank now holds its shards only
+    else:
         _quant_states_to(model, device)
     return model, tokenizer_for(spec.model)
 
@@ -275,9 +290,11 @@ def _checkpoint_state(scheduler, amp: Amp | None) -> dict:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep: int = 2, *,
-                    amp: Amp | None = None, world: World = SINGLE, samples: int | None = None) -> Path:
+                    amp: Amp | None = None, world: World = SINGLE, samples: int | None = None,
+                    samples_per_step: int | None = None) -> Path:
     """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned.
-    ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then).
+    ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then);
+    ``samples_per_step``: its effective batch, all ranks' (a resume at another world size keeps it: :func:`keep_batch`).
 
     Several ranks (collective: every rank calls it): the weights and optimizer state as sharded by FSDP, through
     torch.distributed.checkpoint (:func:`fitburst.distributed.save_sharded`); the rest is rank 0's (the same on every
@@ -288,7 +305,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
 
     dest = run_dir / "checkpoints" / f"step-{step}"
     tmp = dest.with_name(dest.name + ".tmp")
-    meta = {"step": step, "samples": samples, "world_size": world.size}
+    meta = {"step": step, "samples": samples, "world_size": world.size, "samples_per_step": samples_per_step}
     if not world.sharded:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -385,6 +402,37 @@ def checkpoint_samples(ckpt: Path, samples_per_step: int) -> int:
     meta = json.loads((ckpt / "state.json").read_text())
     samples = meta.get("samples")
     return int(samples) if samples is not None else meta["step"] * samples_per_step
+
+
+def keep_batch(spec: PipelineSpec, meta: dict | None, w: World) -> PipelineSpec:
+    """The spec a run resuming from a checkpoint (its ``state.json``, ``meta``; None: a fresh run) trains with.
+    Resumed at another world size than the checkpoint's, an optimizer step must take as many samples as it did
+    (``samples_per_step``: ranks x ``micro_batch_size`` x ``grad_accum``), or the run would go on with another
+    effective batch under the same learning-rate schedule: ``grad_accum`` is set to keep it, and where no whole
+    ``grad_accum`` does with this ``micro_batch_size``, the resume is refused with what to set. At the same world
+    size the spec stands as it is (the OOM step-down trades micro-batch for accumulation itself)."""
+    if meta is None or meta.get("world_size", 1) == w.size:
+        return spec
+    tr, step = spec.training, meta["step"]
+    want = meta.get("samples_per_step") or (meta["samples"] // step if meta.get("samples") and step else None)
+    if want is None or want == w.size * tr.micro_batch_size * tr.grad_accum:
+        return spec
+    was = f"{meta.get('world_size', 1)} rank(s)"
+    if want % (w.size * tr.micro_batch_size) == 0:
+        accum = want // (w.size * tr.micro_batch_size)
+        log.warning("resuming a checkpoint of %s on %d: training.grad_accum %d -> %d keeps its %d samples per "
+                    "optimizer step", was, w.size, tr.grad_accum, accum, want)
+        return spec.with_overrides({"training.grad_accum": accum})
+    if want % w.size:
+        fix = f"resume on a number of ranks that divides {want}, or start a new run folder to train with another batch"
+    else:
+        per_rank = want // w.size
+        micro = max(m for m in range(1, tr.micro_batch_size + 1) if per_rank % m == 0)
+        fix = (f"set training.micro_batch_size: {micro} and training.grad_accum: {per_rank // micro} (any pair "
+               f"whose product is {per_rank})")
+    raise TrainError(f"pipeline '{spec.name}': the checkpoint at step {step} trained {want} samples per optimizer "
+                     f"step on {was}; on {w.size} ranks training.micro_batch_size {tr.micro_batch_size} takes no "
+                     f"whole training.grad_accum to {want}: {fix}")
 
 
 # --- the loop --------------------------------------------------------------------------------------------
@@ -501,12 +549,18 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     if tr.activation_offloading and kind != "cuda":
         activation_offloading(spec, None, kind)  # refused before the model loads
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
+    ckpt = latest_checkpoint(run_dir) if w.main else None
+    meta = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else None
+    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
+        ckpt, meta = distributed.broadcast((ckpt, meta))
+    spec = keep_batch(spec, meta, w)  # before the model loads: a refusal costs nothing
+    tr = spec.training
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
     torch.manual_seed(tr.seed)
 
     meter = MemoryMeter(device)
     meter.reset()
-    model, tok = build_model(spec, device, precision, sharded=w.sharded)
+    model, tok = build_model(spec, device, precision, world=w)
     trainable, total = count_params(model)
     offload = activation_offloading(spec, model, kind)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -518,9 +572,6 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     step, resumed_from = 0, None
     per_step = w.size * tr.micro_batch_size * tr.grad_accum  # samples one optimizer step takes, all ranks
     samples = 0
-    ckpt = latest_checkpoint(run_dir)
-    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
-        ckpt = distributed.broadcast(ckpt)
     if ckpt is not None:
         step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp, world=w,
                                               params=params)
@@ -566,13 +617,15 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
                     on_metrics(row, step)
                 window_loss, window_tokens = 0.0, 0
             if step % tr.checkpoint_every == 0 and step < steps:
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
+                                samples_per_step=per_step)
     except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
         optimizer.zero_grad(set_to_none=True)
         if w.sharded:  # a checkpoint is collective and the other ranks may be anywhere: the last one stands
             _record_rank_failure(run_dir, w, step, exc, meter)
         elif step > (resumed_from or 0):
-            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, samples=samples)
+            path = save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, samples=samples,
+                                   samples_per_step=per_step)
             log.error("training stopped at step %d (%s); resumable checkpoint: %s", step, type(exc).__name__, path)
         if isinstance(exc, torch.OutOfMemoryError):
             raise TrainError(f"out of memory at step {step} on {device}: lower training.micro_batch_size or "
@@ -585,7 +638,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
             metrics_file.close()
     seconds = time.perf_counter() - t0
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
-        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples)
+        save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
+                                samples_per_step=per_step)
 
     adapter_dir = run_dir / "adapter"
     save_trained(model, tok, adapter_dir, spec, w)
@@ -600,7 +654,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
         skipped_steps=amp.skipped_steps, peak=peak, loss=kernel, activation_offloading=offload is not None,
-        world_size=w.size, rank_peaks=rank_peaks)
+        world_size=w.size, rank_peaks=rank_peaks, grad_accum=tr.grad_accum, samples_per_step=per_step)
     if w.main:
         result.save()
     return result

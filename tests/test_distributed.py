@@ -49,14 +49,15 @@ def prepared_for(spec):
     return prepare(spec.data, spec.data_path(), tokenizer_for(spec.model), cache_root() / "data")
 
 
-def torchrun(nproc: int, spec, prepared, run_dir: Path) -> dict:
-    """``fitburst train`` on ``nproc`` ranks (the command the cloud node runs); the run's train_result.json."""
+def torchrun(nproc: int, spec, prepared, run_dir: Path, hooks: dict | None = None) -> dict:
+    """``fitburst train`` on ``nproc`` ranks (the command the cloud node runs), with test ``hooks`` in the ranks
+    (tests/rank_hooks); the run's train_result.json."""
     spec_path = run_dir.with_suffix(".yaml")
     spec_path.write_text(spec.to_yaml())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", prepared.dir,
            "--run-dir", str(run_dir), "--quiet"]
-    proc = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=rank_env(hooks), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads((run_dir / "train_result.json").read_text())
 
@@ -177,13 +178,53 @@ def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path
         assert PeftConfig.from_pretrained(str(tmp_path / "two" / "adapter")).peft_type == "LORA"
 
 
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(tmp_path, pipelines_file, demo_prepared,
+                                                                            method):
+    """One copy of the model per node while loading: rank 1 builds it on the meta device (no parameter bytes) and
+    holds only its shards once built; rank 0 loaded it all. The run trains as one process does (the demo's head
+    is tied to its embeddings, its rotary inv_freq is a buffer rank 1 computes, LoRA's initial weights come from
+    rank 0)."""
+    spec = spec_for(pipelines_file, "demo", method__type=method, training__micro_batch_size=8)
+    one_process(spec, demo_prepared, tmp_path / "one")
+    (held := tmp_path / "held").mkdir()
+    torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
+             demo_prepared, tmp_path / "two", hooks={"held": str(held)})
+    rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    whole = rank[0]["loaded"]
+    assert whole > 1_000_000 and rank[1]["loaded"] == 0
+    # built: each rank half of the weights, and of LoRA's (added after loading: 16 % of the demo's weights in fp32)
+    assert rank[0]["built"] == pytest.approx(rank[1]["built"], rel=0.02)
+    assert whole / 2 <= rank[1]["built"] <= 0.6 * whole
+    assert_same_run(tmp_path / "one", tmp_path / "two", spec.training.learning_rate)
+
+
+def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path, pipelines_file, demo_prepared):
+    """4-bit weights are loaded by every rank (bitsandbytes quantizes on load; a rank built without weights has no
+    quantization state to receive: fitburst.memory.estimator.loads_once), and the two ranks still train as one
+    process at the combined batch (bf16: :data:`BF16_REL`)."""
+    spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16",
+                    training__micro_batch_size=8)
+    one_process(spec, demo_prepared, tmp_path / "one")
+    (held := tmp_path / "held").mkdir()
+    torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
+             demo_prepared, tmp_path / "two", hooks={"held": str(held)})
+    rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert rank[0]["loaded"] == rank[1]["loaded"] > 0
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=BF16_REL), (step, a, b)
+
+
 def test_a_four_rank_checkpoint_resumes_at_two_ranks_and_in_one_process(tmp_path, pipelines_file, demo_prepared):
     spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__distributed="fsdp")
     four = torchrun(4, spec.with_overrides({"training.micro_batch_size": 2}), demo_prepared, tmp_path / "four")
     assert four["world_size"] == 4
     ckpt = tmp_path / "four" / "checkpoints" / "step-2"
     assert len(list((ckpt / "sharded").glob("*.distcp"))) == 4 and (ckpt / "sharded" / ".metadata").exists()
-    assert json.loads((ckpt / "state.json").read_text()) == {"step": 2, "samples": 16, "world_size": 4}
+    assert json.loads((ckpt / "state.json").read_text()) == {"step": 2, "samples": 16, "world_size": 4,
+                                                             "samples_per_step": 8}
     one_process(spec.with_overrides({"training.micro_batch_size": 8}), demo_prepared, tmp_path / "one")
     assert_same_run(tmp_path / "one", tmp_path / "four", spec.training.learning_rate)  # 4 ranks x 2 as 1 x 8
 
@@ -198,6 +239,45 @@ def test_a_four_rank_checkpoint_resumes_at_two_ranks_and_in_one_process(tmp_path
         assert list(got) == [3, 4]  # the samples of steps 3 and 4, as the 4-rank run took them
         for step in got:
             assert got[step] == pytest.approx(want[step], rel=FP32_REL)
+
+
+def test_a_resume_at_another_world_size_keeps_the_effective_batch(tmp_path, pipelines_file, demo_prepared):
+    """A one-process checkpoint (micro-batch 4 x 2 accumulated: 8 samples per step) resumed by two ranks with the
+    same spec: grad_accum becomes 1, so steps 3 and 4 take the samples, and reach the losses, of the one-process
+    run (which would otherwise have gone on with 16 samples per step)."""
+    spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4,
+                    training__grad_accum=2, training__distributed="fsdp")
+    one_process(spec, demo_prepared, tmp_path / "one")
+    ckpt = tmp_path / "one" / "checkpoints" / "step-2"
+    assert json.loads((ckpt / "state.json").read_text())["samples_per_step"] == 8
+    shutil.copytree(ckpt, tmp_path / "two" / "checkpoints" / "step-2")
+    result = torchrun(2, spec, demo_prepared, tmp_path / "two")
+    assert result["resumed_from"] == 2 and result["grad_accum"] == 1 and result["samples_per_step"] == 8
+    got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert list(got) == [3, 4]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=FP32_REL)
+
+
+def test_a_resume_no_grad_accum_can_keep_is_refused_with_what_to_set(pipelines_file):
+    from fitburst.distributed import World
+    from fitburst.errors import UserError
+    from fitburst.train import keep_batch
+
+    spec = spec_for(pipelines_file, "demo", training__micro_batch_size=4, training__grad_accum=2)
+    four = {"step": 6, "samples": 96, "world_size": 4, "samples_per_step": 16}
+    two, three = World(rank=0, size=2, local_size=2), World(rank=0, size=3, local_size=3)
+    assert keep_batch(spec, four, two).training.grad_accum == 2  # 2 x 4 x 2: already 16
+    assert keep_batch(spec, four, World()).training.grad_accum == 4  # one process: 1 x 4 x 4
+    assert keep_batch(spec, {**four, "world_size": 2}, two) is spec  # same world size: as the spec says
+    assert keep_batch(spec, {"step": 6, "samples": 48, "world_size": 1}, two).training.grad_accum == 1  # 8 per step
+    with pytest.raises(UserError, match=r"16 samples per optimizer step on 4 rank.*on 3 ranks.*resume on a number "
+                                        r"of ranks that divides 16"):
+        keep_batch(spec, four, three)
+    six = spec_for(pipelines_file, "demo", training__micro_batch_size=6)
+    with pytest.raises(UserError, match=r"training.micro_batch_size 6 takes no whole training.grad_accum to 16: set "
+                                        r"training.micro_batch_size: 4 and training.grad_accum: 2"):
+        keep_batch(six, four, two)
 
 
 # --- QLoRA: 4-bit weights that shard, and the traps ------------------------------------------------------------

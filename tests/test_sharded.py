@@ -178,6 +178,35 @@ def test_offload_moves_sharded_state_to_host_ram_which_must_fit():
     assert not short.fits and any("host RAM" in c for c in short.changes)
 
 
+def test_host_ram_counts_one_loaded_copy_per_node_or_one_per_rank_for_4bit_weights():
+    """At load, rank 0 alone reads a bf16 checkpoint (about 16.1 GB for Llama-3.1-8B: 8.03B weights x 2 bytes) and
+    the node's other ranks receive their shards from it, however many they are; a 4-bit base is loaded by every
+    rank of the node at once: at least 35 GB each for Llama-3.1-70B (70.55B weights x 0.5 bytes), at most 44 GB
+    (embeddings and head unquantized in fp32 after k-bit preparation, and the quantization statistics)."""
+    from fitburst.memory.estimator import host_bytes, param_counts
+
+    def host(model: str, s: TrainSettings, per_node: int) -> float:
+        return host_bytes(param_counts(load_shape(model), s), s, per_node) / 1e9
+
+    lora = TrainSettings(method="lora", rank=16, batch=1, seq_len=512, dtype="bf16", world_size=8)
+    assert host("meta-llama/Llama-3.1-8B", lora, 8) == pytest.approx(16.06, rel=0.03)
+    assert host("meta-llama/Llama-3.1-8B", lora, 8) == host("meta-llama/Llama-3.1-8B", lora, 4)
+    qlora = TrainSettings(method="qlora", rank=16, batch=1, seq_len=2048, dtype="bf16", world_size=8)
+    for per_node in (8, 4):  # one node of 8 GPUs, two of 4
+        assert 35 * per_node <= host("meta-llama/Llama-3.1-70B", qlora, per_node) <= 44 * per_node
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_trace_counts_a_4bit_model_as_the_analytic_estimate_does(tmp_path, world_size):
+    """A 4-bit weight is counted by the values it packs, not by its packed storage's elements (2 per uint8, 4 per
+    bf16 element once sharded): the host RAM and the time of a traced plan are figured from this count."""
+    s = TrainSettings(method="qlora", rank=8, batch=1, seq_len=32, dtype="bf16", world_size=world_size)
+    folder = model_folder(tmp_path, "llama")
+    traced = trace_step(spec_for(folder), s, seq_len=32).params
+    analytic = estimate(load_shape(str(folder)), s, resolve_device("cpu")).params
+    assert traced == {"total": analytic["total"], "trainable": analytic["trainable"]}
+
+
 def test_fsdp_scaling_follows_the_link():
     """Full fine-tuning of a 7B model moves ~30 GB per micro-batch: NVLink keeps up, PCIe does not."""
     from fitburst.hours import estimate_hours, throughput

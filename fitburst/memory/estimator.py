@@ -1017,17 +1017,28 @@ def model_state_bytes(params: dict[str, int], s: TrainSettings) -> dict[str, int
             "optimizer_states": params["trainable"] * state}
 
 
+def loads_once(quant: str) -> bool:
+    """Whether a sharded run reads its checkpoint once (rank 0 loads the whole model into host RAM, every other rank
+    builds it without weights and receives its shards from rank 0: :func:`fitburst.distributed.fill_from_rank0`)
+    rather than once per rank. Not with 4-bit weights: bitsandbytes quantizes as it loads, and the packed shape and
+    quantization state (absmax, code: no parameters) exist only on a rank that loaded; a rank that built the model
+    without weights holds the unquantized shape and no state to receive them into."""
+    return quant not in ("nf4", "fp4")
+
+
 def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> int:
-    """Host RAM one node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards of the
-    weights, gradients and optimizer state; and while loading, one copy of the base weights as loaded (the node's
-    first rank reads the checkpoint, the others take their shards from it, as accelerate's CPU-RAM-efficient
-    loading does). 0 for one device (the weights load onto it)."""
+    """Host RAM the busiest node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards
+    of the weights, gradients and optimizer state (where the shards live in host RAM); and while loading, the base
+    weights as loaded: one copy on rank 0's node where the others receive their shards from it
+    (:func:`loads_once`: they go straight to each rank's GPU), else one copy per rank of the node, all loading at
+    once (4-bit weights, quantized as each rank loads them). 0 for one device (the weights load onto it)."""
     if s.world_size <= 1:
         return 0
     states = model_state_bytes(params, s)
     loaded = states["weights"] - states["gradients"] if s.method != "full" else states["weights"]
+    copies = 1 if loads_once(s.quant) else min(gpus_per_node, s.world_size)
     offloaded = sum(states.values()) // s.world_size * gpus_per_node if s.cpu_offload else 0
-    return loaded + offloaded
+    return copies * loaded + offloaded
 
 
 def _comp(w: dict, lora_w: int, grads: int, opt: int, acts: int, loss: int, transient: int) -> dict[str, int]:

@@ -317,6 +317,21 @@ def gpu_like_masking(padded: bool):
 # --- building ----------------------------------------------------------------------------------------------
 
 
+def _param_count(model) -> int:
+    """The model's parameters as the analytic estimate counts them (a tied weight once): a 4-bit weight by the
+    values it packs (its quantization state's shape, on the weight or, once FSDP sharded it, on the module), not by
+    the elements of its packed storage, which are 2 or 4 values each (uint8, or the compute dtype when sharded)."""
+    import math
+
+    counts: dict[int, int] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            state = getattr(p, "quant_state", None) or (getattr(module, "quant_state", None) if name == "weight"
+                                                         else None)
+            counts.setdefault(id(p), math.prod(state.shape) if state is not None else p.numel())
+    return sum(counts.values())
+
+
 def config_dict(ref: str) -> dict:
     """config.json of a model reference, found where :func:`fitburst.memory.load_shape` looks."""
     from .shapes import config_path
@@ -625,7 +640,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             h.remove()
         _tag_cpu_resident(rec, opt)
         trainable = sum(p.numel() for p in params)
-        total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        total = _param_count(model)
     return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,

@@ -5,6 +5,9 @@ as it is imported:
     step_sleep   seconds added to each optimizer step, so a test can act mid-run
     oom          {"rank": r, "call": k, "marker": path}: rank r's k-th optimizer step (0-based) fails with the CPU
                  allocator's out-of-memory error once (the marker file, created then, stops it happening again)
+    held         a folder: each rank writes rank-<r>.json there, the bytes of parameter storage it holds when
+                 fitburst.train has loaded the base model ("loaded": meta tensors hold none) and when build_model
+                 returns ("built": a sharded parameter's local shard)
 """
 
 from __future__ import annotations
@@ -35,6 +38,40 @@ def _wrap(module) -> None:
         return real(*a, **k)
 
     module.optimizer_step = optimizer_step
+    if CONFIG.get("held"):
+        _record_held(module, CONFIG["held"])
+
+
+def _held(model) -> int:
+    total = 0
+    for p in model.parameters():  # a tied weight once
+        t = p.to_local() if hasattr(p, "to_local") else p
+        total += 0 if t.is_meta else t.numel() * t.element_size()
+    return total
+
+
+def _record_held(module, folder: str) -> None:
+    load, build = module.load_pipeline_model, module.build_model
+    seen: dict = {}
+
+    def write() -> None:
+        with open(os.path.join(folder, f"rank-{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump(seen, f)
+
+    def load_pipeline_model(*a, **k):
+        model = load(*a, **k)
+        seen["loaded"] = _held(model)
+        write()
+        return model
+
+    def build_model(*a, **k):
+        out = build(*a, **k)
+        seen["built"] = _held(out[0])
+        write()
+        return out
+
+    module.load_pipeline_model = load_pipeline_model
+    module.build_model = build_model
 
 
 class _Hook(importlib.abc.MetaPathFinder):

@@ -831,7 +831,11 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     head16 = d * V * h if (s.master_weights or (s.kbit and s.amp)) and not mp else 0
     if fused:
         terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
+        # on top of A_all, whose head input (``nf``, a trained head's) stands for the hidden states given to the
+        # kernel: the rule's peak takes them off where the library frees them before its backward (``released``)
         loss_fwd = loss_bwd = terms.peak
+        if full and pbytes != a_lm:
+            head16 = 0  # the rule's own head cast (fitburst casts the head before the call, not autocast)
         notes.append(f"loss: {describe_lean(s, device)}")
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
     # backward through the blocks, top to bottom

@@ -23,10 +23,17 @@ trains (full fine-tuning).
   ``loss_1d`` (n fp32); the logits exist one chunk at a time: chunk = next_pow2(ceil(n / ceil(v / h))) rows (at
   most n) of v in the matmul dtype, with the chunk's ``grad_logits @ weight`` (chunk x h) beside it, and the
   ignore mask (n bytes).
-- ``cce_compile`` (CCE's ``torch_compile`` path, inductor): the compiled graph keeps the logits of the rows it
-  computes, in the matmul dtype, for its backward, and writes their gradient in place; a head cast to that dtype
-  first (autocast of an fp32 head) leaves one more v x h copy. Measured on this project's CPU box with the torch
-  profiler's allocator counts (tests/test_loss.py), not read from a source.
+- ``cce_compile`` (CCE's ``torch_compile`` path, ``torch_compile.py`` and ``utils._build_flat_valids``, compiled by
+  inductor): the rows with a label are gathered first (``e[valids]``: a copy of the hidden states, the int32 row
+  indices and the int64 targets; fitburst's shifted labels always ignore the last position, so it always gathers),
+  then one compiled graph computes the logits in the matmul dtype and keeps them, with the row maxima and
+  log-sum-exps, for its backward, and the gathered copy too when the head trains (its gradient needs it). The
+  library keeps no reference to the hidden states it was given (``released``). Backward writes the logits'
+  gradient in place, allocates the head's gradient (a trained head) before freeing the gathered copy, then the
+  gathered rows' gradient; after the logits go, the indexing's backward scatters it into a zeroed n x h gradient.
+  :func:`cce_compile_steps` lists these allocations and frees in the library's order: the stand-in replays them,
+  the analytic estimate takes their peaks. Read from the AOT graphs (``TORCH_LOGS=aot_graphs``) and the torch
+  profiler's allocator events of real calls on this project's CPU (tests/test_loss.py).
 - ``chunked`` (fitburst's own, :func:`fitburst.families.loss.chunked_linear_cross_entropy`): runs on fake
   tensors, so the trace runs it as it is; here, ``EVAL_CHUNK_TOKENS`` rows of standard cross-entropy at a time, each
   recomputed in backward, and the hidden-state gradient accumulated over the chunks.
@@ -47,15 +54,68 @@ from fitburst.runconfig import EVAL_CHUNK_TOKENS
 @dataclass(frozen=True)
 class LossTerms:
     """Bytes of one loss call: ``kept`` from its forward to the end of its backward, ``forward`` and ``backward``
-    transient peaks on top of ``kept`` (the backward's includes the hidden-state gradient it returns)."""
+    transient peaks on top of ``kept`` (the backward's includes the hidden-state gradient it returns);
+    ``released``: bytes of the hidden states given to the kernel that it holds no reference to, so that (nothing
+    else keeping the final norm's output) they are freed before its backward runs."""
 
     kept: int
     forward: int
     backward: int
+    released: int = 0
 
     @property
     def peak(self) -> int:
-        return self.kept + max(self.forward, self.backward)
+        """The call's peak on top of what was live before it, the hidden states given to it included."""
+        return self.kept + max(self.forward, self.backward - self.released)
+
+
+Step = tuple[str, int]  # (name, bytes): an allocation of ``bytes``; (name, 0): the free of ``name``
+
+
+def cce_compile_steps(n: int, h: int, v: int, a: int, *, head_grad: bool = False,
+                      head_bytes: int | None = None) -> tuple[list[Step], list[Step]]:
+    """CCE's torch_compile path, allocation by allocation, (forward steps, backward steps) in the library's order
+    (see the module docstring). ``head_bytes`` other than ``a``: the head arrives in another dtype (an fp32 head
+    under autocast), so its cast (made by fitburst before the call, kept by the compiled graph until the logits
+    go) and its gradient's cast back are steps too; the trace makes that cast itself and passes ``a``."""
+    hb = head_bytes or a
+    fwd: list[Step] = []
+    if hb != a:
+        fwd.append(("head_cast", v * h * a))
+    fwd += [("valids", 4 * n), ("targets", 8 * n),  # the gather's int32 row indices and the gathered int64 targets
+            ("rows", n * h * a),  # the gathered hidden states
+            ("logits", n * v * a), ("lse", 8 * n)]  # the row maxima and log-sum-exps (fp32)
+    if not head_grad:
+        fwd.append(("rows", 0))  # only the head's gradient needs them
+    bwd: list[Step] = [("targets", 0), ("lse", 0)]  # read into the logits' gradient first
+    if head_grad:
+        bwd += [("grad_head", v * h * a), ("rows", 0)]
+    bwd += [("grad_rows", n * h * a), ("logits", 0)]
+    if hb != a:
+        bwd.append(("head_cast", 0))
+    bwd += [("grad_hidden", n * h * a), ("grad_rows", 0), ("valids", 0)]
+    if head_grad and hb != a:
+        bwd += [("grad_head_cast", v * h * hb), ("grad_head", 0)]
+    return fwd, bwd
+
+
+def _replay(steps: list[Step], live: dict[str, int]) -> int:
+    """Apply ``steps`` to ``live`` (name: bytes); the peak of the live total over them."""
+    peak = sum(live.values())
+    for name, nbytes in steps:
+        if nbytes:
+            live[name] = nbytes
+        else:
+            del live[name]
+        peak = max(peak, sum(live.values()))
+    return peak
+
+
+def _terms_of_steps(fwd: list[Step], bwd: list[Step], released: int) -> LossTerms:
+    live: dict[str, int] = {}
+    fwd_peak = _replay(fwd, live)
+    kept = sum(live.values())
+    return LossTerms(kept, fwd_peak - kept, _replay(bwd, live) - kept, released)
 
 
 def liger_chunk_rows(n: int, h: int, v: int) -> int:
@@ -86,9 +146,8 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         kept = n * h * a + 4 * n + (v * h * hb if head_grad else 0)
         fwd = n + c * v * a + c * h * a + (c * h * 4 + v * h * 4 if head_grad and hb == 4 else 0)
         return LossTerms(kept, fwd, 0)
-    if kernel == "cce_compile":  # a head cast to the matmul dtype first (autocast) leaves one more copy of it
-        return LossTerms(n * v * a + 4 * n + (v * h * a if hb != a else 0), 0,
-                         n * h * a + (v * h * hb if head_grad else 0))
+    if kernel == "cce_compile":
+        return _terms_of_steps(*cce_compile_steps(n, h, v, a, head_grad=head_grad, head_bytes=hb), released=n * h * a)
     if kernel == "chunked":
         c = min(n, EVAL_CHUNK_TOKENS)
         upcast = 4 * c * v if a != 4 else 0
@@ -118,8 +177,8 @@ def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
 @contextlib.contextmanager
 def traced_fused_loss(kernel: str) -> Iterator[None]:
     """While tracing: the library kernels (which cannot run on fake tensors) replaced by a stand-in that allocates
-    what :func:`fused_loss_terms` says, in the library's order, and returns a loss and gradients of the right
-    shapes. ``chunked`` runs as it is."""
+    what :func:`fused_loss_terms` says (``cce_compile``: :func:`cce_compile_steps`, step by step), in the library's
+    order, and returns a loss and gradients of the right shapes. ``chunked`` runs as it is."""
     if kernel == "chunked":
         yield
         return
@@ -162,10 +221,44 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
                 grad_weight = kept[nbytes:nbytes + w].view(weight.dtype).view(weight.shape)
             elif weight.requires_grad:
                 grad_weight = torch.empty_like(weight)
+            del ctx.shapes  # the step's loss tensor keeps this node alive through the optimizer step
             return grad_hidden, grad_weight, None
 
+    class CompiledStandIn(torch.autograd.Function):
+        """CCE's torch_compile path: :func:`cce_compile_steps` replayed, holding neither input."""
+
+        @staticmethod
+        def forward(ctx, hidden, weight, labels):
+            (n, h), v = hidden.shape, weight.shape[0]
+            # fitburst casts both inputs to the matmul dtype before the call: no head cast here
+            fwd, bwd = cce_compile_steps(n, h, v, hidden.element_size(), head_grad=weight.requires_grad)
+            ctx.live = {}
+            _allocate(ctx.live, fwd)
+            ctx.steps = bwd
+            ctx.meta = (hidden.shape, hidden.dtype, weight.shape, weight.dtype)
+            return hidden.new_zeros((), dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            shape, dtype, w_shape, w_dtype = ctx.meta
+            live = ctx.live
+            _allocate(live, ctx.steps, {"grad_hidden": (shape, dtype), "grad_head": (w_shape, w_dtype)})
+            grad_hidden, grad_weight = live.pop("grad_hidden"), live.pop("grad_head", None)
+            assert not live, live
+            del ctx.live
+            return grad_hidden, grad_weight, None
+
+    def _allocate(live: dict, steps: list[Step], shaped: dict | None = None) -> None:
+        for name, nbytes in steps:
+            if not nbytes:
+                del live[name]
+            elif shaped and name in shaped:
+                live[name] = torch.empty(shaped[name][0], dtype=shaped[name][1])
+            else:
+                live[name] = torch.empty(nbytes, dtype=torch.uint8)
+
     def run(hidden, weight, labels, *, kernel: str, softcap: float | None = None):
-        return StandIn.apply(hidden, weight, labels)
+        return (CompiledStandIn if kernel == "cce_compile" else StandIn).apply(hidden, weight, labels)
 
     with mock.patch.object(family_loss, "_library_loss", run):
         yield

@@ -15,7 +15,7 @@ from fitburst.demo_models import demo_model_dir
 from fitburst.families import CAUSAL, IGNORE_INDEX, SEQ2SEQ
 from fitburst.families.loss import FusedLossError, chunked_linear_cross_entropy, linear_cross_entropy
 from fitburst.hardware import fused_loss_kernel, resolve_device
-from fitburst.memory.loss_kernels import fused_loss_terms, liger_chunk_rows
+from fitburst.memory.loss_kernels import fused_eval_bytes, fused_loss_terms, liger_chunk_rows
 
 
 def _standard(hidden, weight, labels, softcap=None):
@@ -229,6 +229,26 @@ def test_cce_compile_rule_matches_inductors_allocations(head_grad):
     assert fwd_peak == pytest.approx(hidden + rule.kept + rule.forward, rel=0.005)
     assert max(curve) == pytest.approx(hidden + rule.peak, rel=0.005)
     assert curve[-1] == hidden + (v * h * 4 if head_grad else 0)  # base.grad and weight.grad, left by the call
+
+
+def test_cce_compile_eval_rule_matches_inductors_allocations():
+    """The eval's call (no_grad): the gathered rows and their logits coexist, as in the training forward."""
+    pytest.importorskip("cut_cross_entropy")
+    n, h, v = 512, 64, 3000
+    hidden, weight = torch.randn(n, h), torch.randn(v, h) * 0.05
+    labels = torch.randint(0, v, (n,))
+    labels[-1] = IGNORE_INDEX
+
+    def call() -> None:
+        with torch.no_grad():
+            linear_cross_entropy(hidden, weight, labels, kernel="cce_compile")
+
+    call()  # compiled before the measured call
+    cur = peak = 0
+    for b in _allocations(call):
+        cur += b
+        peak = max(peak, cur)
+    assert peak == pytest.approx(fused_eval_bytes("cce_compile", n, h, v, 4), rel=0.005)
 
 
 def test_eval_loss_with_the_fused_kernel_equals_the_standard_one(demo_spec, demo_prepared):

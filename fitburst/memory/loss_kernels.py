@@ -169,8 +169,9 @@ def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
     if kernel == "liger":  # grad_input is allocated even with no gradient asked for
         c = liger_chunk_rows(n, h, v)
         return n * h * a + 5 * n + c * v * a + c * h * a
-    if kernel == "cce_compile":
-        return n * v * a + 4 * n
+    if kernel == "cce_compile":  # the forward's steps (cce_compile_steps) with nothing kept for a backward
+        live: dict[str, int] = {}
+        return _replay(cce_compile_steps(n, h, v, a)[0], live)
     return a * n * v + (4 * n * v if a != 4 else 0) + 4 * n * v  # chunked: one chunk of the standard loss
 
 

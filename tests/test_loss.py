@@ -190,8 +190,9 @@ def _allocations(fn) -> list[int]:
             if e.name() == "[memory]"]
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("head_grad", [False, True], ids=["lora", "full"])
-def test_cce_compile_rule_matches_inductors_allocations(head_grad):
+def test_cce_compile_rule_matches_inductors_allocations(head_grad, softcap):
     """CCE's torch_compile path, run for real on this CPU as the loop runs it (the hidden states are the body's
     output, which nothing but the loss holds): what it keeps after its forward, its forward's peak with the hidden
     states alive, and the whole call's peak (its backward runs after the hidden states were freed) are the rule's,
@@ -206,7 +207,7 @@ def test_cce_compile_rule_matches_inductors_allocations(head_grad):
 
     def step() -> None:
         hidden = base * 1.0  # the body's output
-        loss = linear_cross_entropy(hidden, weight, labels, kernel="cce_compile")
+        loss = linear_cross_entropy(hidden, weight, labels, kernel="cce_compile", softcap=softcap)
         del hidden
         marks.append(torch.empty(999_983, dtype=torch.uint8))  # an allocation that marks the forward's end
         marks.clear()
@@ -223,7 +224,7 @@ def test_cce_compile_rule_matches_inductors_allocations(head_grad):
         curve.append(cur)
     hidden = n * h * 4
     fwd_peak, kept = max(curve[:mark]), curve[mark - 1]
-    rule = fused_loss_terms("cce_compile", n, h, v, 4, head_grad=head_grad)
+    rule = fused_loss_terms("cce_compile", n, h, v, 4, head_grad=head_grad, softcap=softcap is not None)
     assert rule.released == hidden
     assert kept == pytest.approx(rule.kept, rel=0.005)  # the hidden states already freed
     assert fwd_peak == pytest.approx(hidden + rule.kept + rule.forward, rel=0.005)
@@ -248,7 +249,7 @@ def test_cce_compile_eval_rule_matches_inductors_allocations():
     for b in _allocations(call):
         cur += b
         peak = max(peak, cur)
-    assert peak == pytest.approx(fused_eval_bytes("cce_compile", n, h, v, 4), rel=0.005)
+    assert peak == pytest.approx(fused_eval_bytes("cce_compile", n, h, v, 4, softcap=False), rel=0.005)
 
 
 def test_eval_loss_with_the_fused_kernel_equals_the_standard_one(demo_spec, demo_prepared):

@@ -72,28 +72,30 @@ class LossTerms:
 Step = tuple[str, int]  # (name, bytes): an allocation of ``bytes``; (name, 0): the free of ``name``
 
 
-def cce_compile_steps(n: int, h: int, v: int, a: int, *, head_grad: bool = False,
-                      head_bytes: int | None = None) -> tuple[list[Step], list[Step]]:
+def cce_compile_steps(n: int, h: int, v: int, a: int, *, head_grad: bool = False, head_bytes: int | None = None,
+                      softcap: bool = False) -> tuple[list[Step], list[Step]]:
     """CCE's torch_compile path, allocation by allocation, (forward steps, backward steps) in the library's order
-    (see the module docstring). ``head_bytes`` other than ``a``: the head arrives in another dtype (an fp32 head
-    under autocast), so its cast (made by fitburst before the call, kept by the compiled graph until the logits
-    go) and its gradient's cast back are steps too; the trace makes that cast itself and passes ``a``."""
+    (see the module docstring). ``head_bytes`` other than ``a``: a trained head of another dtype (an fp32 head under
+    autocast) gets its gradient cast back by autograd once the logits are gone. fitburst's cast copy of such a head
+    (kept by the compiled graph until then) is the estimate's ``head16``, as for the other kernels; the trace makes
+    it itself. ``softcap``: the graph keeps the uncapped logits only; the capped ones (and their fp32 copy, for a
+    16-bit matmul) exist in its forward, and the tanh's gradient in its backward."""
     hb = head_bytes or a
-    fwd: list[Step] = []
-    if hb != a:
-        fwd.append(("head_cast", v * h * a))
-    fwd += [("valids", 4 * n), ("targets", 8 * n),  # the gather's int32 row indices and the gathered int64 targets
-            ("rows", n * h * a),  # the gathered hidden states
-            ("logits", n * v * a), ("lse", 8 * n)]  # the row maxima and log-sum-exps (fp32)
+    fwd: list[Step] = [("valids", 4 * n), ("targets", 8 * n),  # the gather's int32 row indices, int64 targets
+                       ("rows", n * h * a),  # the gathered hidden states
+                       ("logits", n * v * a)]
+    if softcap:
+        fwd += ([("capped", n * v * a), ("capped32", 4 * n * v), ("capped", 0), ("capped32", 0)] if a != 4
+                else [("capped", n * v * a), ("capped", 0)])
+    fwd.append(("lse", 8 * n))  # the row maxima and log-sum-exps (fp32)
     if not head_grad:
         fwd.append(("rows", 0))  # only the head's gradient needs them
     bwd: list[Step] = [("targets", 0), ("lse", 0)]  # read into the logits' gradient first
+    if softcap:
+        bwd += [("capped_grad", n * v * a), ("capped_grad", 0)]
     if head_grad:
         bwd += [("grad_head", v * h * a), ("rows", 0)]
-    bwd += [("grad_rows", n * h * a), ("logits", 0)]
-    if hb != a:
-        bwd.append(("head_cast", 0))
-    bwd += [("grad_hidden", n * h * a), ("grad_rows", 0), ("valids", 0)]
+    bwd += [("grad_rows", n * h * a), ("logits", 0), ("grad_hidden", n * h * a), ("grad_rows", 0), ("valids", 0)]
     if head_grad and hb != a:
         bwd += [("grad_head_cast", v * h * hb), ("grad_head", 0)]
     return fwd, bwd
@@ -147,7 +149,8 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         fwd = n + c * v * a + c * h * a + (c * h * 4 + v * h * 4 if head_grad and hb == 4 else 0)
         return LossTerms(kept, fwd, 0)
     if kernel == "cce_compile":
-        return _terms_of_steps(*cce_compile_steps(n, h, v, a, head_grad=head_grad, head_bytes=hb), released=n * h * a)
+        return _terms_of_steps(*cce_compile_steps(n, h, v, a, head_grad=head_grad, head_bytes=hb, softcap=softcap),
+                               released=n * h * a)
     if kernel == "chunked":
         c = min(n, EVAL_CHUNK_TOKENS)
         upcast = 4 * c * v if a != 4 else 0
@@ -171,7 +174,7 @@ def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         return n * h * a + 5 * n + c * v * a + c * h * a
     if kernel == "cce_compile":  # the forward's steps (cce_compile_steps) with nothing kept for a backward
         live: dict[str, int] = {}
-        return _replay(cce_compile_steps(n, h, v, a)[0], live)
+        return _replay(cce_compile_steps(n, h, v, a, softcap=softcap)[0], live)
     return a * n * v + (4 * n * v if a != 4 else 0) + 4 * n * v  # chunked: one chunk of the standard loss
 
 
@@ -229,10 +232,10 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
         """CCE's torch_compile path: :func:`cce_compile_steps` replayed, holding neither input."""
 
         @staticmethod
-        def forward(ctx, hidden, weight, labels):
+        def forward(ctx, hidden, weight, labels, softcap):
             (n, h), v = hidden.shape, weight.shape[0]
-            # fitburst casts both inputs to the matmul dtype before the call: no head cast here
-            fwd, bwd = cce_compile_steps(n, h, v, hidden.element_size(), head_grad=weight.requires_grad)
+            fwd, bwd = cce_compile_steps(n, h, v, hidden.element_size(), head_grad=weight.requires_grad,
+                                         softcap=softcap)
             ctx.live = {}
             _allocate(ctx.live, fwd)
             ctx.steps = bwd
@@ -247,7 +250,7 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
             grad_hidden, grad_weight = live.pop("grad_hidden"), live.pop("grad_head", None)
             assert not live, live
             del ctx.live
-            return grad_hidden, grad_weight, None
+            return grad_hidden, grad_weight, None, None
 
     def _allocate(live: dict, steps: list[Step], shaped: dict | None = None) -> None:
         for name, nbytes in steps:
@@ -259,7 +262,9 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
                 live[name] = torch.empty(nbytes, dtype=torch.uint8)
 
     def run(hidden, weight, labels, *, kernel: str, softcap: float | None = None):
-        return (CompiledStandIn if kernel == "cce_compile" else StandIn).apply(hidden, weight, labels)
+        if kernel == "cce_compile":
+            return CompiledStandIn.apply(hidden, weight, labels, softcap is not None)
+        return StandIn.apply(hidden, weight, labels)
 
     with mock.patch.object(family_loss, "_library_loss", run):
         yield

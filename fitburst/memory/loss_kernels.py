@@ -130,7 +130,7 @@ def liger_chunk_rows(n: int, h: int, v: int) -> int:
 def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
                      head_bytes: int | None = None, softcap: bool = True) -> LossTerms:
     """The rule of ``kernel`` (see the module docstring) for one training call over ``n`` rows. ``softcap``: the
-    model soft-caps its logits (the estimate does not know, and counts it: 4n bytes at most)."""
+    model soft-caps its logits (ModelShape.softcap; the default counts it)."""
     hb = head_bytes or a
     if kernel == "cce":
         kept = 4 * n + 4 * v + 4 * n  # lse, logit_avg, valids

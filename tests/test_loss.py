@@ -15,7 +15,7 @@ from fitburst.demo_models import demo_model_dir
 from fitburst.families import CAUSAL, IGNORE_INDEX, SEQ2SEQ
 from fitburst.families.loss import FusedLossError, chunked_linear_cross_entropy, linear_cross_entropy
 from fitburst.hardware import fused_loss_kernel, resolve_device
-from fitburst.memory.loss_kernels import fused_loss_terms, liger_chunk_rows
+from fitburst.memory.loss_kernels import fused_eval_bytes, fused_loss_terms, liger_chunk_rows
 
 
 def _standard(hidden, weight, labels, softcap=None):
@@ -180,36 +180,76 @@ def test_liger_rule_matches_its_forward_with_the_triton_launch_stubbed(monkeypat
     assert liger_chunk_rows(n, h, v) == 16  # next_pow2(ceil(512 / ceil(3000 / 64)))
 
 
-def test_cce_compile_rule_matches_inductors_allocations():
-    """CCE's torch_compile path, run for real on this CPU: its allocations (the torch profiler's allocator counts)
-    peak at the rule's figure, the logits of the rows in the matmul dtype."""
-    pytest.importorskip("cut_cross_entropy")
+def _allocations(fn) -> list[int]:
+    """The torch profiler's allocator events (bytes, + allocated, - freed) of ``fn()``, in order."""
     from torch.profiler import ProfilerActivity, profile
 
-    n, h, v = 256, 64, 8000
-    weight = torch.randn(v, h) * 0.05
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+            if e.name() == "[memory]"]
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("head_grad", [False, True], ids=["lora", "full"])
+def test_cce_compile_rule_matches_inductors_allocations(head_grad, softcap):
+    """CCE's torch_compile path, run for real on this CPU as the loop runs it (the hidden states are the body's
+    output, which nothing but the loss holds): what it keeps after its forward, its forward's peak with the hidden
+    states alive, and the whole call's peak (its backward runs after the hidden states were freed) are the rule's,
+    to a row of the bound (the rule counts every row; the last one has no label)."""
+    pytest.importorskip("cut_cross_entropy")
+    n, h, v = 512, 64, 3000
+    base = torch.randn(n, h, requires_grad=True)
+    weight = (torch.randn(v, h) * 0.05).requires_grad_(head_grad)
     labels = torch.randint(0, v, (n,))
-    for autocast, a in ((False, 4), (True, 2)):
-        hidden = torch.randn(n, h, requires_grad=True)
+    labels[-1] = IGNORE_INDEX
+    marks = []
 
-        def step(rows: int, hidden=hidden, autocast=autocast) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = linear_cross_entropy(hidden[:rows], weight, labels[:rows], kernel="cce_compile")
-            loss.backward()
+    def step() -> None:
+        hidden = base * 1.0  # the body's output
+        loss = linear_cross_entropy(hidden, weight, labels, kernel="cce_compile", softcap=softcap)
+        del hidden
+        marks.append(torch.empty(999_983, dtype=torch.uint8))  # an allocation that marks the forward's end
+        marks.clear()
+        loss.backward()
 
-        step(32)  # compiled before the measured call
-        hidden.grad = None
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(n)
-        cur = peak = 0
-        for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-            if e.name() == "[memory]":
-                cur += e.nbytes()
-                peak = max(peak, cur)
-        rule = fused_loss_terms("cce_compile", n, h, v, a, head_bytes=4)
-        # beyond the rule: the inputs cast to bf16 under autocast (n x h and v x h)
-        inputs = (n * h + v * h) * a if autocast else 0
-        assert peak == pytest.approx(rule.peak + inputs, rel=0.15), (autocast, peak, rule)
+    step()  # compiled before the measured call
+    base.grad = weight.grad = None
+    events = _allocations(step)
+    mark = events.index(999_983)
+    events[mark:mark + 2] = [0, 0]  # the mark and its free
+    cur, curve = 0, []
+    for b in events:
+        cur += b
+        curve.append(cur)
+    hidden = n * h * 4
+    fwd_peak, kept = max(curve[:mark]), curve[mark - 1]
+    rule = fused_loss_terms("cce_compile", n, h, v, 4, head_grad=head_grad, softcap=softcap is not None)
+    assert rule.released == hidden
+    assert kept == pytest.approx(rule.kept, rel=0.005)  # the hidden states already freed
+    assert fwd_peak == pytest.approx(hidden + rule.kept + rule.forward, rel=0.005)
+    assert max(curve) == pytest.approx(hidden + rule.peak, rel=0.005)
+    assert curve[-1] == hidden + (v * h * 4 if head_grad else 0)  # base.grad and weight.grad, left by the call
+
+
+def test_cce_compile_eval_rule_matches_inductors_allocations():
+    """The eval's call (no_grad): the gathered rows and their logits coexist, as in the training forward."""
+    pytest.importorskip("cut_cross_entropy")
+    n, h, v = 512, 64, 3000
+    hidden, weight = torch.randn(n, h), torch.randn(v, h) * 0.05
+    labels = torch.randint(0, v, (n,))
+    labels[-1] = IGNORE_INDEX
+
+    def call() -> None:
+        with torch.no_grad():
+            linear_cross_entropy(hidden, weight, labels, kernel="cce_compile")
+
+    call()  # compiled before the measured call
+    cur = peak = 0
+    for b in _allocations(call):
+        cur += b
+        peak = max(peak, cur)
+    assert peak == pytest.approx(fused_eval_bytes("cce_compile", n, h, v, 4, softcap=False), rel=0.005)
 
 
 def test_eval_loss_with_the_fused_kernel_equals_the_standard_one(demo_spec, demo_prepared):

@@ -4,7 +4,11 @@ each allocates is :mod:`fitburst.memory.loss_kernels`'s rule.
 
 - ``cce``: Apple's Cut Cross-Entropy Triton kernel (``cut_cross_entropy.linear_cross_entropy(impl="cce")``);
 - ``liger``: Liger Kernel's ``liger_fused_linear_cross_entropy``;
-- ``cce_compile``: Cut Cross-Entropy's ``torch_compile`` implementation (CPU, MPS);
+- ``cce_compile``: Cut Cross-Entropy's ``torch_compile`` implementation (CPU, MPS). It keeps the logits of every
+  labelled row: cut-cross-entropy 25.1.1 has no option to chunk it (``linear_cross_entropy`` passes only
+  ignore_index, softcap, reduction and shift to ``torch_compile.torch_compile_linear_cross_entropy``, whose
+  compiled ``torch_compile_linear_cross_entropy_apply`` computes ``e @ c.T`` for all rows at once; ``filter_eps``
+  is the Triton kernel's), and Liger's torch-only chunked losses are preference and distillation losses;
 - ``chunked``: :func:`chunked_linear_cross_entropy`, where none of those runs.
 
 Every kernel gets the hidden states and the head weight in the dtype the head's matmul would run in (the autocast

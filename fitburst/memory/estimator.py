@@ -830,7 +830,10 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     # autocast's 16-bit copy of an fp32 head (master weights, k-bit's fp32 head), kept for its backward
     head16 = d * V * h if (s.master_weights or (s.kbit and s.amp)) and not mp else 0
     if fused:
-        terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
+        terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None,
+                                 softcap=shape.softcap)
+        # on top of A_all, whose head input (``nf``, a trained head's) stands for the hidden states given to the
+        # kernel: the rule's peak takes them off where the library frees them before its backward (``released``)
         loss_fwd = loss_bwd = terms.peak
         notes.append(f"loss: {describe_lean(s, device)}")
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
@@ -876,7 +879,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if s.eval_batch:  # fitburst.evaluate takes the loss in chunks: fp32 copy + log_softmax of one chunk only
         Te = s.eval_batch * s.seq_len
         chunk = min(Te, EVAL_CHUNK_TOKENS)
-        loss_ev = (fused_eval_bytes(kernel, chunk, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None)
+        loss_ev = (fused_eval_bytes(kernel, chunk, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None,
+                                    softcap=shape.softcap)
                    if fused else a_lm * Te * V + 8 * chunk * V)
         ev = loss_ev + 4 * a * Te * max(h, shape.intermediate)
         phases["eval"] = _comp(w, lora_w, 0, 0, 0, ev, 0)

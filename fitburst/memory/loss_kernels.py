@@ -23,10 +23,17 @@ trains (full fine-tuning).
   ``loss_1d`` (n fp32); the logits exist one chunk at a time: chunk = next_pow2(ceil(n / ceil(v / h))) rows (at
   most n) of v in the matmul dtype, with the chunk's ``grad_logits @ weight`` (chunk x h) beside it, and the
   ignore mask (n bytes).
-- ``cce_compile`` (CCE's ``torch_compile`` path, inductor): the compiled graph keeps the logits of the rows it
-  computes, in the matmul dtype, for its backward, and writes their gradient in place; a head cast to that dtype
-  first (autocast of an fp32 head) leaves one more v x h copy. Measured on this project's CPU box with the torch
-  profiler's allocator counts (tests/test_loss.py), not read from a source.
+- ``cce_compile`` (CCE's ``torch_compile`` path, ``torch_compile.py`` and ``utils._build_flat_valids``, compiled by
+  inductor): the rows with a label are gathered first (``e[valids]``: a copy of the hidden states, the int32 row
+  indices and the int64 targets; fitburst's shifted labels always ignore the last position, so it always gathers),
+  then one compiled graph computes the logits in the matmul dtype and keeps them, with the row maxima and
+  log-sum-exps, for its backward, and the gathered copy too when the head trains (its gradient needs it). The
+  library keeps no reference to the hidden states it was given (``released``). Backward writes the logits'
+  gradient in place, allocates the head's gradient (a trained head) before freeing the gathered copy, then the
+  gathered rows' gradient; after the logits go, the indexing's backward scatters it into a zeroed n x h gradient.
+  :func:`cce_compile_steps` lists these allocations and frees in the library's order: the stand-in replays them,
+  the analytic estimate takes their peaks. Read from the AOT graphs (``TORCH_LOGS=aot_graphs``) and the torch
+  profiler's allocator events of real calls on this project's CPU (tests/test_loss.py).
 - ``chunked`` (fitburst's own, :func:`fitburst.families.loss.chunked_linear_cross_entropy`): runs on fake
   tensors, so the trace runs it as it is; here, ``EVAL_CHUNK_TOKENS`` rows of standard cross-entropy at a time, each
   recomputed in backward, and the hidden-state gradient accumulated over the chunks.
@@ -47,15 +54,70 @@ from fitburst.runconfig import EVAL_CHUNK_TOKENS
 @dataclass(frozen=True)
 class LossTerms:
     """Bytes of one loss call: ``kept`` from its forward to the end of its backward, ``forward`` and ``backward``
-    transient peaks on top of ``kept`` (the backward's includes the hidden-state gradient it returns)."""
+    transient peaks on top of ``kept`` (the backward's includes the hidden-state gradient it returns);
+    ``released``: bytes of the hidden states given to the kernel that it holds no reference to, so that (nothing
+    else keeping the final norm's output) they are freed before its backward runs."""
 
     kept: int
     forward: int
     backward: int
+    released: int = 0
 
     @property
     def peak(self) -> int:
-        return self.kept + max(self.forward, self.backward)
+        """The call's peak on top of what was live before it, the hidden states given to it included."""
+        return self.kept + max(self.forward, self.backward - self.released)
+
+
+Step = tuple[str, int]  # (name, bytes): an allocation of ``bytes``; (name, 0): the free of ``name``
+
+
+def cce_compile_steps(n: int, h: int, v: int, a: int, *, head_grad: bool = False, head_bytes: int | None = None,
+                      softcap: bool = False) -> tuple[list[Step], list[Step]]:
+    """CCE's torch_compile path, allocation by allocation, (forward steps, backward steps) in the library's order
+    (see the module docstring). ``head_bytes`` other than ``a``: a trained head of another dtype (an fp32 head under
+    autocast) gets its gradient cast back by autograd once the logits are gone. fitburst's cast copy of such a head
+    (kept by the compiled graph until then) is the estimate's ``head16``, as for the other kernels; the trace makes
+    it itself. ``softcap``: the graph keeps the uncapped logits only; the capped ones (and their fp32 copy, for a
+    16-bit matmul) exist in its forward, and the tanh's gradient in its backward."""
+    hb = head_bytes or a
+    fwd: list[Step] = [("valids", 4 * n), ("targets", 8 * n),  # the gather's int32 row indices, int64 targets
+                       ("rows", n * h * a),  # the gathered hidden states
+                       ("logits", n * v * a)]
+    if softcap:
+        fwd += ([("capped", n * v * a), ("capped32", 4 * n * v), ("capped", 0), ("capped32", 0)] if a != 4
+                else [("capped", n * v * a), ("capped", 0)])
+    fwd.append(("lse", 8 * n))  # the row maxima and log-sum-exps (fp32)
+    if not head_grad:
+        fwd.append(("rows", 0))  # only the head's gradient needs them
+    bwd: list[Step] = [("targets", 0), ("lse", 0)]  # read into the logits' gradient first
+    if softcap:
+        bwd += [("capped_grad", n * v * a), ("capped_grad", 0)]
+    if head_grad:
+        bwd += [("grad_head", v * h * a), ("rows", 0)]
+    bwd += [("grad_rows", n * h * a), ("logits", 0), ("grad_hidden", n * h * a), ("grad_rows", 0), ("valids", 0)]
+    if head_grad and hb != a:
+        bwd += [("grad_head_cast", v * h * hb), ("grad_head", 0)]
+    return fwd, bwd
+
+
+def _replay(steps: list[Step], live: dict[str, int]) -> int:
+    """Apply ``steps`` to ``live`` (name: bytes); the peak of the live total over them."""
+    peak = sum(live.values())
+    for name, nbytes in steps:
+        if nbytes:
+            live[name] = nbytes
+        else:
+            del live[name]
+        peak = max(peak, sum(live.values()))
+    return peak
+
+
+def _terms_of_steps(fwd: list[Step], bwd: list[Step], released: int) -> LossTerms:
+    live: dict[str, int] = {}
+    fwd_peak = _replay(fwd, live)
+    kept = sum(live.values())
+    return LossTerms(kept, fwd_peak - kept, _replay(bwd, live) - kept, released)
 
 
 def liger_chunk_rows(n: int, h: int, v: int) -> int:
@@ -68,7 +130,7 @@ def liger_chunk_rows(n: int, h: int, v: int) -> int:
 def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
                      head_bytes: int | None = None, softcap: bool = True) -> LossTerms:
     """The rule of ``kernel`` (see the module docstring) for one training call over ``n`` rows. ``softcap``: the
-    model soft-caps its logits (the estimate does not know, and counts it: 4n bytes at most)."""
+    model soft-caps its logits (ModelShape.softcap; the default counts it)."""
     hb = head_bytes or a
     if kernel == "cce":
         kept = 4 * n + 4 * v + 4 * n  # lse, logit_avg, valids
@@ -86,9 +148,9 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         kept = n * h * a + 4 * n + (v * h * hb if head_grad else 0)
         fwd = n + c * v * a + c * h * a + (c * h * 4 + v * h * 4 if head_grad and hb == 4 else 0)
         return LossTerms(kept, fwd, 0)
-    if kernel == "cce_compile":  # a head cast to the matmul dtype first (autocast) leaves one more copy of it
-        return LossTerms(n * v * a + 4 * n + (v * h * a if hb != a else 0), 0,
-                         n * h * a + (v * h * hb if head_grad else 0))
+    if kernel == "cce_compile":
+        return _terms_of_steps(*cce_compile_steps(n, h, v, a, head_grad=head_grad, head_bytes=hb, softcap=softcap),
+                               released=n * h * a)
     if kernel == "chunked":
         c = min(n, EVAL_CHUNK_TOKENS)
         upcast = 4 * c * v if a != 4 else 0
@@ -110,16 +172,17 @@ def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
     if kernel == "liger":  # grad_input is allocated even with no gradient asked for
         c = liger_chunk_rows(n, h, v)
         return n * h * a + 5 * n + c * v * a + c * h * a
-    if kernel == "cce_compile":
-        return n * v * a + 4 * n
+    if kernel == "cce_compile":  # the forward's steps (cce_compile_steps) with nothing kept for a backward
+        live: dict[str, int] = {}
+        return _replay(cce_compile_steps(n, h, v, a, softcap=softcap)[0], live)
     return a * n * v + (4 * n * v if a != 4 else 0) + 4 * n * v  # chunked: one chunk of the standard loss
 
 
 @contextlib.contextmanager
 def traced_fused_loss(kernel: str) -> Iterator[None]:
     """While tracing: the library kernels (which cannot run on fake tensors) replaced by a stand-in that allocates
-    what :func:`fused_loss_terms` says, in the library's order, and returns a loss and gradients of the right
-    shapes. ``chunked`` runs as it is."""
+    what :func:`fused_loss_terms` says (``cce_compile``: :func:`cce_compile_steps`, step by step), in the library's
+    order, and returns a loss and gradients of the right shapes. ``chunked`` runs as it is."""
     if kernel == "chunked":
         yield
         return
@@ -162,9 +225,45 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
                 grad_weight = kept[nbytes:nbytes + w].view(weight.dtype).view(weight.shape)
             elif weight.requires_grad:
                 grad_weight = torch.empty_like(weight)
+            del ctx.shapes  # the step's loss tensor keeps this node alive through the optimizer step
             return grad_hidden, grad_weight, None
 
+    class CompiledStandIn(torch.autograd.Function):
+        """CCE's torch_compile path: :func:`cce_compile_steps` replayed, holding neither input."""
+
+        @staticmethod
+        def forward(ctx, hidden, weight, labels, softcap):
+            (n, h), v = hidden.shape, weight.shape[0]
+            fwd, bwd = cce_compile_steps(n, h, v, hidden.element_size(), head_grad=weight.requires_grad,
+                                         softcap=softcap)
+            ctx.live = {}
+            _allocate(ctx.live, fwd)
+            ctx.steps = bwd
+            ctx.meta = (hidden.shape, hidden.dtype, weight.shape, weight.dtype)
+            return hidden.new_zeros((), dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            shape, dtype, w_shape, w_dtype = ctx.meta
+            live = ctx.live
+            _allocate(live, ctx.steps, {"grad_hidden": (shape, dtype), "grad_head": (w_shape, w_dtype)})
+            grad_hidden, grad_weight = live.pop("grad_hidden"), live.pop("grad_head", None)
+            assert not live, live
+            del ctx.live
+            return grad_hidden, grad_weight, None, None
+
+    def _allocate(live: dict, steps: list[Step], shaped: dict | None = None) -> None:
+        for name, nbytes in steps:
+            if not nbytes:
+                del live[name]
+            elif shaped and name in shaped:
+                live[name] = torch.empty(shaped[name][0], dtype=shaped[name][1])
+            else:
+                live[name] = torch.empty(nbytes, dtype=torch.uint8)
+
     def run(hidden, weight, labels, *, kernel: str, softcap: float | None = None):
+        if kernel == "cce_compile":
+            return CompiledStandIn.apply(hidden, weight, labels, softcap is not None)
         return StandIn.apply(hidden, weight, labels)
 
     with mock.patch.object(family_loss, "_library_loss", run):

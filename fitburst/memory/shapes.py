@@ -113,6 +113,7 @@ class ModelShape:
     fused_gate_up: bool = False
     parallel_block: bool = False  # phi-1.5: attention and MLP share one norm
     lm_head_bias: bool = False
+    softcap: bool = False  # the head's logits are soft-capped (final_logit_softcapping: Gemma 2)
     # mixture of experts: transformers 5 keeps each layer's experts as two 3-D parameters, gate_up_proj
     # (E, 2*I, h) and down_proj (E, h, I), not nn.Linear, so bitsandbytes leaves them unquantized (fp32 after
     # k-bit preparation) and peft's target_modules / all-linear never wraps them (its target_parameters does)
@@ -354,6 +355,7 @@ class ModelShape:
             sliding_window=g("sliding_window"),
             config_dtype=g("torch_dtype", "dtype"),
             source=source,
+            softcap=bool(g("final_logit_softcapping")),
         )
         if mt in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
             kw["qkv_bias"] = True

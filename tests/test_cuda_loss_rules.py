@@ -187,3 +187,87 @@ def test_cce_triton_kernels_under_the_interpreter_give_the_standard_loss():
     env.pop("CCE_AUTOTUNE", None)
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+# Liger Kernel's fused linear cross-entropy (fitburst.memory.loss_kernels, ``liger``; liger-kernel 0.8.5): the
+# kernel fitburst runs on CUDA cards older than Ampere (a T4, a V100: fp16 under autocast) and in fp32
+
+_LIGER_INTERPRETED = textwrap.dedent("""
+    import sys, types, torch
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+    import liger_kernel.ops.cross_entropy as liger_ce
+    import liger_kernel.ops.fused_linear_cross_entropy as flce
+    # the interpreter runs no extern (libdevice) call: tanh from triton.language's own sigmoid
+    liger_ce.tanh = lambda x: 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    # the interpreter hands a Python float argument (the soft-cap) to a kernel as a Python float (its _implicit_cvt
+    # converts bools, ints and tensors only), where compiled Triton passes an fp32 scalar, which Liger's kernel
+    # casts (softcap.to(tl.float32))
+    _cvt = interpreter._implicit_cvt
+    def _cvt_float(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return _cvt(arg)
+    interpreter._implicit_cvt = _cvt_float
+    from fitburst.families.loss import linear_cross_entropy, shifted_labels
+    from torch.nn.functional import cross_entropy
+
+    def rel(x, ref):
+        return float((x.float() - ref).abs().max() / ref.abs().max())
+
+    CUDA_PATH = sys.argv[1] == "cuda"
+    if CUDA_PATH:  # the branch CUDA takes: the matmuls write into Liger's buffers (torch.mm(out=...))
+        _can = flce._can_use_mm_out
+        cuda = types.SimpleNamespace(type="cuda")
+        flce._can_use_mm_out = lambda x, w: _can(types.SimpleNamespace(device=cuda, dtype=x.dtype), w)
+        with torch.no_grad():  # as in Liger's Function.forward
+            assert flce._can_use_mm_out(torch.zeros(1), torch.zeros(1))
+    g = torch.Generator().manual_seed(0)
+    worst = {}
+    for dtype in (torch.float16, torch.float32):
+        for head in ("frozen", "trained", "fp32"):
+            if head == "fp32" and dtype == torch.float32:
+                continue
+            for softcap in (None, 30.0):
+                n, h, v = 96, 64, 300  # 3 chunks of 32 rows
+                wide = torch.float32 if head == "fp32" else dtype  # fp32 master weights and hidden states
+                hidden = torch.randn(n, h, generator=g).to(wide).requires_grad_(True)
+                weight = (torch.randn(v, h, generator=g) * 0.2).to(wide).requires_grad_(head != "frozen")
+                labels = torch.randint(0, v, (2, n // 2), generator=g)
+                labels[:, -6:] = -100
+                labels = shifted_labels(labels).reshape(-1)
+                count = int((labels != -100).sum())
+                with torch.autocast("cpu", dtype=torch.float16, enabled=head == "fp32"):
+                    loss = linear_cross_entropy(hidden, weight, labels, kernel="liger", softcap=softcap)
+                (loss / count).backward()  # divided as the family does: Liger's element_mul_kernel runs
+                h32 = hidden.detach().to(dtype).float().requires_grad_(True)
+                w32 = weight.detach().to(dtype).float().requires_grad_(True)
+                logits = h32 @ w32.T
+                if softcap:
+                    logits = torch.tanh(logits / softcap) * softcap
+                ref = cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+                (ref / count).backward()
+                errs = [rel(loss.detach(), ref.detach()), rel(hidden.grad, h32.grad)]
+                assert hidden.grad.dtype == hidden.dtype
+                if head != "frozen":
+                    assert weight.grad.dtype == weight.dtype
+                    errs.append(rel(weight.grad, w32.grad))
+                print(dtype, head, softcap, errs)
+                worst[dtype] = max(worst.get(dtype, 0.0), *errs)
+    print("worst", worst)
+    sys.exit(0 if worst[torch.float16] < 2e-3 and worst[torch.float32] < 1e-5 else 1)
+""")
+
+
+@pytest.mark.parametrize("path", ["cuda", "cpu"])
+def test_liger_triton_kernels_under_the_interpreter_give_the_standard_loss(path):
+    """Liger's two Triton kernels (the cross-entropy that writes the logits' gradient in place, and the gradient
+    scaling of backward) run for real under Triton's interpreter, called as fitburst calls them (shifted labels
+    with ignored rows, soft-capping or not, a frozen, trained or fp32 head under fp16 autocast, 3 chunks): the loss
+    and the gradients of the hidden states and the head equal the standard loss's, to 2e-3 relative in fp16
+    (fp32 reference) and 1e-5 in fp32; on the branch CUDA takes (its matmuls into Liger's buffers) and CPU's."""
+    pytest.importorskip("liger_kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _LIGER_INTERPRETED, path], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]

@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitburst.families.loss import linear_cross_entropy, shifted_labels
 from fitburst.memory.loss_kernels import fused_eval_bytes, fused_loss_terms
@@ -269,5 +270,152 @@ def test_liger_triton_kernels_under_the_interpreter_give_the_standard_loss(path)
     (fp32 reference) and 1e-5 in fp32; on the branch CUDA takes (its matmuls into Liger's buffers) and CPU's."""
     pytest.importorskip("liger_kernel")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _LIGER_INTERPRETED, path], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _LIGER_INTERPRETED, path], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
+LIGER_SHAPES = [(1000, 64, 3000), (777, 64, 3000), (96, 64, 300), (40, 128, 100)]  # chunks of 32, 32, 32 rows;
+# one chunk of all 40 rows (v < h: the logits of every row are smaller than the hidden states)
+
+
+@pytest.fixture
+def liger_stubbed(monkeypatch):
+    """Liger's Function with its two Triton launches made no-ops (they write in place into Liger's buffers), on the
+    branch CUDA takes: ``_can_use_mm_out`` (Liger's own test) sees the input as a CUDA tensor, so the logits chunk
+    and the hidden-state gradient are written by ``torch.mm(out=...)`` into Liger's buffers; the head-gradient
+    accumulation takes its portable branch (``torch.mm(...).float()``), which is CUDA's on a T4 or V100 and in fp32
+    (the addmm branches need compute capability 8 and a 16-bit gradient: CCE's case, not Liger's)."""
+    import types
+
+    flce = pytest.importorskip("liger_kernel.ops.fused_linear_cross_entropy")
+    monkeypatch.setattr(flce, "liger_cross_entropy_kernel", _NoLaunch())
+    monkeypatch.setattr(flce, "element_mul_kernel", _NoLaunch())
+    can = flce._can_use_mm_out
+    cuda = types.SimpleNamespace(type="cuda")
+    monkeypatch.setattr(flce, "_can_use_mm_out",
+                        lambda x, w: can(types.SimpleNamespace(device=cuda, dtype=x.dtype), w))
+
+
+class _OpOutputs(TorchDispatchMode):
+    """The bytes of the storages ops create (views and in-place or ``out=`` results of live storages are not new),
+    each freed when its storage dies: what a CUDA run allocates through the caching allocator, where the profiler
+    on this CPU also counts the workspaces its 16-bit matmuls make inside the op (cuBLAS's are not the loss's)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.live = {t.untyped_storage()._cdata for t in inputs}
+        self.cur = 0
+        self.trail: list[int] = []
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live.discard(key)
+        self.cur -= size
+        self.trail.append(self.cur)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (st := t.untyped_storage())._cdata not in self.live:
+                self.live.add(st._cdata)
+                self.cur += st.nbytes()
+                self.trail.append(self.cur)
+                weakref.finalize(st, self._freed, st._cdata, st.nbytes())
+        return out
+
+
+def _op_outputs(fn, inputs):
+    """Runs ``fn(mark)`` counting the storages its ops create beyond ``inputs``: (bytes live when it calls
+    ``mark()``, peak before that, peak after it, its result)."""
+    rec = _OpOutputs(inputs)
+    split: list[tuple[int, int]] = []
+    with rec:
+        out = fn(lambda: split.append((len(rec.trail), rec.cur)))
+    at, kept = split[0]
+    return kept, max(rec.trail[:at], default=0), max(rec.trail[at:], default=kept), out
+
+
+def _liger_inputs(n, h, v, dtype, head, hidden32=False):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(torch.float32 if hidden32 else dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) * 0.1).to(torch.float32 if head == "fp32" else dtype)
+    weight.requires_grad_(head != "frozen")
+    labels = torch.randint(0, v, (1, n), generator=g)
+    labels[:, n - 5:] = -100
+    return hidden, weight, shifted_labels(labels).reshape(-1)
+
+
+def _liger_step(hidden, weight, labels, amp: bool):
+    """fitburst's call under fp16 autocast or none, and its backward as the family runs it (divided by the labelled
+    tokens): (kept after forward, forward peak, backward peak) of what its ops create."""
+    count = int((labels != -100).sum())
+
+    def step(mark):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = linear_cross_entropy(hidden, weight, labels, kernel="liger")
+        mark()
+        (loss / count).backward()
+
+    kept, fwd, bwd, _ = _op_outputs(step, (hidden, weight, labels))
+    return kept, fwd, bwd
+
+
+LIGER_CASES = [(torch.float16, "frozen"), (torch.float16, "trained"), (torch.float16, "fp32"),
+               (torch.float32, "frozen"), (torch.float32, "trained")]
+
+
+@pytest.mark.parametrize("shape", LIGER_SHAPES)
+@pytest.mark.parametrize(("dtype", "head"), LIGER_CASES)
+def test_liger_rule_matches_what_liger_allocates(liger_stubbed, shape, dtype, head):
+    """Liger's forward (what it keeps for backward, its transient peak) and backward, called as fitburst calls it
+    (fp16 under autocast with a frozen, trained or fp32 master head; fp32), on shapes of several chunks, a ragged
+    last chunk and one chunk: the rule's figures, to 64 bytes (the 0-dim losses and sums)."""
+    n, h, v = shape
+    hidden, weight, labels = _liger_inputs(n, h, v, dtype, head)
+    amp = head == "fp32"
+    a = hidden.element_size()
+    kept, fwd, bwd = _liger_step(hidden, weight, labels, amp)
+    rule = fused_loss_terms("liger", n, h, v, a, head_grad=head != "frozen", head_bytes=weight.element_size())
+    head16 = v * h * a if amp else 0  # fitburst's cast of the head (the estimate's head16), freed after forward
+    assert abs(rule.kept - kept) <= 64, (kept, rule)
+    assert abs(rule.kept + head16 + rule.forward - fwd) <= 64, (fwd, rule)
+    assert abs(rule.kept + rule.backward - bwd) <= 64, (bwd, rule)
+
+
+@pytest.mark.parametrize("shape", LIGER_SHAPES)
+@pytest.mark.parametrize(("dtype", "head"), LIGER_CASES)
+def test_liger_eval_rule_matches_what_liger_allocates(liger_stubbed, shape, dtype, head):
+    """The eval's call: labelled rows only, under no_grad, hidden states with no gradient (Liger still allocates
+    the hidden-state gradient buffer, and computes nothing into it)."""
+    n, h, v = shape
+    hidden, weight, labels = _liger_inputs(n, h, v, dtype, head)
+    keep = labels != -100
+    hidden, labels = hidden.detach()[keep], labels[keep]
+    amp = head == "fp32"
+
+    def ev(mark):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            out = linear_cross_entropy(hidden, weight, labels, kernel="liger")
+        mark()
+        return out
+
+    _, peak, _, _ = _op_outputs(ev, (hidden, weight, labels))
+    a = hidden.element_size()
+    head16 = v * h * a if amp else 0
+    rule = fused_eval_bytes("liger", hidden.shape[0], h, v, a, head_grad=head != "frozen",
+                            head_bytes=weight.element_size())
+    assert abs(rule + head16 - peak) <= 64, (peak, rule)
+
+
+def test_liger_op_outputs_are_the_allocators_in_fp32(liger_stubbed):
+    """The count the Liger tests take (op outputs) against the torch profiler's allocator count, in fp32 where the
+    CPU's matmuls allocate no workspace of their own: the same forward peak."""
+    hidden, weight, labels = _liger_inputs(1000, 64, 3000, torch.float32, "trained")
+    _, fwd, _ = _liger_step(hidden, weight, labels, False)
+    hidden.grad = weight.grad = None
+    peak, _, _ = _profiled(lambda: linear_cross_entropy(hidden, weight, labels, kernel="liger"))
+    assert abs(peak - fwd) <= 64, (peak, fwd)

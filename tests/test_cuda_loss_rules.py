@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitburst.families.loss import linear_cross_entropy, shifted_labels
-from fitburst.memory.loss_kernels import fused_eval_bytes, fused_loss_terms
+from fitburst.memory.loss_kernels import LossTerms, fused_eval_bytes, fused_loss_terms, hidden_cast
 
 pytest.importorskip("cut_cross_entropy")
 pytest.importorskip("triton")
@@ -419,3 +419,64 @@ def test_liger_op_outputs_are_the_allocators_in_fp32(liger_stubbed):
     hidden.grad = weight.grad = None
     peak, _, _ = _profiled(lambda: linear_cross_entropy(hidden, weight, labels, kernel="liger"))
     assert abs(peak - fwd) <= 64, (peak, fwd)
+
+
+# fitburst's own cast of fp32 hidden states (a k-bit model's fp32 stream, CUDA autocast's fp32 LayerNorm output)
+# to the matmul dtype before the kernel (fitburst.families.loss.linear_cross_entropy)
+
+@pytest.mark.parametrize("kernel", ["liger", "cce", "cce_compile"])
+def test_the_hidden_state_cast_is_what_the_estimate_adds(liger_stubbed, stubbed, kernel):
+    """A frozen head (LoRA) under fp16 autocast, hidden states in fp32 against the same in fp16: what the cast
+    adds to the call's kept bytes, forward peak and backward peak is within ``hidden_cast``'s terms, which hold
+    it to 256 bytes where it is the peak (CCE keeps the copy for backward; Liger and the compiled graph use it in
+    forward only). Liger's is counted by op outputs, CCE's by the profiler (its compiled argsort refuses a dispatch
+    mode; it makes no matmul), the compiled path runs for real."""
+    n, h, v = 1000, 64, 3000
+    got = []
+    for wide in (False, True):
+        hidden, weight, labels = _liger_inputs(n, h, v, torch.float16, "frozen", hidden32=wide)
+
+        def step(mark, hidden=hidden, weight=weight, labels=labels):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = linear_cross_entropy(hidden, weight, labels, kernel=kernel)
+            mark()
+            loss.backward()
+
+        step(lambda: None)  # compiles what CCE compiles before the measured call
+        hidden.grad = None
+        if kernel == "liger":
+            kept, fwd, bwd, _ = _op_outputs(step, (hidden, weight, labels))
+        else:
+            with torch.autocast("cpu", dtype=torch.float16):
+                fwd, kept, loss = _profiled(lambda h=hidden, w=weight, y=labels: linear_cross_entropy(
+                    h, w, y, kernel=kernel))
+            bwd = kept + _profiled(loss.backward)[0]
+        got.append((kept, fwd, bwd))
+    (k0, f0, b0), (k1, f1, b1) = got
+    cast = hidden_cast(kernel, n, h, 2, 4)
+    assert abs(k1 - k0 - cast.kept) <= 256, (k1 - k0, cast)
+    assert abs(f1 - f0 - cast.kept - cast.forward) <= 256, (f1 - f0, cast)
+    assert 0 <= cast.kept + cast.backward - (b1 - b0) <= n * h * 4, (b1 - b0, cast)
+    assert hidden_cast(kernel, n, h, 2, 2) == LossTerms(0, 0, 0)
+
+
+@pytest.mark.parametrize(("device", "kernel"), [("A100-80GB", "cce"), ("T4", "liger")])
+def test_the_estimate_counts_the_cast_of_a_qlora_models_fp32_hidden_states(monkeypatch, device, kernel):
+    """QLoRA under autocast: the k-bit model's stream (and so its final hidden states) is fp32, and fitburst casts
+    them to the 16-bit matmul dtype for the fused kernel: the estimate's loss phase holds that n x h 16-bit copy
+    (CCE keeps it for backward, Liger uses it in forward); a LoRA run's 16-bit hidden states need no cast."""
+    from fitburst.hardware import resolve_device
+    from fitburst.memory import estimator, load_shape
+    from fitburst.runconfig import TrainSettings
+
+    shape = load_shape("Qwen/Qwen2.5-7B")
+    dtype = "bf16" if kernel == "cce" else "fp16"
+    dev = resolve_device(device)
+    n = 2 * 1024
+    for quant, copy in (("nf4", 2 * n * shape.hidden), ("none", 0)):
+        s = TrainSettings(method="lora", quant=quant, dtype=dtype, batch=2, seq_len=1024, loss="fused")
+        with_cast = estimator.estimate(shape, s, dev, calibrate=False).phases["loss"]
+        with monkeypatch.context() as m:
+            m.setattr(estimator, "hidden_cast", lambda *a, **k: LossTerms(0, 0, 0))
+            without = estimator.estimate(shape, s, dev, calibrate=False).phases["loss"]
+        assert with_cast - without >= copy and (copy or with_cast == without), (quant, with_cast - without)

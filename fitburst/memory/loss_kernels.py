@@ -109,6 +109,18 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
     raise ValueError(f"unknown fused loss kernel {kernel!r}")
 
 
+def hidden_cast(kernel: str, n: int, h: int, a: int, hidden_bytes: int) -> LossTerms:
+    """What fitburst's cast of the hidden states to the matmul dtype (``a`` bytes) adds to a training call when they
+    come in ``hidden_bytes`` (fp32 under autocast: a k-bit model's stream, CUDA autocast's LayerNorm output):
+    the n x h copy, which CCE's Triton kernel saves for its backward and Liger and the compiled graph use in forward
+    only; backward, autograd's cast of the hidden-state gradient back beside it (an upper bound: CCE's and the
+    compiled graph's peaks come before it). Measured against the three kernels (tests/test_cuda_loss_rules.py)."""
+    if hidden_bytes == a or kernel == "chunked":  # the chunked loss casts inside each chunk
+        return LossTerms(0, 0, 0)
+    copy, grad = n * h * a, n * h * hidden_bytes
+    return LossTerms(copy, 0, grad) if kernel == "cce" else LossTerms(0, copy, grad)
+
+
 def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
                      head_bytes: int | None = None, softcap: bool = True) -> int:
     """What the eval's loss adds for ``n`` labelled rows at a time under no_grad (fitburst.families.causal);

@@ -21,7 +21,7 @@ from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
 from . import calibration
 from .calibration import ErrorBand
 from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
-from .loss_kernels import describe_lean, fused_eval_bytes, fused_loss_terms, loss_kernel_of
+from .loss_kernels import describe_lean, fused_eval_bytes, fused_loss_terms, hidden_cast, loss_kernel_of
 from .shapes import EXPERT_ALIASES, ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -832,9 +832,14 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if fused:
         terms = fused_loss_terms(kernel, T, h, V, a_lm, head_grad=full, head_bytes=pbytes if full else None,
                                  softcap=shape.softcap)
+        # fitburst casts fp32 hidden states (a k-bit model's stream under autocast, autocast's fp32 LayerNorm
+        # output) to the matmul dtype first; a full fine-tune's copy is A_final's "nf", as for the standard head
+        hidden_b = 4 if (a == 4 or c.norm32) and not full else a_lm
+        cast = hidden_cast(kernel, T, h, a_lm, hidden_b)
         # on top of A_all, whose head input (``nf``, a trained head's) stands for the hidden states given to the
         # kernel: the rule's peak takes them off where the library frees them before its backward (``released``)
-        loss_fwd = loss_bwd = terms.peak
+        loss_fwd = loss_bwd = terms.kept + cast.kept + max(terms.forward + cast.forward,
+                                                           terms.backward + cast.backward - terms.released)
         notes.append(f"loss: {describe_lean(s, device)}")
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
     # backward through the blocks, top to bottom

@@ -18,11 +18,15 @@ trains (full fine-tuning).
   a trained head ``dc`` (v x h in the hidden dtype); a head of another dtype gets ``dc`` cast to it by autograd once
   CCE's saved tensors (and fitburst's cast copy of the head, the estimate's ``head16``) are freed. No autotuning
   copies: CCE tunes only with ``CCE_AUTOTUNE`` set (its fixed configs otherwise).
-- ``liger`` (liger-kernel 0.8, ``ops/fused_linear_cross_entropy.py``): the gradients are computed in the forward
-  and kept for backward: ``grad_input`` (n x h), ``grad_weight`` (v x h, head's dtype) when the head trains,
-  ``loss_1d`` (n fp32); the logits exist one chunk at a time: chunk = next_pow2(ceil(n / ceil(v / h))) rows (at
-  most n) of v in the matmul dtype, with the chunk's ``grad_logits @ weight`` (chunk x h) beside it, and the
-  ignore mask (n bytes).
+- ``liger`` (liger-kernel 0.8.5, ``ops/fused_linear_cross_entropy.py``; checked by running that code with the
+  Triton launches stubbed out, on the branch CUDA takes, tests/test_cuda_loss_rules.py): the gradients are computed
+  in the forward and kept for backward: ``grad_input`` (n x h) and, when the head trains, ``grad_weight`` (v x h in
+  the matmul dtype: Liger gets fitburst's cast of the head); ``loss_1d`` (n fp32) and the ignore mask (n bytes)
+  live through the forward only. The logits exist one chunk at a time, in one buffer of chunk =
+  next_pow2(ceil(n / ceil(v / h))) rows (at most n) of v in the matmul dtype that CUDA's matmuls write into
+  (``torch.mm(out=)``, also for the hidden-state gradient); a trained head adds each chunk's v x h gradient and,
+  in 16 bits, its fp32 copy (the branch a T4 or V100 and fp32 take). Backward: autograd's cast of ``grad_weight``
+  to an fp32 master head.
 - ``cce_compile`` (CCE's ``torch_compile`` path, ``torch_compile.py`` and ``utils._build_flat_valids``, compiled by
   inductor): the rows with a label are gathered first (``e[valids]``: a copy of the hidden states, the int32 row
   indices and the int64 targets; fitburst's shifted labels always ignore the last position, so it always gathers),
@@ -145,9 +149,17 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         return LossTerms(kept, fwd, max(sort, kernel_phase, cast))
     if kernel == "liger":
         c = liger_chunk_rows(n, h, v)
-        kept = n * h * a + 4 * n + (v * h * hb if head_grad else 0)
-        fwd = n + c * v * a + c * h * a + (c * h * 4 + v * h * 4 if head_grad and hb == 4 else 0)
-        return LossTerms(kept, fwd, 0)
+        # the gradients, computed in forward and returned by backward: grad_input, and grad_weight in the dtype of
+        # the weight Liger gets (fitburst's cast of the head: the matmul dtype)
+        kept = n * h * a + (v * h * a if head_grad else 0)
+        # loss_1d (n fp32) and the ignore mask (n bool) until forward returns; the one (chunk x v) logits buffer
+        # the chunks' matmuls write into (torch.mm(out=): the hidden-state gradient needs no chunk temporary);
+        # a trained head's chunk gradient (torch.mm(...).float(): v x h, and its fp32 copy when 16-bit), added
+        # into grad_weight
+        head_chunk = v * h * a + (4 * v * h if a != 4 else 0) if head_grad else 0
+        fwd = 5 * n + c * v * a + head_chunk
+        # autograd's cast of grad_weight to a head of another dtype (fp32 master weights), beside it
+        return LossTerms(kept, fwd, v * h * hb if head_grad and hb != a else 0)
     if kernel == "cce_compile":
         return _terms_of_steps(*cce_compile_steps(n, h, v, a, head_grad=head_grad, head_bytes=hb, softcap=softcap),
                                released=n * h * a)
@@ -157,6 +169,18 @@ def fused_loss_terms(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         # backward of a chunk: its recomputed logits (and fp32 copy) and log-softmax output, and their gradients
         return LossTerms(0, a * c * v + upcast + 4 * c * v, n * h * a + a * c * v + upcast + 8 * c * v)
     raise ValueError(f"unknown fused loss kernel {kernel!r}")
+
+
+def hidden_cast(kernel: str, n: int, h: int, a: int, hidden_bytes: int) -> LossTerms:
+    """What fitburst's cast of the hidden states to the matmul dtype (``a`` bytes) adds to a training call when they
+    come in ``hidden_bytes`` (fp32 under autocast: a k-bit model's stream, CUDA autocast's LayerNorm output):
+    the n x h copy, which CCE's Triton kernel saves for its backward and Liger and the compiled graph use in forward
+    only; backward, autograd's cast of the hidden-state gradient back beside it (an upper bound: CCE's and the
+    compiled graph's peaks come before it). Measured against the three kernels (tests/test_cuda_loss_rules.py)."""
+    if hidden_bytes == a or kernel == "chunked":  # the chunked loss casts inside each chunk
+        return LossTerms(0, 0, 0)
+    copy, grad = n * h * a, n * h * hidden_bytes
+    return LossTerms(copy, 0, grad) if kernel == "cce" else LossTerms(0, copy, grad)
 
 
 def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: bool = False,
@@ -169,9 +193,10 @@ def fused_eval_bytes(kernel: str, n: int, h: int, v: int, a: int, *, head_grad: 
         # needs no cast reaches CCE with requires_grad even under no_grad: logit_avg too
         loss = 4 * n * (3 if softcap else 2) + (4 * v if head_grad and (head_bytes or a) == a else 0)
         return max(valids, loss)
-    if kernel == "liger":  # grad_input is allocated even with no gradient asked for
+    if kernel == "liger":  # grad_input is allocated (and left empty) with no gradient asked for; loss_1d, the
+        # ignore mask and the logits buffer as in training
         c = liger_chunk_rows(n, h, v)
-        return n * h * a + 5 * n + c * v * a + c * h * a
+        return n * h * a + 5 * n + c * v * a
     if kernel == "cce_compile":  # the forward's steps (cce_compile_steps) with nothing kept for a backward
         live: dict[str, int] = {}
         return _replay(cce_compile_steps(n, h, v, a, softcap=softcap)[0], live)

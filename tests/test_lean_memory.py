@@ -101,19 +101,15 @@ def test_both_estimates_drop_the_loss_term_with_the_fused_loss(model_dir, no_com
         assert band.low <= t_fused.allocated_peak_bytes / a_fused.allocated_peak_bytes - 1 <= band.high, dev_name
 
 
-def test_traced_chunked_loss_equals_a_real_cpu_step(model_dir, no_compiler):
-    """The CPU path traced as it runs: the trace's peak of a fused (chunked) step is the real step's."""
+def _real_step_parts(model_dir, s):
+    """The tiny model built as the loop builds it for ``s``, its optimizer, trained parameters and one batch."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fitburst.data import collate
-    from fitburst.probe import TensorTracker
     from fitburst.runconfig import spec_with_settings
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import make_optimizer, prepare_for_training
 
-    s = settings(loss="fused", batch=1, seq_len=1500)  # two chunks of the chunked loss
-    tr = trace_step(spec_for(model_dir), s, seq_len=s.seq_len)
-    traced = tr.live_peaks()[0]
     torch.manual_seed(0)
     cfg = dict(CFG)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -123,7 +119,18 @@ def test_traced_chunked_loss_equals_a_real_cpu_step(model_dir, no_compiler):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer("adamw", params, 1e-3, 0.0)
     ids = torch.randint(3, CFG["vocab_size"], (s.seq_len,)).tolist()
-    batch = collate([{"input_ids": ids, "labels": ids}], 0)
+    return model, opt, params, collate([{"input_ids": ids, "labels": ids}], 0)
+
+
+def test_traced_chunked_loss_equals_a_real_cpu_step(model_dir, no_compiler):
+    """The CPU path traced as it runs: the trace's peak of a fused (chunked) step is the real step's."""
+    from fitburst.probe import TensorTracker
+    from fitburst.train import optimizer_step
+
+    s = settings(loss="fused", batch=1, seq_len=1500)  # two chunks of the chunked loss
+    tr = trace_step(spec_for(model_dir), s, seq_len=s.seq_len)
+    traced = tr.live_peaks()[0]
+    model, opt, params, batch = _real_step_parts(model_dir, s)
     tracker = TensorTracker()
     tracker.add(list(model.parameters()) + list(model.buffers()) + list(batch.values()))
     with tracker:
@@ -141,29 +148,17 @@ def test_traced_compiled_cce_step_is_a_real_cpu_steps_peak(model_dir, method):
     pytest.importorskip("cut_cross_entropy")
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitburst.data import collate
     from fitburst.memory.calibration import band_for
     from fitburst.probe import TensorTracker
-    from fitburst.runconfig import spec_with_settings
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step
 
     s = settings(method=method, loss="fused", batch=1, seq_len=512)
     traced = traced_estimate(spec_for(model_dir), s, resolve_device("cpu:8GiB"), seq_len=s.seq_len)
     # a fresh compile: earlier tests' calls (other shapes, frozen and trained heads) can use up dynamo's recompile
     # limit for CCE's function, which then runs uncompiled with other allocations than the rule's
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = dict(CFG)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    model = prepare_for_training(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"),
-                                 spec_with_settings(spec_for(model_dir), s))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer("adamw", params, 1e-3, 0.0)
-    ids = torch.randint(3, CFG["vocab_size"], (s.seq_len,)).tolist()
-    batch = collate([{"input_ids": ids, "labels": ids}], 0)
+    model, opt, params, batch = _real_step_parts(model_dir, s)
     optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0, loss="cce_compile")  # compiles
     held = TensorTracker()
     held.add(list(model.parameters()) + list(model.buffers()) + list(batch.values())

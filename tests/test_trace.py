@@ -913,3 +913,27 @@ def test_a_qlora_trace_leaves_bitsandbytes_quantizing_for_real(model_dir):
     assert not isinstance(packed, FakeTensor) and not isinstance(state.state2.code, FakeTensor)
     back = bnbf.dequantize_4bit(packed, state)
     assert (back.float() - w.float()).abs().mean() < 0.15 * w.float().abs().mean()  # nf4 keeps ~90 % of the signal
+
+
+def test_a_freed_step_counters_address_is_not_read_as_a_counter():
+    """`.item()` on a fake tensor reads 1 for a step counter (a 0-dim tensor incremented in place), else 0. A new
+    0-dim tensor often lands at a freed one's address: read as a counter, GradScaler's found-inf flag said inf and
+    the trace skipped the optimizer step, depending on the process's allocation history."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitburst.memory.trace import _recorder_cls
+
+    rec = _recorder_cls()()
+    read = []
+    with FakeTensorMode(allow_non_fake_inputs=True), rec:
+        for _ in range(200):
+            counter = torch.zeros(())
+            rec.track(counter)
+            counter.add_(1)
+            assert counter.item() == 1
+            del counter
+            flag = torch.zeros(())
+            rec.track(flag)
+            read.append(flag.item())
+    assert read == [0] * 200

@@ -161,7 +161,10 @@ def _recorder_cls():
             self._upcast: int | None = None  # sid of an fp32 copy of an fp16 tensor made by the last op
 
         def _free(self, key: int, sid: int, size: int) -> None:
-            """A tracked storage died: free what it holds now (nothing, if a resize to 0 freed it already)."""
+            """A tracked storage died: free what it holds now (nothing, if a resize to 0 freed it already). Its
+            address may be reused by the next storage (a GradScaler's found-inf flag, read as inf if taken for a
+            step counter): it is no longer a counter."""
+            self.counters.discard(key)
             cur = self.live.pop(key, None)
             if cur is not None:
                 self.events.append(Event("free", cur, self.sizes.pop(cur, size), self.phase))

@@ -397,10 +397,16 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
 
 def content_hash(source: Path | str, data: DataSpec, tokenizer, family: Family = CAUSAL) -> str:
     """The data cache key: the records' content, the data settings, the family's samples and the tokenizer."""
+    return data_key(source, data, family, tokenizer_fingerprint(tokenizer))
+
+
+def data_key(source: Path | str, data: DataSpec, family: Family, tokenizer_id: str) -> str:
+    """A key of what decides the prepared data: the records' content, the data settings, the family's samples and
+    ``tokenizer_id`` (what identifies the tokenizer: its fingerprint, or its files on disk)."""
     h = hashlib.sha256(source_fingerprint(source, data).encode())
     h.update(data.model_dump_json(exclude={"path", "dataset"}).encode())
     h.update(family.hash_salt)
-    h.update(tokenizer_fingerprint(tokenizer).encode())
+    h.update(tokenizer_id.encode())
     return h.hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fitburst.cache import cache_root, keep, read_kept
-from fitburst.data import PreparedData, count_records, prepare_pipeline, source_fingerprint
+from fitburst.data import PreparedData, count_records, data_key, prepare_pipeline
 from fitburst.models import LOCAL_MODELS, model_family, resolve_model_ref
 from fitburst.spec import PipelineSpec
 
@@ -71,12 +71,9 @@ def tokenizer_files(spec: PipelineSpec) -> list[tuple[str, str]] | None:
     return cached or None
 
 
-def _facts_key(spec: PipelineSpec, tokenizer: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256(source_fingerprint(spec.data_source(), spec.data).encode())
-    h.update(spec.data.model_dump_json(exclude={"path", "dataset"}).encode())
-    h.update(model_family(spec.model).hash_salt)
-    h.update(repr(tokenizer).encode())
-    return h.hexdigest()[:16]
+def _facts_path(spec: PipelineSpec, tokenizer: list[tuple[str, str]]) -> Path:
+    key = data_key(spec.data_source(), spec.data, model_family(spec.model), repr(tokenizer))
+    return cache_root() / "facts" / f"{key}.json"
 
 
 def _miss_path(spec: PipelineSpec) -> Path:
@@ -100,7 +97,7 @@ def pipeline_facts(spec: PipelineSpec) -> DataFacts:
     """The pipeline's data facts: kept ones when nothing that decides them changed, else its data prepared (bad
     data refused as data prep refuses it) and the facts kept; the worst case when the tokenizer cannot be had."""
     files = tokenizer_files(spec)
-    path = cache_root() / "facts" / f"{_facts_key(spec, files)}.json" if files is not None else None
+    path = _facts_path(spec, files) if files is not None else None
     if path is not None and (kept := read_kept(path)) is not None:
         return DataFacts(**kept)
     if files is None and (why := known_miss(spec)) is not None:
@@ -116,5 +113,5 @@ def pipeline_facts(spec: PipelineSpec) -> DataFacts:
         return data_facts(spec)
     files = tokenizer_files(spec)  # a hub tokenizer is on disk now that it has loaded
     if files is not None:
-        keep(cache_root() / "facts" / f"{_facts_key(spec, files)}.json", asdict(facts))
+        keep(_facts_path(spec, files), asdict(facts))
     return facts

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,11 +211,6 @@ def all_sum(value, device: str):
     return t
 
 
-def any_rank(flag: bool, device: str) -> bool:
-    """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
-    return bool(all_sum(int(flag), device).item())
-
-
 def gather(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order, on every rank (picklable objects)."""
     import torch.distributed as dist  # heavy: loaded only when training
@@ -316,12 +310,6 @@ def gathered_state(model, *, trainable_only: bool) -> dict:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                 ignore_frozen_params=trainable_only))
-
-
-def local_shards(model) -> Iterator[tuple[str, Any]]:
-    """(name, this rank's local tensor) of every parameter: a sharded parameter's shard, else the tensor."""
-    for name, p in model.named_parameters():
-        yield name, p.to_local() if hasattr(p, "to_local") else p
 
 
 # --- several processes on this machine ---------------------------------------------------------------------

@@ -618,7 +618,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
                 window_loss, window_tokens = 0.0, 0
             if step % tr.checkpoint_every == 0 and step < steps:
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
-                                samples_per_step=per_step)
+                        samples_per_step=per_step)
     except BaseException as exc:  # OOM, Ctrl-C, crash: keep the work, then let it propagate
         optimizer.zero_grad(set_to_none=True)
         if w.sharded:  # a checkpoint is collective and the other ranks may be anywhere: the last one stands
@@ -639,7 +639,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     seconds = time.perf_counter() - t0
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
         save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
-                                samples_per_step=per_step)
+                        samples_per_step=per_step)
 
     adapter_dir = run_dir / "adapter"
     save_trained(model, tok, adapter_dir, spec, w)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 from fitburst.hardware import Device, GiB, MiB, expands_kv
 from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
@@ -838,8 +838,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
         cast = hidden_cast(kernel, T, h, a_lm, hidden_b)
         # on top of A_all, whose head input (``nf``, a trained head's) stands for the hidden states given to the
         # kernel: the rule's peak takes them off where the library frees them before its backward (``released``)
-        loss_fwd = loss_bwd = terms.kept + cast.kept + max(terms.forward + cast.forward,
-                                                           terms.backward + cast.backward - terms.released)
+        loss_fwd = loss_bwd = terms.plus(cast).peak
         notes.append(f"loss: {describe_lean(s, device)}")
     phases["loss"] = _comp(w, lora_w, G_acc, OPT, A_all, max(loss_fwd, loss_bwd), head16)
     # backward through the blocks, top to bottom
@@ -1089,7 +1088,3 @@ def _full_tensors(shape: ModelShape, vision: str = "tower") -> list[int]:
     elif shape.extra_params:
         out.append(shape.extra_params)
     return out
-
-
-def with_settings(s: TrainSettings, **kw) -> TrainSettings:
-    return replace(s, **kw)

@@ -72,6 +72,11 @@ class LossTerms:
         """The call's peak on top of what was live before it, the hidden states given to it included."""
         return self.kept + max(self.forward, self.backward - self.released)
 
+    def plus(self, other: LossTerms) -> LossTerms:
+        """Both calls' bytes together, at the same moments (``other``: fitburst's cast around the kernel)."""
+        return LossTerms(self.kept + other.kept, self.forward + other.forward, self.backward + other.backward,
+                         self.released + other.released)
+
 
 Step = tuple[str, int]  # (name, bytes): an allocation of ``bytes``; (name, 0): the free of ``name``
 
@@ -219,11 +224,11 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
 
     class StandIn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, weight, labels):
+        def forward(ctx, hidden, weight, labels, softcap):
             n, h = hidden.shape
             v = weight.shape[0]
             a, hb = hidden.element_size(), weight.element_size()
-            t = fused_loss_terms(kernel, n, h, v, a, head_grad=weight.requires_grad, head_bytes=hb)
+            t = fused_loss_terms(kernel, n, h, v, a, head_grad=weight.requires_grad, head_bytes=hb, softcap=softcap)
             kept = torch.empty(t.kept, dtype=torch.uint8)
             if t.forward:
                 del_me = torch.empty(t.forward, dtype=torch.uint8)
@@ -251,7 +256,7 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
             elif weight.requires_grad:
                 grad_weight = torch.empty_like(weight)
             del ctx.shapes  # the step's loss tensor keeps this node alive through the optimizer step
-            return grad_hidden, grad_weight, None
+            return grad_hidden, grad_weight, None, None
 
     class CompiledStandIn(torch.autograd.Function):
         """CCE's torch_compile path: :func:`cce_compile_steps` replayed, holding neither input."""
@@ -289,7 +294,7 @@ def traced_fused_loss(kernel: str) -> Iterator[None]:
     def run(hidden, weight, labels, *, kernel: str, softcap: float | None = None):
         if kernel == "cce_compile":
             return CompiledStandIn.apply(hidden, weight, labels, softcap is not None)
-        return StandIn.apply(hidden, weight, labels)
+        return StandIn.apply(hidden, weight, labels, softcap is not None)
 
     with mock.patch.object(family_loss, "_library_loss", run):
         yield

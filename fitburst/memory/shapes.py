@@ -75,16 +75,6 @@ class VisionShape:
         """Values per patch in pixel_values."""
         return self.channels * self.temporal * self.patch ** 2
 
-    @property
-    def pixels_per_token(self) -> int:
-        """Image pixels behind one language-model image token ((patch * merge)**2)."""
-        return (self.patch * self.merge) ** 2
-
-    @property
-    def merger_params(self) -> int:
-        m = self.dim * self.merge ** 2
-        return 2 * self.dim + (m * m + m) + (m * self.out + self.out)
-
 
 @dataclass
 class ModelShape:

@@ -3,7 +3,9 @@ against the preflight's estimates of the same runs.
 
     python benchmarks/gpu_check.py [--steps 4] [--out benchmarks/results]
 
-Configurations: the demo (tiny Llama, LoRA); a QLoRA nf4 run of a wider demo model (bitsandbytes on the GPU); with
+Configurations: the demo (tiny Llama, LoRA); a QLoRA nf4 run of a wider demo model (bitsandbytes on the GPU); the
+wider model with LoRA at micro-batch 2 x 1024 tokens, QLoRA with gradient checkpointing at 2048 tokens, and a full
+fine-tune at 512; with
 two or more visible GPUs a full fine-tune of that model with FSDP over all of them, through the product's own
 multi-GPU path (``fitburst.distributed.run_local``: torchrun, NCCL), each rank's peak as the loop records it. Each
 single-GPU run goes through
@@ -23,11 +25,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import json
 import os
 import pickle
 import sys
 import tempfile
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -72,10 +76,17 @@ def configs(data: Path, steps: int) -> dict[str, dict]:
               "training.checkpoint_every": 10_000, "training.log_every": 1, "preflight.device": "cuda",
               "training.micro_batch_size": 1, "training.grad_accum": 2, "burst.policy": "never"}
     wide = str(demo_model_dir(hidden_size=1024, num_hidden_layers=8))
+    qlora = {"method.type": "qlora", "method.quant": "nf4", "method.double_quant": True,
+             "method.target_modules": "all-linear"}
     return {
         "demo-lora": {**common, "data.max_seq_len": 128},
-        "demo-qlora-nf4": {**common, "model.name": wide, "data.max_seq_len": 512, "method.type": "qlora",
-                           "method.quant": "nf4", "method.double_quant": True, "method.target_modules": "all-linear"},
+        "demo-qlora-nf4": {**common, "model.name": wide, "data.max_seq_len": 512, **qlora},
+        # beyond the two the issue names: longer sequences, a bigger micro-batch, checkpointing, a full fine-tune
+        "wide-lora-b2-1024": {**common, "model.name": wide, "data.max_seq_len": 1024, "training.micro_batch_size": 2,
+                              "method.target_modules": "all-linear"},
+        "wide-qlora-nf4-gc-2048": {**common, "model.name": wide, "data.max_seq_len": 2048, **qlora,
+                                   "training.gradient_checkpointing": True},
+        "wide-full-512": {**common, "model.name": wide, "data.max_seq_len": 512, "method.type": "full"},
     }
 
 
@@ -162,6 +173,8 @@ def estimates(spec, seq_len: int, device) -> dict[str, object]:
         out["traced"] = Budget(device).judge(traced_estimate(_local_ref(spec), s, device, seq_len=seq_len))
     except TraceUnsupported as e:
         print(f"  traced estimate unavailable: {e}", file=sys.stderr)
+    except Exception:  # the measured rows are kept: an estimate's failure is reported, not fatal
+        traceback.print_exc()
     return out
 
 
@@ -261,24 +274,35 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
+    gpu = device.name.replace("cuda (", "").rstrip(")").replace(" ", "_")
+    path = args.out / f"gpu_check-{gpu}.csv"
     rows: list[dict] = []
+    failed: list[str] = []
+
+    def measure(name: str, run) -> None:
+        """One configuration's rows, written as soon as they exist; a failure is reported and the next one runs."""
+        print(f"== {name} on {device.name}", flush=True)
+        try:
+            rows.extend(run())
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS + ["rank"], extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
     with tempfile.TemporaryDirectory() as d:
         data = fixed_length_data(Path(d) / "long.jsonl")
         for name, overrides in configs(data, max(args.steps, 2)).items():
-            print(f"== {name} on {device.name}", flush=True)
-            rows += run_one(name, overrides, args.out, device)
+            measure(name, functools.partial(run_one, name, overrides, args.out, device))
         if n >= 2:
-            print(f"== FSDP over {n} GPUs", flush=True)
-            rows += run_fsdp(n, data, max(args.steps, 2), args.out, device)
-    gpu = device.name.replace("cuda (", "").rstrip(")").replace(" ", "_")
-    path = args.out / f"gpu_check-{gpu}.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS + ["rank"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+            measure(f"fsdp over {n} GPUs", functools.partial(run_fsdp, n, data, max(args.steps, 2), args.out, device))
     print_table(rows)
     print(f"\nwritten: {path} (snapshots beside it in {args.out / 'gpu_check'})")
-    return 0
+    if failed:
+        print(f"failed: {', '.join(failed)} (tracebacks above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,23 +1,30 @@
 """The check to run the day a CUDA GPU is at hand: fitburst's own training runs on the GPU, measured at each stage,
 against the preflight's estimates of the same runs.
 
-    python benchmarks/gpu_check.py [--steps 4] [--out benchmarks/results]
+    python benchmarks/gpu_check.py [--steps 4] [--out benchmarks/results]     # on a CUDA machine
+    python benchmarks/gpu_check.py --replay benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3.csv   # anywhere
 
-Configurations: the demo (tiny Llama, LoRA); a QLoRA nf4 run of a wider demo model (bitsandbytes on the GPU); the
-wider model with LoRA at micro-batch 2 x 1024 tokens, QLoRA with gradient checkpointing at 2048 tokens, and a full
-fine-tune at 512; with
-two or more visible GPUs a full fine-tune of that model with FSDP over all of them, through the product's own
-multi-GPU path (``fitburst.distributed.run_local``: torchrun, NCCL), each rank's peak as the loop records it. Each
-single-GPU run goes through
+Configurations (:func:`configs`): the demo (tiny Llama, LoRA); a QLoRA nf4 run of a wider demo model (bitsandbytes
+on the GPU); that model with LoRA at micro-batch 2 x 1024 tokens, QLoRA with gradient checkpointing at 2048 tokens,
+and a full fine-tune at 512 (these five are ``fit``: the first H100 run's figures chose the CUDA rules they
+check); held-out ones on other widths, ranks, micro-batches, precisions and an 8-bit optimizer, scored once. With
+two or more visible GPUs, a full fine-tune of the wider model with FSDP over all of them, through the product's own
+multi-GPU path (``fitburst.distributed.run_local``: torchrun, NCCL), each rank's peak as the loop records it.
+
+Each single-GPU configuration trains in a process of its own (a fresh CUDA context, as a user's run), through
 ``fitburst.train.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
-loads (``fitburst.train.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``),
-after the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.cuda.memory._snapshot()``
-(pickled beside the CSV, the allocator's history recorded from the start, so the peak's state can be rebuilt),
+loads (``fitburst.train.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``), after
+the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.cuda.memory._snapshot()`` (pickled
+beside the CSV, the allocator's history recorded from the start, so the peak's state can be rebuilt),
 ``max_memory_allocated`` / ``max_memory_reserved`` (reset after the warm-up step, as the estimate's measured step
-is) and ``mem_get_info`` (device total in use, CUDA context included). The estimates are the preflight's: the
-analytic and the traced estimate of the settings the run trains with (``fitburst.data.run_settings`` on the
-probed GPU). One CSV row per configuration and stage goes to ``benchmarks/results/gpu_check-<gpu>.csv``; a table is
-printed. On a machine without CUDA it says so and exits 2.
+is) and ``mem_get_info`` (device memory in use, CUDA context included). The estimates are the preflight's: the
+analytic and the traced estimate of the settings the run trains with (``fitburst.data.run_settings`` on the probed
+GPU). One CSV row per configuration and stage goes to ``benchmarks/results/gpu_check-<gpu>.csv``, with the GPU's
+facts (memory, context after initialisation, compute capability); a table is printed. Without CUDA it says so and
+exits 2.
+
+``--replay CSV`` needs no GPU: today's estimates of a CSV's configurations on the GPU it records, against what was
+measured there (measured / estimate - 1 per configuration, then the range per role and method).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import functools
 import json
 import os
 import pickle
@@ -39,9 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MiB = 1 << 20
-FIELDS = ["config", "stage", "gpu", "world_size", "allocated", "reserved", "max_allocated", "max_reserved",
-          "device_used", "est_method", "est_allocated", "est_reserved", "est_device_total", "alloc_ratio",
-          "reserved_ratio", "device_ratio", "snapshot"]
+FIELDS = ["config", "role", "stage", "gpu", "world_size", "seq_len", "device_total_bytes", "context_bytes",
+          "capability", "allocated", "reserved", "max_allocated", "max_reserved", "device_used", "est_method",
+          "est_allocated", "est_reserved", "est_device_total", "alloc_ratio", "reserved_ratio", "device_ratio",
+          "snapshot"]
 
 
 def cuda_or_exit() -> int:
@@ -81,13 +88,43 @@ def configs(data: Path, steps: int) -> dict[str, dict]:
     return {
         "demo-lora": {**common, "data.max_seq_len": 128},
         "demo-qlora-nf4": {**common, "model.name": wide, "data.max_seq_len": 512, **qlora},
-        # beyond the two the issue names: longer sequences, a bigger micro-batch, checkpointing, a full fine-tune
         "wide-lora-b2-1024": {**common, "model.name": wide, "data.max_seq_len": 1024, "training.micro_batch_size": 2,
                               "method.target_modules": "all-linear"},
         "wide-qlora-nf4-gc-2048": {**common, "model.name": wide, "data.max_seq_len": 2048, **qlora,
                                    "training.gradient_checkpointing": True},
         "wide-full-512": {**common, "model.name": wide, "data.max_seq_len": 512, "method.type": "full"},
+        # held out: widths, ranks, targets, micro-batches, precisions and an optimizer the five above do not have
+        "ho-lora-r64-b4-512": {**common, "model.name": wide, "data.max_seq_len": 512, "training.micro_batch_size": 4,
+                               "method.rank": 64, "method.alpha": 128, "method.target_modules": "all-linear"},
+        "ho-qlora-nf4-qv-b2-1024": {**common, "model.name": wide, "data.max_seq_len": 1024,
+                                    "training.micro_batch_size": 2, **qlora, "method.double_quant": False,
+                                    "method.target_modules": ["q_proj", "v_proj"]},
+        "ho-h2048-lora-gc-4096": {**common, "model.name": str(demo_model_dir(hidden_size=2048, num_hidden_layers=4)),
+                                  "data.max_seq_len": 4096, "training.gradient_checkpointing": True,
+                                  "method.target_modules": "all-linear"},
+        "ho-h1536-full-adamw8bit-1024": {**common, "data.max_seq_len": 1024, "method.type": "full",
+                                         "model.name": str(demo_model_dir(hidden_size=1536, num_hidden_layers=4)),
+                                         "training.optimizer": "adamw8bit"},
+        "ho-h1536-lora-fp32-768": {**common, "data.max_seq_len": 768, "training.precision": "fp32",
+                                   "model.name": str(demo_model_dir(hidden_size=1536, num_hidden_layers=4)),
+                                   "method.target_modules": "all-linear"},
     }
+
+
+FIT = ("demo-lora", "demo-qlora-nf4", "wide-lora-b2-1024", "wide-qlora-nf4-gc-2048", "wide-full-512")
+
+
+def role(name: str) -> str:
+    """fit: the first H100 run's configurations, whose figures chose the CUDA rules (the cuBLAS workspace's size
+    by capability, CUDA_RUNTIME); held-out: the others, which chose nothing."""
+    return "fit" if name in FIT else "held-out"
+
+
+def device_facts(device) -> dict:
+    """What the replay needs of the GPU a row was measured on."""
+    cap = device.capability
+    return {"device_total_bytes": device.total_bytes, "context_bytes": device.context_bytes,
+            "capability": f"{cap[0]}.{cap[1]}" if cap else ""}
 
 
 class Readings:
@@ -199,7 +236,8 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
     rows = []
     for stage, r in readings.rows.items():
         for method, e in ests.items() or [("none", None)]:
-            row = {"config": name, "stage": stage, "gpu": device.name, "world_size": 1, **r, "est_method": method}
+            row = {"config": name, "role": role(name), "stage": stage, "gpu": device.name, "world_size": 1,
+                   "seq_len": seq, **device_facts(device), **r, "est_method": method}
             if e is not None and stage == "peak":
                 row.update(est_allocated=e.allocated_peak_bytes, est_reserved=e.reserved_peak_bytes,
                            est_device_total=e.device_total_bytes,
@@ -263,30 +301,32 @@ def print_table(rows: list[dict]) -> None:
               f"{_mib(r, 'est_device_total'):>9} {r.get('device_ratio') or '-':>6}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is the warm-up)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    args = p.parse_args(argv)
-    n = cuda_or_exit()
-    os.environ.setdefault("FITBURST_TRACE_CACHE", "0")  # estimate afresh: the check is of today's code
+def run_config(name: str, steps: int, out: Path) -> int:
+    """One configuration, in this process (the parent starts one process per configuration): its rows as JSON."""
+    cuda_or_exit()
+    from fitburst.hardware import resolve_device
+
+    device = resolve_device("cuda")  # probed first: the context this process's CUDA initialisation made
+    with tempfile.TemporaryDirectory() as d:
+        data = fixed_length_data(Path(d) / "long.jsonl")
+        rows = run_one(name, configs(data, steps)[name], out, device)
+    (out / "gpu_check" / name / "rows.json").write_text(json.dumps(rows))
+    return 0
+
+
+def run_all(args: argparse.Namespace, n: int) -> int:
+    """Every configuration in a process of its own, then FSDP over all GPUs; the CSV is rewritten after each."""
+    import subprocess
+
     from fitburst.hardware import resolve_device
 
     device = resolve_device("cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
     gpu = device.name.replace("cuda (", "").rstrip(")").replace(" ", "_")
     path = args.out / f"gpu_check-{gpu}.csv"
     rows: list[dict] = []
     failed: list[str] = []
 
-    def measure(name: str, run) -> None:
-        """One configuration's rows, written as soon as they exist; a failure is reported and the next one runs."""
-        print(f"== {name} on {device.name}", flush=True)
-        try:
-            rows.extend(run())
-        except Exception:
-            traceback.print_exc()
-            failed.append(name)
+    def write() -> None:
         with path.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS + ["rank"], extrasaction="ignore")
             w.writeheader()
@@ -294,15 +334,94 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         data = fixed_length_data(Path(d) / "long.jsonl")
-        for name, overrides in configs(data, max(args.steps, 2)).items():
-            measure(name, functools.partial(run_one, name, overrides, args.out, device))
+        table = configs(data, args.steps)
+        names = args.only or list(table)
+        if unknown := [c for c in names if c not in table]:
+            print(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(table)}", file=sys.stderr)
+            return 2
+        for name in names:
+            print(f"== {name} on {device.name}", flush=True)
+            cmd = [sys.executable, __file__, "--config", name, "--steps", str(args.steps), "--out", str(args.out)]
+            try:
+                rc = subprocess.run(cmd, timeout=args.config_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = -1
+                print(f"  {name}: over {args.config_timeout} s, stopped", file=sys.stderr)
+            done = args.out / "gpu_check" / name / "rows.json"
+            if rc == 0 and done.exists():
+                rows.extend(json.loads(done.read_text()))
+            else:
+                failed.append(name)
+            write()
         if n >= 2:
-            measure(f"fsdp over {n} GPUs", functools.partial(run_fsdp, n, data, max(args.steps, 2), args.out, device))
+            print(f"== FSDP over {n} GPUs", flush=True)
+            try:
+                rows.extend(run_fsdp(n, data, args.steps, args.out, device))
+            except Exception:
+                traceback.print_exc()
+                failed.append("fsdp")
+            write()
     print_table(rows)
     print(f"\nwritten: {path} (snapshots beside it in {args.out / 'gpu_check'})")
     if failed:
-        print(f"failed: {', '.join(failed)} (tracebacks above)", file=sys.stderr)
+        print(f"failed: {', '.join(failed)} (their output above)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def replay(csv_path: Path) -> int:
+    """Today's estimates of ``csv_path``'s single-GPU configurations on the GPU it records, against its peaks."""
+    os.environ.setdefault("FITBURST_TRACE_CACHE", "0")
+    from fitburst.data import prepare_pipeline
+    from fitburst.hardware import cuda_gpu
+    from fitburst.spec import load_pipeline
+
+    with csv_path.open() as f:
+        peaks = {r["config"]: r for r in csv.DictReader(f) if r["stage"] == "peak" and r["world_size"] == "1"}
+    errors: dict[tuple[str, str, str], list[float]] = {}
+    print(f"{'config':<30} {'role':<9} {'est':<9} {'alloc MiB':>9} {'est':>8} {'err':>7} {'resv MiB':>9} {'est':>8} "
+          f"{'err':>7} {'device MiB':>10} {'est':>8} {'err':>7}")
+    with tempfile.TemporaryDirectory() as d:
+        data = fixed_length_data(Path(d) / "long.jsonl")
+        table = configs(data, 4)
+        for name, r in peaks.items():
+            cap = tuple(int(x) for x in r["capability"].split(".")) if r["capability"] else None
+            device = cuda_gpu(r["gpu"], int(r["device_total_bytes"] or 0), int(r["context_bytes"]),
+                              (cap[0], cap[1]) if cap else None)
+            spec = load_pipeline(REPO / "pipelines.yaml", "demo", {**table[name], "preflight.device": "cpu"})
+            seq = prepare_pipeline(spec).stats["max"]
+            measured = {"alloc": int(r["max_allocated"]), "resv": int(r["max_reserved"]),
+                        "device": int(r["device_used"])}
+            for method, e in estimates(spec, seq, device).items():
+                est = {"alloc": e.allocated_peak_bytes, "resv": e.reserved_peak_bytes, "device": e.device_total_bytes}
+                err = {k: measured[k] / est[k] - 1 for k in est}
+                for k, v in err.items():
+                    errors.setdefault((r["role"], method, k), []).append(v)
+                print(f"{name:<30} {r['role']:<9} {method:<9} " + " ".join(
+                    f"{measured[k] / MiB:>9.0f} {est[k] / MiB:>8.0f} {err[k]:>+7.1%}" for k in est))
+    print("\nmeasured / estimate - 1 (positive: the run needed more than estimated)")
+    for (rl, method, k), v in sorted(errors.items()):
+        print(f"  {rl:<9} {method:<9} {k:<7} {min(v):+.2%} .. {max(v):+.2%}  ({len(v)} configurations)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is the warm-up)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--only", nargs="*", help="these configurations only, in this order")
+    p.add_argument("--config-timeout", type=int, default=240, help="seconds one configuration may take")
+    p.add_argument("--config", help=argparse.SUPPRESS)  # the child process of one configuration
+    p.add_argument("--replay", type=Path, help="no GPU: today's estimates against a CSV this check wrote")
+    args = p.parse_args(argv)
+    args.steps = max(args.steps, 2)
+    if args.replay:
+        return replay(args.replay)
+    n = cuda_or_exit()
+    os.environ.setdefault("FITBURST_TRACE_CACHE", "0")  # estimate afresh: the check is of today's code
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.config:
+        return run_config(args.config, args.steps, args.out)
+    return run_all(args, n)
 
 
 if __name__ == "__main__":

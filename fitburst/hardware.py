@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -26,37 +26,50 @@ class Device:
     budget_bytes: int  # what one run may use: total minus context / OS reserve
     supports_bf16: bool = True
     supports_bnb: bool = True  # bitsandbytes 4/8-bit usable
-    context_bytes: int = 0  # CUDA context / runtime overhead outside the allocator
+    context_bytes: int = 0  # CUDA context / runtime overhead outside the allocator, once CUDA is initialised
     hourly_hint: str = ""
+    capability: tuple[int, int] | None = None  # CUDA compute capability (None: no CUDA GPU, or not known)
+    runtime_bytes: int = 0  # CUDA: what training adds outside the allocator after initialisation (CUDA_RUNTIME)
+
+    @property
+    def outside_allocator(self) -> int:
+        """Device memory a training process holds outside torch's allocator: the context and CUDA's runtime."""
+        return self.context_bytes + self.runtime_bytes
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-# name: (kind, total MiB as torch reports it, context MiB, bf16, bnb)
-# totals are torch.cuda.mem_get_info()[1] on those cards; T4 and its context are measured (stack notes),
-# the others are the usual figures for torch 2.x (context: CUDA runtime + cuBLAS/cuDNN handles).
-_NAMED: dict[str, tuple[str, int, int, bool, bool]] = {
-    "T4": ("cuda", 14912, 141, False, True),
-    "V100-16GB": ("cuda", 16151, 300, False, True),
-    "V100-32GB": ("cuda", 32501, 300, False, True),
-    "L4": ("cuda", 22491, 300, True, True),
-    "A10G": ("cuda", 22491, 300, True, True),
-    "A10": ("cuda", 22491, 300, True, True),
-    "RTX3090": ("cuda", 24253, 300, True, True),
-    "RTX4090": ("cuda", 24210, 300, True, True),
-    "RTX5090": ("cuda", 32111, 350, True, True),
-    "A4000": ("cuda", 16101, 300, True, True),
-    "A5000": ("cuda", 24248, 300, True, True),
-    "A6000": ("cuda", 48670, 300, True, True),
-    "L40S": ("cuda", 45488, 350, True, True),
-    "A40": ("cuda", 45488, 300, True, True),
-    "A100-40GB": ("cuda", 40339, 400, True, True),
-    "A100-80GB": ("cuda", 81038, 400, True, True),
-    "H100": ("cuda", 81008, 500, True, True),
-    "H100-80GB": ("cuda", 81008, 500, True, True),
-    "H200": ("cuda", 143166, 500, True, True),
+# name: (total MiB as torch reports it, context MiB once CUDA is initialised, compute capability)
+# totals are torch.cuda.mem_get_info()[1] on those cards. Measured: T4 (141 MiB context, stack notes), H100 80GB HBM3
+# (527 MiB context: benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3.csv, torch 2.11 + CUDA 13.0);
+# the others are the usual figures for torch 2.x. bf16 (and FlashAttention-2) from sm 8.0 on.
+_NAMED: dict[str, tuple[int, int, tuple[int, int]]] = {
+    "T4": (14912, 141, (7, 5)),
+    "V100-16GB": (16151, 300, (7, 0)),
+    "V100-32GB": (32501, 300, (7, 0)),
+    "L4": (22491, 300, (8, 9)),
+    "A10G": (22491, 300, (8, 6)),
+    "A10": (22491, 300, (8, 6)),
+    "RTX3090": (24253, 300, (8, 6)),
+    "RTX4090": (24210, 300, (8, 9)),
+    "RTX5090": (32111, 350, (12, 0)),
+    "A4000": (16101, 300, (8, 6)),
+    "A5000": (24248, 300, (8, 6)),
+    "A6000": (48670, 300, (8, 6)),
+    "L40S": (45488, 350, (8, 9)),
+    "A40": (45488, 300, (8, 6)),
+    "A100-40GB": (40339, 400, (8, 0)),
+    "A100-80GB": (81038, 400, (8, 0)),
+    "H100": (81008, 527, (9, 0)),
+    "H100-80GB": (81008, 527, (9, 0)),
+    "H200": (143166, 527, (9, 0)),
 }
+# Device memory a training process adds outside the caching allocator after CUDA's initialisation: kernel modules
+# loaded lazily at first use, the cuBLAS / cuBLASLt / cuDNN handles. Measured once, on an H100 80GB HBM3 (torch 2.11,
+# CUDA 13.0, driver 580): 527 MiB outside the allocator after loading, 619 after peft built the adapters, 767 from
+# the first step on, the same in all five configurations of benchmarks/gpu_check.py; taken for every CUDA card.
+CUDA_RUNTIME = 240 * MiB
 # Apple silicon: unified memory; MPS may use torch.mps.recommended_max_memory() (~75 % of RAM above 32 GB,
 # ~66 % below); bitsandbytes has no MPS backend, so no QLoRA there.
 _APPLE = {
@@ -118,6 +131,14 @@ def _apple_budget(ram_gib: float) -> int:
 _SIZE = re.compile(r"^(cuda|gpu|mps|cpu):\s*([0-9.]+)\s*(gib|gb|mib|mb|g|m)?$", re.I)
 
 
+def cuda_gpu(name: str, total: int, context: int, capability: tuple[int, int] | None) -> Device:
+    """A CUDA GPU: its budget is what the allocator may reserve, the total less the context and CUDA_RUNTIME. An
+    unknown capability (``cuda:24GiB``) is taken to have bf16."""
+    bf16 = capability is None or capability >= (8, 0)
+    return Device(name, "cuda", total, total - context - CUDA_RUNTIME, bf16, True, context, capability=capability,
+                  runtime_bytes=CUDA_RUNTIME)
+
+
 def _parse_size(num: str, unit: str | None) -> int:
     unit = (unit or "gib").lower()
     mult = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": MiB, "m": MiB, "mb": 10**6}[unit]
@@ -134,8 +155,8 @@ def resolve_device(name: str = "auto") -> Device:
     key = raw.upper().replace(" ", "")
     key = ALIASES.get(key, key)
     if key in _NAMED:
-        kind, tot, ctx, bf16, bnb = _NAMED[key]
-        return Device(key, kind, tot * MiB, (tot - ctx) * MiB, bf16, bnb, ctx * MiB)
+        tot, ctx, cap = _NAMED[key]
+        return cuda_gpu(key, tot * MiB, ctx * MiB, cap)
     for apple, ram in _APPLE.items():
         if key == apple.upper():
             return Device(apple, "mps", ram * GiB, _apple_budget(ram), True, False, 0)
@@ -144,8 +165,7 @@ def resolve_device(name: str = "auto") -> Device:
         kind = "cuda" if m.group(1).lower() in ("cuda", "gpu") else m.group(1).lower()
         size = _parse_size(m.group(2), m.group(3))
         if kind == "cuda":
-            ctx = 300 * MiB
-            return Device(raw, "cuda", size, size - ctx, True, True, ctx)
+            return cuda_gpu(raw, size, 300 * MiB, None)
         if kind == "mps":
             return Device(raw, "mps", size, size, True, False, 0)
         return Device(raw, "cpu", size, max(size - CPU_RESERVE, size // 2), True, True, CPU_CONTEXT)
@@ -372,10 +392,11 @@ def host_ram_bytes() -> int:
 def _cuda_device(torch, index: int) -> Device:
     free, total = torch.cuda.mem_get_info(index)
     props = torch.cuda.get_device_properties(index)
-    used_by_others = total - free
+    used_by_others = total - free  # this process's context, and whatever other processes hold
     ctx = max(used_by_others, 141 * MiB)
-    cap = torch.cuda.get_device_capability(index)
-    return Device(f"cuda ({props.name})", "cuda", total, total - ctx, cap >= (8, 0), True, min(ctx, 600 * MiB))
+    cap = tuple(torch.cuda.get_device_capability(index))
+    return replace(cuda_gpu(f"cuda ({props.name})", total, min(ctx, 600 * MiB), (cap[0], cap[1])),
+                   budget_bytes=total - ctx - CUDA_RUNTIME)
 
 
 def probe_local(want: str = "auto", indices: list[int] | None = None) -> Device:

@@ -80,7 +80,7 @@ def test_estimate_applies_the_constants_and_nothing_changes_without_a_file(store
     e = estimate(shape, s, a100)  # per-GPU constant
     assert e.calibration_factor == pytest.approx(1.10)
     assert e.allocated_peak_bytes == int(raw[a100.name].allocated_peak_bytes * 1.10)
-    assert e.device_total_bytes == e.reserved_peak_bytes + a100.context_bytes
+    assert e.device_total_bytes == e.reserved_peak_bytes + a100.outside_allocator
     assert any("calibrated" in n for n in e.notes)
     assert estimate(shape, s, l4).calibration_factor == pytest.approx(1.10)  # cuda family constant
     e = estimate(shape, s, cpu)

@@ -239,7 +239,7 @@ def test_measured_cpu_step_matches_estimate(tmp_path):
 def test_named_and_sized_devices():
     t4 = resolve_device("t4")
     assert t4.kind == "cuda" and not t4.supports_bf16 and t4.total_bytes == 14912 << 20
-    assert t4.budget_bytes == t4.total_bytes - t4.context_bytes
+    assert t4.budget_bytes == t4.total_bytes - t4.context_bytes - t4.runtime_bytes and t4.runtime_bytes > 0
     c = resolve_device("cuda:24GiB")
     assert c.total_bytes == 24 * GiB and c.budget_bytes < c.total_bytes
     m = resolve_device("mps:36GiB")

@@ -196,7 +196,7 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     plan_fit(shape, s, resolve_device("A6000"), exact=traced_like(shape, 1.0, first))
     need = estimate(shape, first[0], resolve_device("A6000")).reserved_peak_bytes
     # a card where that plan fits by the traced band's upper edge, whatever the band's width
-    card = band_for("traced", "cuda").upper(need) / 0.97 * 1.01 + resolve_device("cuda:1GiB").context_bytes
+    card = band_for("traced", "cuda").upper(need) / 0.97 * 1.01 + resolve_device("cuda:1GiB").outside_allocator
     dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
 
     plain = plan_fit(shape, s, dev)  # analytic alone: planned for its (wider) band's upper edge
@@ -223,7 +223,7 @@ def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
     need = estimate(shape, s, resolve_device("A100-80GB")).reserved_peak_bytes
     lower = 1 + 0.95 * band_for("analytic-vs-traced", "cuda").low  # a trace that much under the analytic figure
     assert lower < 0.97
-    ctx = resolve_device("cuda:1GiB").context_bytes
+    ctx = resolve_device("cuda:1GiB").outside_allocator
     card = band_for("traced", "cuda").upper(int(need * lower)) / 0.97 / 0.995 + ctx
     dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
     limit = int(dev.budget_bytes * 0.97)

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+import os
+import re
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 # expands_kv is read here as cuda_kernels.expands_kv by memory.trace
@@ -51,24 +53,28 @@ from fitburst.hardware import Device, expands_kv, sdpa_kernel_for  # noqa: F401
 if TYPE_CHECKING:
     from .estimator import TrainSettings
 
-CUBLAS_WORKSPACE = {"sm75": 4096 * 1024 * 2 + 16 * 1024 * 8, "sm90": 32768 * 1024 + 16 * 1024 * 8}
 CUBLASLT_WORKSPACE = 1024 * 1024
-SM90 = ("H100", "H200", "GH200")
+_WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
 
 
-def _is_sm90(device: Device) -> bool:
-    return any(device.name.upper().startswith(n) for n in SM90)
-
-
-def _cublas_workspace(device: Device) -> int:
-    return CUBLAS_WORKSPACE["sm90" if _is_sm90(device) else "sm75"]
+def cublas_workspace_size(device: Device, environ: Mapping[str, str] | None = None) -> int:
+    """torch's cuBLAS workspace per handle and stream (aten/src/ATen/cuda/CublasHandlePool.cpp,
+    ``parseChosenWorkspaceSize``): ``CUBLAS_WORKSPACE_CONFIG``'s ``:KiB:COUNT`` pairs where set, else 32 MiB on
+    sm 9.x to 12.x (Hopper, Blackwell) and 4096 KiB x 2 + 16 KiB x 8 before; a GPU of unknown capability gets the
+    larger. Measured: 33,554,432 bytes per thread on an H100 (benchmarks/results/gpu_check-*H100*)."""
+    env = os.environ if environ is None else environ
+    pairs = _WORKSPACE_PAIR.findall(env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(kib) * 1024 * int(n) for kib, n in pairs)
+    cap = device.capability
+    return 4096 * 8 * 1024 if cap is None or 9 <= cap[0] <= 12 else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def cublas_workspace_bytes(device: Device, biased: bool, recompute: bool) -> int:
     """What :func:`cublas_workspaces` leaves allocated after a step: one cuBLAS workspace per GEMM thread (forward
     and autograd), plus a cuBLASLt one per thread that runs a biased GEMM (the autograd thread only when
     checkpointing recomputes the forward)."""
-    return 2 * _cublas_workspace(device) + (CUBLASLT_WORKSPACE * (2 if recompute else 1) if biased else 0)
+    return 2 * cublas_workspace_size(device) + (CUBLASLT_WORKSPACE * (2 if recompute else 1) if biased else 0)
 
 
 def optimizer_foreach(device: Device) -> bool:
@@ -295,7 +301,7 @@ def cublas_workspaces(events, device: Device):
     backward thread (checkpointing's recomputation runs on the backward thread)."""
     from dataclasses import replace
 
-    ws = _cublas_workspace(device)
+    ws = cublas_workspace_size(device)
     out, nxt = [], max((e.sid for e in events), default=0) + 1
     seen: set[tuple[str, str]] = set()
     for e in events:

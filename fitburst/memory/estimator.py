@@ -905,7 +905,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if factor != 1.0 or rfactor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components as modelled
         alloc, reserved = int(alloc * factor), int(reserved * rfactor)
         notes.append(f"calibrated: allocated x{factor:.3f}, reserved x{rfactor:.3f} (fitted on {fitted_on})")
-    total = reserved + device.context_bytes
+    total = reserved + device.outside_allocator
     if shape.extra_note:
         notes.append(f"{shape.extra_note}")
     if s.dtype == "bf16" and not device.supports_bf16:

@@ -753,7 +753,7 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         components = peak_components(events, start)
         replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
         alloc, reserved = replay.peak_allocated, replay.peak_reserved
-        total = reserved + device.context_bytes
+        total = reserved + device.outside_allocator
     else:
         peak, peak_phase, phases = trace.live_peaks()
         components = peak_components(events, trace.measured_start)
@@ -763,7 +763,7 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
             total = reserved
         else:
             reserved = peak + CPU_RUNTIME_FLOOR
-            total = reserved + device.context_bytes
+            total = reserved + device.outside_allocator
     return Estimate(
         allocated_peak_bytes=int(alloc), reserved_peak_bytes=int(reserved), device_total_bytes=int(total),
         components=components, peak_phase=peak_phase, device=device.name,

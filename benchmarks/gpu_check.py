@@ -24,7 +24,9 @@ facts (memory, context after initialisation, compute capability); a table is pri
 exits 2.
 
 ``--replay CSV`` needs no GPU: today's estimates of a CSV's configurations on the GPU it records, against what was
-measured there (measured / estimate - 1 per configuration, then the range per role and method).
+measured there (measured / estimate - 1 per configuration, then the range per role and method). A row's
+``others_bytes``, where set, is device memory other processes held while it was measured (``mem_get_info`` counts
+every process): it is taken off ``device_used``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ MiB = 1 << 20
 FIELDS = ["config", "role", "stage", "gpu", "world_size", "seq_len", "device_total_bytes", "context_bytes",
           "capability", "allocated", "reserved", "max_allocated", "max_reserved", "device_used", "est_method",
           "est_allocated", "est_reserved", "est_device_total", "alloc_ratio", "reserved_ratio", "device_ratio",
-          "snapshot"]
+          "snapshot", "others_bytes"]
 
 
 def cuda_or_exit() -> int:
@@ -58,7 +60,7 @@ def cuda_or_exit() -> int:
     except ImportError:
         print("gpu_check needs torch with CUDA; torch is not installed here", file=sys.stderr)
         raise SystemExit(2) from None
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # NVML's count where PYTORCH_NVML_BASED_CUDA_CHECK is set: no CUDA context
         print(f"gpu_check needs a CUDA GPU: torch {torch.__version__} sees none on this machine (CUDA build: "
               f"{torch.version.cuda or 'no'}). Run it where `nvidia-smi` lists a GPU.", file=sys.stderr)
         raise SystemExit(2)
@@ -315,19 +317,19 @@ def run_config(name: str, steps: int, out: Path) -> int:
 
 
 def run_all(args: argparse.Namespace, n: int) -> int:
-    """Every configuration in a process of its own, then FSDP over all GPUs; the CSV is rewritten after each."""
+    """Every configuration in a process of its own, then FSDP over all GPUs; the CSV is rewritten after each. This
+    process makes no CUDA context while the configurations run: ``mem_get_info`` counts every process's memory, so a
+    context here would be read as the child's (the GPU's name, for the CSV's, comes from the children's rows)."""
     import subprocess
 
-    from fitburst.hardware import resolve_device
-
-    device = resolve_device("cuda")
-    gpu = device.name.replace("cuda (", "").rstrip(")").replace(" ", "_")
-    path = args.out / f"gpu_check-{gpu}.csv"
     rows: list[dict] = []
     failed: list[str] = []
 
     def write() -> None:
-        with path.open("w", newline="") as f:
+        if not rows:
+            return
+        gpu = rows[0]["gpu"].replace("cuda (", "").rstrip(")").replace(" ", "_")
+        with (args.out / f"gpu_check-{gpu}.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS + ["rank"], extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
@@ -340,7 +342,7 @@ def run_all(args: argparse.Namespace, n: int) -> int:
             print(f"unknown configuration(s) {', '.join(unknown)}: choose from {', '.join(table)}", file=sys.stderr)
             return 2
         for name in names:
-            print(f"== {name} on {device.name}", flush=True)
+            print(f"== {name}", flush=True)
             cmd = [sys.executable, __file__, "--config", name, "--steps", str(args.steps), "--out", str(args.out)]
             try:
                 rc = subprocess.run(cmd, timeout=args.config_timeout).returncode
@@ -354,15 +356,17 @@ def run_all(args: argparse.Namespace, n: int) -> int:
                 failed.append(name)
             write()
         if n >= 2:
+            from fitburst.hardware import resolve_device
+
             print(f"== FSDP over {n} GPUs", flush=True)
             try:
-                rows.extend(run_fsdp(n, data, args.steps, args.out, device))
+                rows.extend(run_fsdp(n, data, args.steps, args.out, resolve_device("cuda")))
             except Exception:
                 traceback.print_exc()
                 failed.append("fsdp")
             write()
     print_table(rows)
-    print(f"\nwritten: {path} (snapshots beside it in {args.out / 'gpu_check'})")
+    print(f"\nwritten: gpu_check-<gpu>.csv in {args.out} (snapshots beside it in {args.out / 'gpu_check'})")
     if failed:
         print(f"failed: {', '.join(failed)} (their output above)", file=sys.stderr)
     return 1 if failed else 0
@@ -390,7 +394,7 @@ def replay(csv_path: Path) -> int:
             spec = load_pipeline(REPO / "pipelines.yaml", "demo", {**table[name], "preflight.device": "cpu"})
             seq = prepare_pipeline(spec).stats["max"]
             measured = {"alloc": int(r["max_allocated"]), "resv": int(r["max_reserved"]),
-                        "device": int(r["device_used"])}
+                        "device": int(r["device_used"]) - int(r.get("others_bytes") or 0)}
             for method, e in estimates(spec, seq, device).items():
                 est = {"alloc": e.allocated_peak_bytes, "resv": e.reserved_peak_bytes, "device": e.device_total_bytes}
                 err = {k: measured[k] / est[k] - 1 for k in est}
@@ -416,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = max(args.steps, 2)
     if args.replay:
         return replay(args.replay)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # counting the GPUs makes no CUDA context
     n = cuda_or_exit()
     os.environ.setdefault("FITBURST_TRACE_CACHE", "0")  # estimate afresh: the check is of today's code
     args.out.mkdir(parents=True, exist_ok=True)

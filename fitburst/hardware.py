@@ -42,7 +42,7 @@ class Device:
 
 # name: (total MiB as torch reports it, context MiB once CUDA is initialised, compute capability)
 # totals are torch.cuda.mem_get_info()[1] on those cards. Measured: T4 (141 MiB context, stack notes), H100 80GB HBM3
-# (527 MiB context: benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3.csv, torch 2.11 + CUDA 13.0);
+# (81079 MiB, 527 MiB context: benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3-run*.csv, torch 2.11 + CUDA 13.0);
 # the others are the usual figures for torch 2.x. bf16 (and FlashAttention-2) from sm 8.0 on.
 _NAMED: dict[str, tuple[int, int, tuple[int, int]]] = {
     "T4": (14912, 141, (7, 5)),
@@ -61,8 +61,8 @@ _NAMED: dict[str, tuple[int, int, tuple[int, int]]] = {
     "A40": (45488, 300, (8, 6)),
     "A100-40GB": (40339, 400, (8, 0)),
     "A100-80GB": (81038, 400, (8, 0)),
-    "H100": (81008, 527, (9, 0)),
-    "H100-80GB": (81008, 527, (9, 0)),
+    "H100": (81079, 527, (9, 0)),
+    "H100-80GB": (81079, 527, (9, 0)),
     "H200": (143166, 527, (9, 0)),
 }
 # Device memory a training process adds outside the caching allocator after CUDA's initialisation: kernel modules

@@ -51,7 +51,7 @@ def test_the_measured_gpu_gets_its_own_band_with_its_row_count(name):
         r["quant"] == "none" and r["model_id"].startswith("TinyLlama") for r in rows)  # the held-out 16-bit runs
 
 
-@pytest.mark.parametrize("name", ["RTX4090", "A6000", "H100", "cuda (NVIDIA A100-SXM4-80GB)", "cuda:24GiB", None])
+@pytest.mark.parametrize("name", ["RTX4090", "A6000", "H200", "cuda (NVIDIA A100-SXM4-80GB)", "cuda:24GiB", None])
 def test_an_unmeasured_gpu_gets_a_wider_band_that_says_so(name):
     assert measured_gpu(name) is None
     for method in ("analytic", "traced"):

@@ -250,12 +250,13 @@ def test_cli_estimate_gpus_prints_per_gpu_figures_in_todays_keys_and_totals_besi
     assert "--offload" in capsys.readouterr().err
 
 
-def test_gpu_check_on_a_machine_without_cuda_says_so_and_exits_2():
+@pytest.mark.parametrize("script", ["gpu_check.py", "gpu_oom.py"])
+def test_gpu_check_on_a_machine_without_cuda_says_so_and_exits_2(script):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a CUDA GPU: benchmarks/gpu_check.py runs for real here")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True, text=True,
+        pytest.skip(f"this machine has a CUDA GPU: benchmarks/{script} runs for real here")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.returncode == 2
     assert "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr + out.stdout

@@ -1,0 +1,75 @@
+"""The H100 runs of benchmarks/gpu_check.py (benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3-run2.csv, fitburst's
+own loop on the GPU) replayed here: today's traced estimate of a measured configuration, on the GPU the CSV records,
+against what the GPU measured. One fit row (its figures chose the cuBLAS workspace and CUDA_RUNTIME) and one
+held-out row (QLoRA nf4, scored once when it was measured)."""
+
+from __future__ import annotations
+
+import csv
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from fitburst.hardware import cuda_gpu
+from fitburst.memory.calibration import band_for, measured_gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUN = RESULTS / "gpu_check-NVIDIA_H100_80GB_HBM3-run2.csv"
+CLEAN = RESULTS / "gpu_check-NVIDIA_H100_80GB_HBM3-run3.csv"  # two configurations again, no context in the parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def peaks(path: Path = RUN) -> dict[str, dict]:
+    with path.open() as f:
+        return {r["config"]: r for r in csv.DictReader(f) if r["stage"] == "peak" and r["est_method"] == "traced"}
+
+
+def test_the_h100_runs_stand_behind_the_h100_bands():
+    rows = peaks()
+    assert measured_gpu(next(iter(rows.values()))["gpu"]) == "H100"
+    kbit = [r for r in rows.values() if "qlora" in r["config"]]
+    assert band_for("traced", "cuda", True, "H100").rows == len(kbit) == 3
+    assert band_for("traced", "cuda", False, "H100").rows == len(rows) - len(kbit) == 7
+    assert band_for("analytic", "cuda", False, "H100").rows == len(rows) == 10
+    assert {r["role"] for r in rows.values()} == {"fit", "held-out"}
+
+
+def test_run_2s_correction_for_the_parents_context_is_what_a_clean_run_measured():
+    """Run 2's parent process held a CUDA context that mem_get_info counted in each child's device_used; its
+    others_bytes takes it off. Run 3 measured two of its configurations with no such context: the same bytes."""
+    run2, run3 = peaks(), peaks(CLEAN)
+    assert set(run3) == {"demo-lora", "ho-qlora-nf4-qv-b2-1024"}
+    for name, clean in run3.items():
+        assert clean["others_bytes"] == ""
+        corrected = int(run2[name]["device_used"]) - int(run2[name]["others_bytes"])
+        assert abs(corrected - int(clean["device_used"])) <= 2 << 20  # one 2 MiB page
+        assert run2[name]["max_reserved"] == clean["max_reserved"] and abs(
+            int(clean["context_bytes"]) - int(run2[name]["context_bytes"])) <= 2 << 20
+
+
+@pytest.mark.parametrize("config", ["demo-lora", "ho-qlora-nf4-qv-b2-1024"])
+def test_the_traced_estimate_of_an_h100_run_is_what_the_h100_measured(config, monkeypatch):
+    import gpu_check
+
+    from fitburst.data import prepare_pipeline
+    from fitburst.spec import load_pipeline
+
+    monkeypatch.setenv("FITBURST_TRACE_CACHE", "0")
+    r = peaks()[config]
+    major, minor = (int(x) for x in r["capability"].split("."))
+    device = cuda_gpu(r["gpu"], int(r["device_total_bytes"]), int(r["context_bytes"]), (major, minor))
+    with tempfile.TemporaryDirectory() as d:
+        data = gpu_check.fixed_length_data(Path(d) / "long.jsonl")
+        spec = load_pipeline(ROOT / "pipelines.yaml", "demo",
+                             {**gpu_check.configs(data, 4)[config], "preflight.device": "cpu"})
+        seq = prepare_pipeline(spec).stats["max"]
+        assert seq == int(r["seq_len"])
+        e = gpu_check.estimates(spec, seq, device)["traced"]
+    band = band_for("traced", "cuda", "qlora" in config, r["gpu"])
+    assert abs(int(r["max_allocated"]) / e.allocated_peak_bytes - 1) < 0.005
+    assert band.low <= int(r["max_reserved"]) / e.reserved_peak_bytes - 1 <= band.high
+    device_used = int(r["device_used"]) - int(r["others_bytes"])  # the parent process's context taken off
+    assert band.low <= device_used / e.device_total_bytes - 1 <= band.high

@@ -68,7 +68,8 @@ _NAMED: dict[str, tuple[int, int, tuple[int, int]]] = {
 # Device memory a training process adds outside the caching allocator after CUDA's initialisation: kernel modules
 # loaded lazily at first use, the cuBLAS / cuBLASLt / cuDNN handles. Measured once, on an H100 80GB HBM3 (torch 2.11,
 # CUDA 13.0, driver 580): 527 MiB outside the allocator after loading, 619 after peft built the adapters, 767 from
-# the first step on, the same in all five configurations of benchmarks/gpu_check.py; taken for every CUDA card.
+# the first step on, the same in 9 of the 10 configurations of benchmarks/gpu_check.py (224 MiB in fp32); taken
+# for every CUDA card.
 CUDA_RUNTIME = 240 * MiB
 # Apple silicon: unified memory; MPS may use torch.mps.recommended_max_memory() (~75 % of RAM above 32 GB,
 # ~66 % below); bitsandbytes has no MPS backend, so no QLoRA there.

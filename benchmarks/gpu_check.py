@@ -9,7 +9,7 @@ on the GPU); that model with LoRA at micro-batch 2 x 1024 tokens, QLoRA with gra
 and a full fine-tune at 512 (these five are ``fit``: the first H100 run's figures chose the CUDA rules they
 check); held-out ones on other widths, ranks, micro-batches, precisions and an 8-bit optimizer, scored once. With
 two or more visible GPUs, a full fine-tune of the wider model with FSDP over all of them, through the product's own
-multi-GPU path (``fitburst.distributed.run_local``: torchrun, NCCL), each rank's peak as the loop records it.
+multi-GPU path (``fitburst.ranks.Ranks``: torchrun, NCCL), each rank's peak as the loop records it.
 
 Each single-GPU configuration trains in a process of its own (a fresh CUDA context, as a user's run), through
 ``fitburst.train.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
@@ -255,13 +255,13 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
 
 def run_fsdp(n: int, data: Path, steps: int, results: Path, device) -> list[dict]:
     """A full fine-tune of the wider demo model sharded over ``n`` GPUs through the product's own multi-GPU path
-    (:func:`fitburst.distributed.run_local`: torchrun, one ``fitburst train`` per rank, NCCL), each rank's peak as
+    (:class:`fitburst.ranks.Ranks`: torchrun, one ``fitburst train`` per rank, NCCL), each rank's peak as
     the loop records it (``TrainResult.rank_peaks``: max_memory_allocated / reserved of the whole run), against the
     traced per-GPU estimate (rank 0 of ``n``) of the same settings."""
     from fitburst.data import prepare_pipeline, run_settings
-    from fitburst.distributed import run_local
     from fitburst.memory import Budget
     from fitburst.memory.trace import traced_estimate
+    from fitburst.ranks import Ranks
     from fitburst.spec import load_pipeline
     from fitburst.train import TrainResult
 
@@ -271,7 +271,7 @@ def run_fsdp(n: int, data: Path, steps: int, results: Path, device) -> list[dict
     prepared = prepare_pipeline(spec)
     seq = prepared.stats["max"]
     run_dir = results / "gpu_check" / f"fsdp-{n}"
-    run_local(spec, prepared.dir, run_dir, n, device="cuda")
+    Ranks(n).run(spec, prepared.dir, run_dir, device="cuda")
     peaks = TrainResult.load(run_dir).rank_peaks
     s = replace(run_settings(spec, device, seq), padded=False, world_size=n)
     e = Budget(device, gpus_per_node=n).judge(traced_estimate(_local_ref(spec), s, device, seq_len=seq))

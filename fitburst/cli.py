@@ -162,57 +162,71 @@ def cmd_run(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed. Started by
-    torchrun, every rank runs it: rank 0 plans (the others take its plan), alone logs to MLflow and evaluates."""
+    """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed. One process
+    plans, trains, logs and evaluates itself. With ``--nproc-per-node`` x ``--nnodes`` above one it supervises its
+    node's ranks (:class:`fitburst.ranks.Ranks`): node 0's plans per GPU, starts the ranks through torchrun (every
+    rank stepped down together after an out-of-memory error), logs to MLflow and evaluates; another node's follows
+    node 0. Inside a rank torchrun started, it trains the spec as given."""
     from fitburst import distributed
     from fitburst.data import PreparedData
+    from fitburst.errors import UserError
+    from fitburst.ranks import Ranks
     from fitburst.recipe import run_recipe
     from fitburst.spec import load_resolved
     from fitburst.tracking import RUN_ID_ENV, Tracker
 
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
+    ranks = Ranks(args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port)
     w = distributed.world()
+    if w.sharded and (args.plan or ranks.size > 1):
+        raise UserError(f"{spec.name}: torchrun started {w.size} ranks of `fitburst train` with --plan or "
+                        "--nproc-per-node: start `fitburst train --nproc-per-node N [--nnodes M ...]` without "
+                        "torchrun; it plans once and starts torchrun itself")
+    if ranks.node_rank > 0:
+        return ranks.follow(prepared.dir, args.run_dir, device=args.device)
     estimate = None
     try:
         if args.plan:
-            planned = None
-            if w.main:
-                from fitburst.hardware import Gpus, resolve_gpus
-                from fitburst.preflight import plan_here
-
-                # the ranks torchrun started are the GPUs: per GPU, over this node's and the other nodes'
-                here = resolve_gpus(spec.preflight.device)
-                gpus = (Gpus(here.device, w.local_size, w.size // w.local_size, here.host_bytes) if w.sharded
-                        else here)
-                planned = plan_here(spec, prepared.stats["max"], gpus)
-            if w.sharded:  # every rank trains rank 0's plan (their GPUs' free memory may differ slightly)
-                from fitburst.device import select_device
-
-                distributed.start(w, args.device or select_device(spec.preflight.device))
-                planned = distributed.broadcast(planned)
-            assert planned is not None
-            spec, changes, estimate = planned
-            if w.main:
-                for change in changes:
-                    print(f"plan for this device: {change}")
-                Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-                Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
+            spec, changes, estimate = _plan_node(spec, int(prepared.stats["max"]), ranks)
+            for change in changes:
+                print(f"plan for this device: {change}")
+            Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+            Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
         tracker = None
         if w.main and os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
             tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
         result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
                                 device=args.device, evaluate_after=args.eval and w.main,
-                                progress=not args.quiet and w.main)
+                                progress=not args.quiet and w.main, ranks=ranks if ranks.size > 1 else None)
+    except BaseException as e:
+        ranks.finish(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise
     finally:
         distributed.stop()
+    ranks.finish()
     if w.main:
-        ranks = f" ({result.world_size} ranks)" if result.world_size > 1 else ""
-        print(f"trained {result.steps} steps on {result.device}{ranks} in {result.seconds:.1f}s; adapter: "
+        n = f" ({result.world_size} ranks)" if result.world_size > 1 else ""
+        print(f"trained {result.steps} steps on {result.device}{n} in {result.seconds:.1f}s; adapter: "
               f"{result.adapter_dir}")
     if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
     return 0
+
+
+def _plan_node(spec, seq_len: int, ranks):
+    """The node's plan per GPU over every rank of every node. A supervisor of several ranks plans in a child
+    process: probing a GPU opens a CUDA context (about 0.5 GiB on an H100) that would stay on the ranks' GPUs while
+    they train."""
+    from fitburst.preflight import plan_for_ranks
+
+    if ranks.size == 1:
+        return plan_for_ranks(spec, seq_len, 1, 1)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(plan_for_ranks, spec, seq_len, ranks.per_node, ranks.nodes).result()
 
 
 def cmd_merge(args) -> int:
@@ -272,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eval", action="store_true", help="evaluate base vs tuned afterwards")
     sp.add_argument("--plan", action="store_true", help="plan the memory settings for this device first")
     sp.add_argument("--quiet", action="store_true")
+    ranks = sp.add_argument_group("several GPUs (this command then starts torchrun itself, one rank per GPU)")
+    ranks.add_argument("--nproc-per-node", type=_positive_int, default=1, help="ranks on this node (default 1)")
+    ranks.add_argument("--nnodes", type=_positive_int, default=1, help="nodes of the run (default 1)")
+    ranks.add_argument("--node-rank", type=int, default=0, help="this node's place, 0 .. nnodes-1 (0 plans)")
+    ranks.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (several nodes)")
+    ranks.add_argument("--master-port", type=int, default=29400,
+                       help="node 0's port for the nodes' supervisors; each attempt's torchrun takes the next ones")
     sp.set_defaults(func=cmd_train)
 
     # `fitburst serve ...` hands its arguments to flows.serve.cli (see main); listed here for --help

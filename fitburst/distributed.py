@@ -31,8 +31,8 @@ torch is imported inside the functions: this module is on the import path of tra
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,20 +246,36 @@ def _state(model, optimizer) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save_sharded(dest: Path, model, optimizer) -> None:
+def save_sharded(dest: Path, model, optimizer, w: World) -> None:
     """Write this rank's shards of the trainable weights and optimizer state into ``dest/sharded`` (collective:
-    every rank calls it; on one node they share the folder, on several each node's disk holds its ranks' files
-    and rank 0's holds the index, ``.metadata``)."""
-    import torch.distributed.checkpoint as dcp  # heavy: loaded only when training
+    every rank calls it; on one node they share the folder, on several each node's disk holds its ranks' files).
 
-    dcp.save(_state(model, optimizer), checkpoint_id=str(dest / SHARDED_DIR))
+    What FSDP does not shard (the optimizer's step counts and hyper-parameters, any unsharded tensor) is the same
+    on every rank; ``torch.distributed.checkpoint`` would store each such item once, in some rank's file, where a
+    rank on another node could not read it. The first rank of each node writes it to ``replicated.pt`` instead,
+    and torch's index, ``.metadata`` (written on rank 0's disk), is copied to every node: each node's ranks resume
+    from their own disk."""
+    import torch  # heavy: loaded only when training
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    folder = dest / SHARDED_DIR
+    sharded, replicated = _partition(_state(model, optimizer), lambda v: isinstance(v, DTensor))
+    dcp.save(sharded or {}, checkpoint_id=str(folder))
+    if w.node_main:
+        torch.save(replicated or {}, folder / REPLICATED)
+    if w.local_size < w.size:
+        index = broadcast((folder / ".metadata").read_bytes() if w.main else None)
+        if w.node_main and not w.main:
+            (folder / ".metadata").write_bytes(index)
 
 
 def load_sharded(src: Path, model, optimizer=None) -> None:
     """Load ``src/sharded`` into ``model`` (and ``optimizer``, unless None: an optimizer that starts afresh)
     whatever world size wrote it: torch's checkpoint planner reads each rank's part of every tensor (one process
     reads whole tensors)."""
-    import torch.distributed as dist  # heavy: loaded only when training
+    import torch  # heavy: loaded only when training
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -273,10 +289,48 @@ def load_sharded(src: Path, model, optimizer=None) -> None:
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
     state: dict[str, Any] = _state(model, optimizer) if optimizer is not None else {
         "model": get_model_state_dict(model, options=options)}
-    dcp.load(state, checkpoint_id=str(src / SHARDED_DIR), no_dist=not dist.is_initialized())
+    folder = src / SHARDED_DIR
+    replicated = (torch.load(folder / REPLICATED, map_location="cpu", weights_only=True)
+                  if (folder / REPLICATED).exists() else {})  # a checkpoint from before replicated.pt: all in dcp
+    parts = set(state)  # the model's, and the optimizer's unless it starts afresh
+    state = _without(state, replicated)
+    dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    state = _merged(state, {k: v for k, v in replicated.items() if k in parts})
     set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+REPLICATED = "replicated.pt"  # in a sharded checkpoint: what every rank holds alike (save_sharded)
+
+
+def _partition(obj: Any, sharded: Callable[[Any], bool]) -> tuple[Any, Any]:
+    """A nested state dict split in two: the leaves ``sharded`` says yes to, and the others (None: nothing)."""
+    if isinstance(obj, dict):
+        parts = {k: _partition(v, sharded) for k, v in obj.items()}
+        yes = {k: a for k, (a, _) in parts.items() if a is not None}
+        no = {k: b for k, (_, b) in parts.items() if b is not None}
+        return yes or None, no or None
+    return (obj, None) if sharded(obj) else (None, obj)
+
+
+def _without(state: dict, other: dict) -> dict:
+    """``state`` less the leaves ``other`` holds."""
+    out = {}
+    for k, v in state.items():
+        if k not in other:
+            out[k] = v
+        elif isinstance(v, dict) and isinstance(other[k], dict):
+            out[k] = _without(v, other[k])
+    return out
+
+
+def _merged(state: dict, other: dict) -> dict:
+    """``state`` with ``other``'s leaves added."""
+    out = dict(state)
+    for k, v in other.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def is_sharded(ckpt: Path) -> bool:
@@ -310,103 +364,3 @@ def gathered_state(model, *, trainable_only: bool) -> dict:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                 ignore_frozen_params=trainable_only))
-
-
-# --- several processes on this machine ---------------------------------------------------------------------
-
-RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.train)
-RANKS_LOG = "ranks.log"  # torchrun's and the ranks' output, in the run folder
-
-
-class RanksFailed(UserError, RuntimeError):
-    """A rank of a local multi-process run stopped (torchrun then ended the others). ``records``: what each failed
-    rank wrote (:data:`RANK_FAILED`); ``oom_kind`` and ``peak_bytes``: a rank's out-of-memory error, when that was
-    the cause (the step-down, :mod:`fitburst.oom`, then acts for all ranks together)."""
-
-    def __init__(self, message: str, records: list[dict]):
-        super().__init__(message)
-        self.records = records
-        oom = next((r for r in records if r.get("oom_kind")), None)
-        self.oom_kind: str | None = oom["oom_kind"] if oom else None
-        self.peak_bytes: int | None = oom.get("peak_bytes") if oom else None
-
-
-def _refusal(log: Path, start: int) -> str | None:
-    """The first ``error: ...`` line a rank printed after ``start`` (fitburst's one-line refusals, made before
-    training starts)."""
-    with log.open("rb") as f:
-        f.seek(start)
-        lines = f.read().decode(errors="replace").splitlines()
-    return next((line.split("error: ", 1)[1] for line in lines if "error: " in line), None)
-
-
-def local_ranks(spec) -> int:
-    """The processes a local run of ``spec`` starts: one per visible CUDA GPU with ``training.distributed: fsdp``
-    on CUDA, else one (auto stays on one device until a plan asks for more)."""
-    if spec.training.distributed != "fsdp" or spec.preflight.device.lower() not in ("auto", "cuda"):
-        return 1
-    import torch  # heavy: loaded only when training
-
-    return max(1, torch.cuda.device_count())
-
-
-def run_local(spec, prepared_dir: str | Path, run_dir: str | Path, nproc: int, *, device: str | None = None,
-              on_metrics=None, poll_s: float = 0.5) -> None:
-    """Train ``spec`` in ``nproc`` processes on this machine: torchrun (``--standalone``) starting the node command
-    (``fitburst train``) once per rank. Rank 0's loss curve (``metrics.jsonl``) is passed on to ``on_metrics`` while
-    it trains, so this process keeps MLflow and Prefect; the ranks' output goes to ``ranks.log`` in the run folder.
-    Raises :class:`RanksFailed` when a rank stops (torchrun ends the others); an interrupt here ends them all."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob(RANK_FAILED.format(rank="*")):
-        stale.unlink()
-    spec_path = run_dir / "ranks-spec.yaml"
-    spec_path.write_text(spec.to_yaml())
-    metrics = run_dir / "metrics.jsonl"
-    offset = metrics.stat().st_size if metrics.exists() else 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", str(prepared_dir),
-           "--run-dir", str(run_dir), "--quiet", *(["--device", device] if device else [])]
-    # the ranks log nothing to MLflow themselves: this process does (and holds the run)
-    env = {k: v for k, v in os.environ.items() if k != "FITBURST_MLFLOW_RUN_ID"}
-
-    def relay() -> None:
-        nonlocal offset
-        if on_metrics is None or not metrics.exists():
-            return
-        with metrics.open() as f:
-            f.seek(offset)
-            for line in iter(f.readline, ""):
-                if not line.endswith("\n"):
-                    break  # rank 0 is still writing it
-                offset += len(line)
-                row = json.loads(line)
-                on_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
-
-    with (run_dir / RANKS_LOG).open("a") as out:
-        log_start = out.tell()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                relay()
-                time.sleep(poll_s)
-            relay()
-        except BaseException:  # Ctrl-C, cancellation, an error in on_metrics: no rank outlives this process
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            raise
-    if proc.returncode != 0:
-        records = [json.loads(p.read_text()) for p in sorted(run_dir.glob(RANK_FAILED.format(rank="*")))]
-        what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or _refusal(
-            run_dir / RANKS_LOG, log_start) or f"torchrun exited with {proc.returncode} and no rank said why (killed?)"
-        raise RanksFailed(f"{spec.name}: training on {nproc} processes stopped ({what}); the log is "
-                          f"{run_dir / RANKS_LOG}, and a rerun resumes from the last checkpoint", records)

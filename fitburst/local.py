@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from fitburst import distributed
 from fitburst.data import PreparedData
 from fitburst.memory import Estimate
 from fitburst.oom import StepDown
+from fitburst.ranks import Ranks, local_ranks
 from fitburst.recipe import train_and_record
 from fitburst.rundir import open_run_dir, release, runs_root
 from fitburst.spec import PipelineSpec
@@ -25,7 +25,7 @@ def train_local_run(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker
                     on_stepdown: Callable[[StepDown], None] | None = None, nproc: int | None = None) -> TrainResult:
     """Train ``spec`` in its run folder (the newest interrupted one with the same config and data, else a new one)
     through the recipe. Each OOM step-down is recorded in MLflow and passed to ``on_stepdown`` (the flow's log).
-    ``nproc``: processes to shard the run over (default :func:`fitburst.distributed.local_ranks`: one per GPU for
+    ``nproc``: processes to shard the run over (default :func:`fitburst.ranks.local_ranks`: one per GPU for
     ``training.distributed: fsdp``); this process keeps the MLflow run and relays rank 0's loss curve."""
     if tracker is not None:
         replay_outboxes(runs_root(spec) / spec.name, tracker.uri)
@@ -38,7 +38,7 @@ def train_local_run(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker
             tracker.use_outbox(run_dir)
         return train_and_record(spec, prepared, run_dir, tracker=tracker, path="local", estimate=estimate,
                                 device=device, progress=progress, on_metrics=on_metrics, on_stepdown=on_stepdown,
-                                nproc=nproc or distributed.local_ranks(spec))
+                                ranks=Ranks(nproc or local_ranks(spec)))
     finally:
         release(run_dir)
 

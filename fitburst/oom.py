@@ -24,7 +24,6 @@ from pathlib import Path
 from fitburst import distributed
 from fitburst.data import PreparedData, run_settings
 from fitburst.device import select_device
-from fitburst.distributed import RanksFailed
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, ModelShape, estimate
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
@@ -32,6 +31,7 @@ from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import spec_shape
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
+from fitburst.ranks import Ranks, RanksFailed
 from fitburst.runconfig import TrainSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError, TrainResult, drop_optimizer_state, latest_checkpoint, train
@@ -132,17 +132,18 @@ def would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | N
 def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
-                        progress: bool = True, nproc: int = 1) -> TrainResult:
+                        progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
     """:func:`fitburst.train.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
     the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
     saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
     rung is left.
 
-    ``nproc`` > 1: each attempt is ``nproc`` processes on this machine (:func:`fitburst.distributed.run_local`);
-    a rank's out-of-memory error ends them all, and the next attempt starts them all with the rung taken, from the
-    last checkpoint (a sharded one cannot be written by one rank alone). Inside a rank that torchrun started
-    nothing steps down here: the error ends the rank, and whoever started torchrun decides."""
+    ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
+    node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
+    rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). Inside a rank that
+    torchrun started nothing steps down here: the error ends the rank, and the supervisor above torchrun decides."""
     run_dir = Path(run_dir)
+    sharded = ranks if ranks is not None and ranks.size > 1 else None
     if distributed.world().sharded:
         return train(spec, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
     device = device or select_device(spec.preflight.device)
@@ -159,8 +160,8 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     shape = None
     while True:
         try:
-            if nproc > 1:
-                distributed.run_local(current, prepared.dir, run_dir, nproc, device=device, on_metrics=on_metrics)
+            if sharded is not None:
+                sharded.run(current, prepared.dir, run_dir, device=device, on_metrics=on_metrics)
                 return TrainResult.load(run_dir)
             return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
         except BaseException as exc:  # noqa: BLE001 - anything but an OOM is re-raised at once
@@ -179,7 +180,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             shape = shape or _shape(spec)
             record.estimated_bytes = _estimated(settings, shape, dev)
             allow = spec.preflight.allow.model_dump()
-            if nproc > 1:  # every rank takes the rung: only those a sharded run can train with
+            if sharded is not None:  # every rank takes the rung: only those a sharded run can train with
                 allow.update(dict.fromkeys(distributed.UNSHARDABLE_RUNGS, False))
             rung = next_rung(settings, dev, allow, midrun=True)
             if rung is not None:

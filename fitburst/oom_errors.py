@@ -7,7 +7,7 @@ import gc
 import re
 import traceback
 
-from fitburst.distributed import RanksFailed
+from fitburst.ranks import RanksFailed
 
 _CPU = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
         "std::bad_alloc")
@@ -21,7 +21,7 @@ def oom_kind(exc: BaseException | None) -> str | None:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, RanksFailed) and exc.oom_kind:  # a rank of a local multi-process run ran out
+        if isinstance(exc, RanksFailed) and exc.oom_kind:  # a rank of a sharded run ran out
             return exc.oom_kind
         if isinstance(exc, torch.OutOfMemoryError):
             return "cuda"

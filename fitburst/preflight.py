@@ -419,6 +419,15 @@ def plan_here(spec: PipelineSpec, seq_len: int, gpus: Gpus | None = None) -> tup
     return spec_with_settings(spec, plan.settings), list(plan.changes), plan.estimate
 
 
+def plan_for_ranks(spec: PipelineSpec, seq_len: int, per_node: int, nodes: int) -> tuple[PipelineSpec, list[str],
+                                                                                         Estimate]:
+    """:func:`plan_here` for a node's GPUs as ranks of a run over ``per_node`` x ``nodes`` of them."""
+    if per_node * nodes == 1:
+        return plan_here(spec, seq_len)
+    here = resolve_gpus(spec.preflight.device)
+    return plan_here(spec, seq_len, Gpus(here.device, per_node, nodes, here.host_bytes))
+
+
 def replan_after_probe(spec: PipelineSpec, report: PreflightReport, result: dict) -> PreflightReport:
     """The preflight report after a probe: re-timed with the measured throughput when there is one; unchanged
     in memory when the measured peak fits the budget less the headroom; otherwise re-planned for the budget

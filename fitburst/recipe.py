@@ -16,6 +16,7 @@ from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult, evaluate
 from fitburst.memory import Estimate
 from fitburst.oom import StepDown, train_stepping_down
+from fitburst.ranks import Ranks
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
 from fitburst.train import MetricsFn, TrainResult
@@ -26,12 +27,13 @@ log = logging.getLogger(__name__)
 def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
                      path: str, estimate: Estimate | None = None, device: str | None = None,
                      progress: bool = True, on_metrics: MetricsFn | None = None,
-                     on_stepdown: Callable[[StepDown], None] | None = None, nproc: int = 1) -> TrainResult:
+                     on_stepdown: Callable[[StepDown], None] | None = None,
+                     ranks: Ranks | None = None) -> TrainResult:
     """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
     forwards it; system metrics recorded meanwhile), stepping down on out-of-memory (each step-down recorded and
     passed to ``on_stepdown``), then record the run: facts, adapter, plots, and measured vs ``estimate`` when there
-    is one. ``path`` is where it trained: local or cloud. ``nproc`` > 1: in that many processes on this machine,
-    sharded with FSDP (:func:`fitburst.distributed.run_local`)."""
+    is one. ``path`` is where it trained: local or cloud. ``ranks`` of more than one process: sharded with FSDP over
+    them (:class:`fitburst.ranks.Ranks`: this machine's, or several nodes' with this process as node 0's supervisor)."""
 
     def stepped_down(record: StepDown) -> None:
         if tracker is not None:
@@ -42,7 +44,7 @@ def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | 
     metrics_fn = on_metrics or (tracker.log_metrics if tracker else None)
     with tracker.system_metrics() if tracker is not None else contextlib.nullcontext():
         result = train_stepping_down(spec, prepared, run_dir, device=device, on_metrics=metrics_fn,
-                                     on_stepdown=stepped_down, progress=progress, nproc=nproc)
+                                     on_stepdown=stepped_down, progress=progress, ranks=ranks)
     if tracker is not None:
         from mlflow.exceptions import MlflowException
 
@@ -70,9 +72,11 @@ def evaluate_and_record(spec: PipelineSpec, prepared: PreparedData, result: Trai
 
 def run_recipe(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None = None,
                path: str = "local", estimate: Estimate | None = None, device: str | None = None,
-               evaluate_after: bool = True, progress: bool = True) -> tuple[TrainResult, EvalResult | None]:
-    """Train, evaluate (when ``evaluate_after`` and ``spec.eval.enabled``) and record; returns both results."""
+               evaluate_after: bool = True, progress: bool = True,
+               ranks: Ranks | None = None) -> tuple[TrainResult, EvalResult | None]:
+    """Train (over ``ranks``, when given), evaluate (when ``evaluate_after`` and ``spec.eval.enabled``) and record;
+    returns both results."""
     result = train_and_record(spec, prepared, run_dir, tracker=tracker, path=path, estimate=estimate, device=device,
-                              progress=progress)
+                              progress=progress, ranks=ranks)
     ev = evaluate_and_record(spec, prepared, result, tracker=tracker) if evaluate_after and spec.eval.enabled else None
     return result, ev

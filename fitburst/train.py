@@ -321,7 +321,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    distributed.save_sharded(tmp, model, optimizer)
+    distributed.save_sharded(tmp, model, optimizer, world)
     state = _checkpoint_state(scheduler, amp)
     if world.node_main:
         torch.save(state, tmp / "train_state.pt")
@@ -361,13 +361,14 @@ def drop_optimizer_state(ckpt: Path) -> None:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scheduler, device: str, *, amp: Amp | None = None,
-                    world: World = SINGLE, params: list | None = None) -> int:
+                    world: World = SINGLE, params: list | None = None, meta: dict | None = None) -> int:
     """Restore a checkpoint written by :func:`save_checkpoint` at any world size into this run (sharded or not);
-    returns its step."""
+    returns its step. ``meta``: its ``state.json`` as rank 0 read it (every rank must load the same parts), else
+    read here."""
     import torch  # heavy: loaded only when training
     from safetensors.torch import load_file
 
-    meta = json.loads((ckpt / "state.json").read_text())
+    meta = meta or json.loads((ckpt / "state.json").read_text())
     if distributed.is_sharded(ckpt):
         distributed.load_sharded(ckpt, model, None if meta.get(FRESH_OPTIMIZER) else optimizer)
         state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
@@ -551,8 +552,9 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
     ckpt = latest_checkpoint(run_dir) if w.main else None
     meta = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else None
-    if w.sharded:  # rank 0's folder decides (another node's disk may hold only its own ranks' part)
-        ckpt, meta = distributed.broadcast((ckpt, meta))
+    if w.sharded:  # rank 0's folder decides; each node reads its own ranks' part from its own disk
+        name, meta = distributed.broadcast((ckpt.name if ckpt is not None else None, meta))
+        ckpt = run_dir / "checkpoints" / name if name is not None else None
     spec = keep_batch(spec, meta, w)  # before the model loads: a refusal costs nothing
     tr = spec.training
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
@@ -574,7 +576,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     samples = 0
     if ckpt is not None:
         step = resumed_from = load_checkpoint(ckpt, model, optimizer, scheduler, device, amp=amp, world=w,
-                                              params=params)
+                                              params=params, meta=meta)
         samples = checkpoint_samples(ckpt, per_step)
         log.info("resuming from %s (step %d of %d)", ckpt, step, steps)
 

@@ -99,7 +99,7 @@ def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
     spec_file = Path(task.file_mounts["~/fitburst-job/spec.yaml"])
     assert "qwen7b-lora" in spec_file.read_text() and SECRET not in spec_file.read_text()
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET
-    assert "set -- python -m fitburst.cli\n" in task.run and '"$@" train --spec' in task.run
+    assert "python -m fitburst.cli train --spec" in task.run and "--plan --eval" in task.run
     assert task.num_nodes == 1
     # the workdir is a staged copy of the fitburst package only
     assert sorted(p.name for p in Path(task.workdir).iterdir()) == ["fitburst"]
@@ -114,14 +114,14 @@ def test_generated_task_passes_skypilot_validation_and_round_trips(demo):
 
 def test_a_multi_gpu_multi_node_task_passes_skypilot_validation(demo):
     """The plan's GPU count and node count reach SkyPilot: <GPU>:N per node, num_nodes, and a node spec that
-    shards (the run block's torchrun line runs in tests/test_distributed.py)."""
+    shards (the run block itself runs in tests/test_distributed.py)."""
     spec, prepared = demo
     task = build_task(spec, _candidates(), prepared_dir=prepared, gpus_per_node=4, nodes=2)
     again = sky.Task.from_yaml_str(task_yaml(task))
     assert again.num_nodes == 2
     assert [(str(r.cloud), r.accelerators) for r in again.resources] == [
         ("RunPod", {"RTXA6000": 4}), ("Lambda", {"A6000": 4})]
-    assert "torch.distributed.run" in again.run and "SKYPILOT_NODE_IPS" in again.run
+    assert "--nproc-per-node \"${SKYPILOT_NUM_GPUS_PER_NODE:-1}\"" in again.run and "SKYPILOT_NODE_IPS" in again.run
     node_spec = Path(task.file_mounts["~/fitburst-job/spec.yaml"]).read_text()
     assert "distributed: fsdp" in node_spec
     one = build_task(spec, _candidates(), prepared_dir=prepared)

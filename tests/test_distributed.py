@@ -120,12 +120,12 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
-    from fitburst.distributed import RanksFailed, run_local
+    from fitburst.ranks import Ranks, RanksFailed
 
     spec = spec_for(pipelines_file, "demo", training__distributed="none")
     started = time.monotonic()
     with pytest.raises(RanksFailed, match="training.distributed is none but torchrun started 2 processes") as e:
-        run_local(spec, demo_prepared.dir, tmp_path / "run", 2)
+        Ranks(2).run(spec, demo_prepared.dir, tmp_path / "run")
     assert e.value.oom_kind is None and time.monotonic() - started < 120
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -480,8 +480,10 @@ def load_pipeline_yaml(path: Path) -> dict:
 def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_make_one_checkpoint(
         tmp_path, pipelines_file, demo_prepared, monkeypatch):
     """Two nodes of one GPU each, both on this machine (two HOMEs: two disks): each runs the task's run block with
-    the variables SkyPilot sets on a node; torchrun's c10d rendezvous makes them one run of two ranks. Copied
-    together (as the launcher pulls every node home), their checkpoint folders resume in one process."""
+    the variables SkyPilot sets on a node; the nodes' supervisors and torchrun's static rendezvous make them one run
+    of two ranks. Rank 1, on node 1, runs out of memory in its 4th step: node 0's supervisor steps both nodes down
+    together and each node's rank resumes from the checkpoint on its own disk. Copied together (as the launcher
+    pulls every node home), their checkpoint folders resume in one process."""
     import socket
 
     from test_cloud_node import _node_env
@@ -489,14 +491,19 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
 
     from fitburst import cloud
     from fitburst.cloud.launch import every_node
+    from fitburst.oom import STEPDOWN_FILE
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4)
+    spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4,
+                    **{f"preflight__allow__{k}": False for k in (
+                        "gradient_checkpointing", "quantize", "attention", "dropout", "packing", "resolution",
+                        "precision", "activation_offloading")})  # left for a sharded run: the batch
     task = cloud.build_task(spec, _candidates(), prepared_dir=demo_prepared.dir, gpus_per_node=1, nodes=2)
     assert task.num_nodes == 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    hooks = {"oom": {"rank": 1, "call": 3, "marker": str(tmp_path / "oom-once")}}
     nodes = []
     for rank in (0, 1):
         home = tmp_path / f"node{rank}"
@@ -506,19 +513,26 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
             (shutil.copytree if Path(src).is_dir() else shutil.copy)(src, target)
         env = {**_node_env(task, home), "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "2",
                "SKYPILOT_NUM_GPUS_PER_NODE": "1", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
-               "SKYPILOT_TASK_ID": f"fitburst-test-{port}", "FITBURST_RDZV_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "FITBURST_RDZV_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(HOOKS), "FITBURST_TEST_RANK_HOOKS": json.dumps(hooks)}
         nodes.append(subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert all(n.returncode == 0 for n in nodes), "\n---\n".join(o[-3000:] for o in outputs)
-    assert "(2 ranks)" in "".join(outputs)
+    assert "(2 ranks)" in outputs[0]
+    assert (tmp_path / "oom-once").exists()  # rank 1 ran out of memory once
+    node_run = [tmp_path / f"node{r}" / "fitburst-job" / "run" for r in (0, 1)]
+    assert json.loads((node_run[0] / STEPDOWN_FILE).read_text())["rungs"] == ["reduce_batch"]
+    for run, name in zip(node_run, ("ranks-spec.yaml", "ranks-spec-node1.yaml"), strict=True):
+        trained_with = load_pipeline_yaml(run / name)["training"]  # the last attempt's, on each node
+        assert (trained_with["micro_batch_size"], trained_with["grad_accum"]) == (2, 2)
 
     home = tmp_path / "home"  # the launcher's pull: every node's RUN_DIR into one folder
     every_node(lambda host, run_dir, log: shutil.copytree(
         tmp_path / f"node{0 if host == 'c' else 1}" / "fitburst-job" / "run", run_dir, dirs_exist_ok=True), 2)(
         "c", home, print)
     result = json.loads((home / "train_result.json").read_text())
-    assert result["world_size"] == 2 and result["steps"] == 4
+    assert result["world_size"] == 2 and result["steps"] == 4 and result["resumed_from"] == 2
     shards = [len(list((tmp_path / f"node{r}/fitburst-job/run/checkpoints/step-2/sharded").glob("*.distcp")))
               for r in (0, 1)]
     assert shards == [1, 1]  # each node's disk holds its rank's part

@@ -1,0 +1,94 @@
+"""The supervisors of a multi-node run (fitburst.ranks.Ranks) meeting at node 0's store, with each node's torchrun
+replaced by a small script (the ranks themselves train in tests/test_distributed.py, through the SkyPilot run
+block): what one node's ranks do reaches the other node's supervisor, in both directions."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fitburst.ranks import Ranks, RanksFailed
+from fitburst.spec import load_pipeline
+
+# one node's "torchrun", as the spec's name says: "fail-<node>": that node's rank writes its failure record and
+# exits 1 while the other's waits for a minute (as a peer of a failed rank waits in a collective); "sleep-<s>": all
+# end well
+RANKS = """
+import json, pathlib, sys, time
+run, node, plan = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if plan == f"fail-{node}":
+    (run / f"rank-{node}.failed.json").write_text(json.dumps(
+        {"rank": node, "step": 2, "error": "DefaultCPUAllocator: can't allocate memory", "oom_kind": "cpu",
+         "peak_bytes": 123}))
+    sys.exit(1)
+time.sleep(float(plan.removeprefix("sleep-")) if plan.startswith("sleep-") else 60)
+"""
+
+
+class ScriptRanks(Ranks):
+    """Ranks whose torchrun is :data:`RANKS`, told what to do by the attempt's spec (its name)."""
+
+    def command(self, spec_path, prepared_dir, run_dir, device):
+        plan = next(line.split(": ")[1] for line in spec_path.read_text().splitlines() if line.startswith("name:"))
+        return [sys.executable, "-c", RANKS, str(run_dir), str(self.node_rank), plan]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def spec(pipelines_file):
+    return load_pipeline(pipelines_file, "demo", {"preflight.device": "cpu"})
+
+
+def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_attempt_runs_on_both(tmp_path, spec):
+    port = free_port()
+    head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
+    head.store  # noqa: B018 - node 0 serves the store before the other node connects
+    follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")))
+    thread.start()
+
+    # node 1's rank runs out of memory while node 0's would sleep for a minute: node 0's ends at once
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 1 at step 2") as e:
+        head.run(spec.model_copy(update={"name": "fail-1"}), tmp_path, tmp_path / "node0", poll_s=0.05)
+    assert e.value.oom_kind == "cpu" and e.value.peak_bytes == 123  # the step-down reads node 1's record
+    assert time.monotonic() - t0 < 30
+    assert "node 1" not in str(e.value)
+
+    # node 0's rank fails while node 1's sleeps: node 1 ends its ranks and says so
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 0 at step 2"):
+        head.run(spec.model_copy(update={"name": "fail-0"}), tmp_path, tmp_path / "node0", poll_s=0.05)
+    assert time.monotonic() - t0 < 30
+
+    head.run(spec.model_copy(update={"name": "sleep-0.2"}), tmp_path, tmp_path / "node0", poll_s=0.05)
+    head.finish()
+    thread.join(timeout=60)
+    assert status == [0] and follower.attempt == 3
+    assert json.loads(head.store.get("attempt/2/node/1")) == {"records": None}  # node 1 ran the third attempt too
+    assert (tmp_path / "node1" / "ranks-spec-node1.yaml").read_text().startswith("name: sleep-0.2")
+
+
+def test_node_0_ending_on_an_error_makes_the_other_nodes_exit_failed(tmp_path, spec):
+    port = free_port()
+    head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
+    head.store  # noqa: B018
+    follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, Path(tmp_path / "node1"))))
+    thread.start()
+    head.finish(error="demo does not fit A6000")
+    thread.join(timeout=60)
+    assert status == [1]

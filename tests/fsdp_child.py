@@ -2,7 +2,12 @@
 benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
 (fitburst.train.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
-storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "losses"}.
+storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "peak_with_gloo", "losses"}.
+
+``peak`` leaves out what gloo itself allocates inside FSDP's reduce-scatter: ProcessGroupGloo works on a copy of
+the input, made on the calling thread (so MemTracker sees it) and freed by gloo's worker thread, sooner or later
+(a full fine-tune's peak moved by up to 6 % from run to run). NCCL, which the trace stands for, reduce-scatters in
+place. ``peak_with_gloo`` is a fourth step measured with that copy counted, as gloo runs it.
 
 argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), TrainSettings as JSON.
 """
@@ -29,6 +34,32 @@ class FrozenAwareTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+
+def count_gloo_internals(counted: list[bool]) -> None:
+    """FSDP's reduce-scatter, run with MemTracker's dispatch mode off unless ``counted[0]``: FSDP allocates its
+    input and output before the call, so they are counted either way; gloo's own copy only when asked."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    real = _fsdp_collectives.DefaultReduceScatter.__call__
+
+    def reduce_scatter(self, *args, **kwargs):
+        if counted[0]:
+            return real(self, *args, **kwargs)
+        with _disable_current_modes():
+            return real(self, *args, **kwargs)
+
+    _fsdp_collectives.DefaultReduceScatter.__call__ = reduce_scatter  # type: ignore[method-assign]
+
+
+def measured(model, opt, step) -> tuple[int, float]:
+    """The peak of live tensor bytes over one ``step``, and its loss."""
+    tracker = FrozenAwareTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        loss = step()
+    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()), loss
 
 
 def main() -> None:
@@ -59,14 +90,15 @@ def main() -> None:
         micro = [_batch(s.batch, s.seq_len, padded) for _ in range(s.grad_accum)]
         return optimizer_step(model, opt, params, micro, device="cpu", max_grad_norm=1.0, amp=amp)
 
+    gloo_counted = [False]
+    count_gloo_internals(gloo_counted)
     losses = [step(), step()]
-    tracker = FrozenAwareTracker()
-    tracker.track_external(model, opt)
-    with tracker:
-        losses.append(step())
-    peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    peak, loss = measured(model, opt, step)
+    gloo_counted[0] = True
+    peak_with_gloo, loss_with_gloo = measured(model, opt, step)
     rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"rank": dist.get_rank(), "peak": peak, "losses": losses})
+    dist.all_gather_object(rows, {"rank": dist.get_rank(), "peak": peak, "peak_with_gloo": peak_with_gloo,
+                                  "losses": [*losses, loss, loss_with_gloo]})
     if dist.get_rank() == 0:  # one writer: lines of several processes would interleave
         print("\n".join(json.dumps(r) for r in rows), flush=True)
     dist.destroy_process_group()

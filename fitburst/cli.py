@@ -188,7 +188,9 @@ def cmd_train(args) -> int:
     estimate = None
     try:
         if args.plan:
-            spec, changes, estimate = _plan_node(spec, int(prepared.stats["max"]), ranks)
+            from fitburst.preflight import plan_for_ranks
+
+            spec, changes, estimate = plan_for_ranks(spec, int(prepared.stats["max"]), ranks.per_node, ranks.nodes)
             for change in changes:
                 print(f"plan for this device: {change}")
             Path(args.run_dir).mkdir(parents=True, exist_ok=True)
@@ -212,21 +214,6 @@ def cmd_train(args) -> int:
     if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
     return 0
-
-
-def _plan_node(spec, seq_len: int, ranks):
-    """The node's plan per GPU over every rank of every node. A supervisor of several ranks plans in a child
-    process: probing a GPU opens a CUDA context (about 0.5 GiB on an H100) that would stay on the ranks' GPUs while
-    they train."""
-    from fitburst.preflight import plan_for_ranks
-
-    if ranks.size == 1:
-        return plan_for_ranks(spec, seq_len, 1, 1)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(plan_for_ranks, spec, seq_len, ranks.per_node, ranks.nodes).result()
 
 
 def cmd_merge(args) -> int:

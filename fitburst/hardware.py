@@ -390,10 +390,28 @@ def host_ram_bytes() -> int:
     return min(total, cg) if cg is not None else total
 
 
+def _cuda_devices(indices: list[int]) -> list[Device]:
+    """The CUDA GPUs ``indices``, read in a child process. Reading a GPU's free memory opens a CUDA context on it
+    (about 0.5 GiB on an H100) that lasts as long as the process: the process that plans a run over several GPUs
+    starts ranks on them and trains on none, and a context of its own there would be memory the plan never
+    counted. The child's context stands in the reading for the one the training process will open."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_read_cuda_devices, indices).result()
+
+
+def _read_cuda_devices(indices: list[int]) -> list[Device]:
+    import torch
+
+    return [_cuda_device(torch, i) for i in indices]
+
+
 def _cuda_device(torch, index: int) -> Device:
     free, total = torch.cuda.mem_get_info(index)
     props = torch.cuda.get_device_properties(index)
-    used_by_others = total - free  # this process's context, and whatever other processes hold
+    used_by_others = total - free  # the reading process's context, and whatever other processes hold
     ctx = max(used_by_others, 141 * MiB)
     cap = tuple(torch.cuda.get_device_capability(index))
     return replace(cuda_gpu(f"cuda ({props.name})", total, min(ctx, 600 * MiB), (cap[0], cap[1])),
@@ -415,8 +433,7 @@ def probe_local(want: str = "auto", indices: list[int] | None = None) -> Device:
             if missing:
                 raise ValueError(f"no CUDA GPU {missing[0]} here: this machine shows {n} (cuda:0..{n - 1}; "
                                  "CUDA_VISIBLE_DEVICES decides which are visible)")
-            return min((_cuda_device(torch, i) for i in (indices if indices is not None else range(n))),
-                       key=lambda d: d.budget_bytes)
+            return min(_cuda_devices(indices if indices is not None else list(range(n))), key=lambda d: d.budget_bytes)
         mps = getattr(torch, "backends", None) and torch.backends.mps.is_available() if torch else False
         if mps and want in ("auto", "local", "mps"):
             rec = int(torch.mps.recommended_max_memory())

@@ -262,3 +262,27 @@ def test_gpu_check_on_a_machine_without_cuda_says_so_and_exits_2(script):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.returncode == 2
     assert "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+def test_probing_several_cuda_gpus_leaves_no_cuda_context_in_the_planning_process(monkeypatch):
+    """The process that plans a run over a box's GPUs starts the ranks and trains on none of them: the probe reads
+    each GPU's memory in a child process (hardware._cuda_devices), never here, where a CUDA context would stay on
+    every GPU while the ranks train. Here torch says there are two GPUs; reading one in this process fails."""
+    import torch
+
+    from fitburst import hardware
+
+    assert hardware._cuda_devices([]) == []  # the child process starts and answers (no GPU to read here)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: pytest.fail("read in the planning process"))
+    read: list[list[int]] = []
+
+    def in_child(indices):
+        read.append(indices)
+        return [hardware.cuda_gpu("cuda (RTX 4090)", 24 * 2**30 - i, 300 * 2**20, (8, 9)) for i in indices]
+
+    monkeypatch.setattr(hardware, "_cuda_devices", in_child)
+    gpus = resolve_gpus("auto")
+    assert read == [[0, 1]] and gpus.count == 2
+    assert gpus.device.total_bytes == 24 * 2**30 - 1  # the smaller of the two plans the run

@@ -92,3 +92,19 @@ def test_node_0_ending_on_an_error_makes_the_other_nodes_exit_failed(tmp_path, s
     head.finish(error="demo does not fit A6000")
     thread.join(timeout=60)
     assert status == [1]
+
+
+def test_the_plan_inside_a_rank_torchrun_started_is_refused_with_the_command_to_run(tmp_path, demo_spec, demo_prepared,
+                                                                                    monkeypatch, capsys):
+    """Planning is the supervisor's: N ranks planning alone could each pick other settings."""
+    from fitburst.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(demo_spec.to_yaml())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    rc = main(["train", "--spec", str(spec), "--prepared", str(demo_prepared.dir), "--run-dir", str(tmp_path / "run"),
+               "--plan"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "fitburst train --nproc-per-node N" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -233,18 +233,24 @@ def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
         rows = sum(c * sum(lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks())
         q = lin_w + rows * 4  # int8 weight + fp32 row scale (SCB)
     else:
-        blocks = lin_w / 64
-        if s.double_quant:
-            q = lin_w / 2 + blocks + blocks / 256 * 4 + 256 * 4
-        else:
-            q = lin_w / 2 + blocks * 4
+        q = four_bit_bytes(lin_w, s.double_quant)
     return {"weights_quantized": int(q), "weights_fp32": rest * 4}
 
 
+def four_bit_bytes(values: float, double_quant: bool) -> float:
+    """A 4-bit weight of ``values`` values as bitsandbytes stores it: half a byte each, and an absmax per block of 64
+    (fp32; double quantization: 8-bit, with an fp32 absmax per 256 of them and a 256-entry code)."""
+    blocks = values / 64
+    return values / 2 + (blocks + blocks / 256 * 4 + 256 * 4 if double_quant else blocks * 4)
+
+
 def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+    """The parameters as counted (a 4-bit weight by its values), and ``loaded``: the base model's bytes as loaded and
+    prepared (:func:`weight_bytes`), what a sharded run's loading holds in host RAM."""
     total = shape.param_count()
     trainable = sum(_full_tensors(shape, s.vision)) if s.method == "full" else lora_params(shape, s)
-    return {"total": total + (0 if s.method == "full" else trainable), "trainable": trainable, "base": total}
+    return {"total": total + (0 if s.method == "full" else trainable), "trainable": trainable, "base": total,
+            "loaded": sum(weight_bytes(shape, s).values())}
 
 
 def optimizer_bytes(
@@ -1043,7 +1049,10 @@ def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> 
     if s.world_size <= 1:
         return 0
     states = model_state_bytes(params, s)
-    loaded = states["weights"] - states["gradients"] if s.method != "full" else states["weights"]
+    # as loaded: a 4-bit base's quantization state, and its embeddings, head and norms unquantized (fp32 once
+    # prepared); from the parameter counts alone where an estimate does not say
+    loaded = params.get("loaded") or (states["weights"] - states["gradients"] if s.method != "full"
+                                      else states["weights"])
     copies = 1 if loads_once(s.quant) else min(gpus_per_node, s.world_size)
     offloaded = sum(states.values()) // s.world_size * gpus_per_node if s.cpu_offload else 0
     return copies * loaded + offloaded

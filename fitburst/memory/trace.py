@@ -320,6 +320,26 @@ def gpu_like_masking(padded: bool):
 # --- building ----------------------------------------------------------------------------------------------
 
 
+def _loaded_bytes(model, double_quant: bool, adapter_trains: bool) -> int:
+    """The traced model's base weights as loaded and prepared, in bytes (an adapter's trainable weights left out):
+    every parameter at its dtype (after k-bit preparation: the unquantized ones in fp32), a 4-bit weight by its
+    packed values and quantization state (:func:`fitburst.memory.estimator.four_bit_bytes`)."""
+    import math
+
+    from .estimator import four_bit_bytes
+
+    seen: dict[int, float] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or adapter_trains and p.requires_grad:
+                continue
+            state = getattr(p, "quant_state", None) or (getattr(module, "quant_state", None) if name == "weight"
+                                                         else None)
+            seen[id(p)] = (four_bit_bytes(math.prod(state.shape), double_quant) if state is not None
+                           else p.numel() * p.element_size())
+    return int(sum(seen.values()))
+
+
 def _param_count(model) -> int:
     """The model's parameters as the analytic estimate counts them (a tied weight once): a 4-bit weight by the
     values it packs (its quantization state's shape, on the weight or, once FSDP sharded it, on the module), not by
@@ -644,7 +664,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         _tag_cpu_resident(rec, opt)
         trainable = sum(p.numel() for p in params)
         total = _param_count(model)
-    return StepTrace(events=rec.events, measured_start=start, params={"total": total, "trainable": trainable},
+        loaded = _loaded_bytes(model, s.double_quant, adapter_trains=s.method != "full")
+    return StepTrace(events=rec.events, measured_start=start,
+                     params={"total": total, "trainable": trainable, "loaded": loaded},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV)
@@ -769,5 +791,6 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         components=components, peak_phase=peak_phase, device=device.name,
         budget_bytes=device.budget_bytes,
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
-                "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0)},
+                "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0),
+                "loaded": trace.params.get("loaded", 0)},  # 0: a trace cached before it was counted
         phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size)

@@ -40,9 +40,6 @@ from typing import Any
 from fitburst.errors import UserError
 
 SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a checkpoint's step-N/
-# the ladder's rungs (fitburst.memory.ladder) a sharded run cannot take: bitsandbytes' 8-bit optimizers do not step
-# FSDP's sharded parameters, and the fused loss reads the output head's weight outside forward, where it is a shard
-UNSHARDABLE_RUNGS = ("optimizer_8bit", "fused_loss")
 
 
 class DistributedError(UserError, RuntimeError):

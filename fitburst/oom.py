@@ -179,10 +179,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             del exc
             shape = shape or _shape(spec)
             record.estimated_bytes = _estimated(settings, shape, dev)
-            allow = spec.preflight.allow.model_dump()
-            if sharded is not None:  # every rank takes the rung: only those a sharded run can train with
-                allow.update(dict.fromkeys(distributed.UNSHARDABLE_RUNGS, False))
-            rung = next_rung(settings, dev, allow, midrun=True)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             _record_history(record)

@@ -81,7 +81,7 @@ class TrainSettings:
             raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
-        if (self.distributed == "fsdp" or self.world_size > 1) and self.quant == "int8":
+        if self.sharded and self.quant == "int8":
             raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
         if min(self.batch, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
             raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
@@ -89,6 +89,11 @@ class TrainSettings:
     @property
     def kbit(self) -> bool:
         return self.quant != "none"
+
+    @property
+    def sharded(self) -> bool:
+        """Trained with FSDP over several processes (or asked to be)."""
+        return self.world_size > 1 or self.distributed == "fsdp"
 
     @property
     def amp(self) -> bool:
@@ -118,7 +123,7 @@ class TrainSettings:
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
         shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
-        if self.world_size > 1 or self.distributed == "fsdp":
+        if self.sharded:
             fsdp = " fsdp" + (f"{self.world_size}" if self.world_size > 1 else "") + (
                 "" if self.reshard_after_forward else " keep-gathered") + (" cpu-offload" if self.cpu_offload else "")
         return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}{fsdp}"

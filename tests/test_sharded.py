@@ -322,3 +322,18 @@ def test_host_ram_holds_a_4bit_model_as_bitsandbytes_loads_and_prepares_it(tmp_p
     assert host_bytes(analytic, s, gpus_per_node=2) == 2 * analytic["loaded"]  # one copy per rank of the node
     half_a_byte = host_bytes({k: v for k, v in analytic.items() if k != "loaded"}, s, 2) // 2
     assert real / half_a_byte - 1 > 0.2  # what the count missed on this model (norms and embeddings in fp32)
+
+
+def test_a_sharded_plan_never_takes_the_rungs_fsdp_cannot_train(tmp_path):
+    """The 8-bit optimizer and the fused loss are refused by training under FSDP; the ladder (the planner's and the
+    OOM step-down's) leaves them out of a sharded run's plan, where a T4 x 8 plan of Llama-3-70B took the fused
+    loss and its trace failed on the sharded head."""
+    from fitburst.memory.ladder import LADDER
+
+    dev = resolve_device("A6000")
+    one = TrainSettings(method="lora", batch=4, seq_len=512, dtype="bf16")
+    usable = {n: {r.key for r in LADDER if r.allowed(replace(one, world_size=n), dev)} for n in (1, 2)}
+    assert {"optimizer_8bit", "fused_loss"} <= usable[1]
+    assert not {"optimizer_8bit", "fused_loss"} & usable[2] and "reduce_batch" in usable[2]
+    assert not {"optimizer_8bit", "fused_loss"} & {r.key for r in LADDER if r.allowed(replace(one, distributed="fsdp"),
+                                                                                         dev)}

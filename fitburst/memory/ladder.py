@@ -90,13 +90,15 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    # not for a sharded run: the fused loss reads the output head's weight outside forward, where FSDP holds a
+    # shard, and bitsandbytes' 8-bit optimizers do not step FSDP's sharded parameters (both refused by training)
     Rung("fused_loss", 1.01, True,
-         lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.dtype),
+         lambda s, d: s.loss == "auto" and not s.sharded and fused_loss_installed(d, s.dtype),
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.dtype)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
     Rung("optimizer_8bit", 1.02, True,
-         lambda s, d: s.optimizer == "adamw" and d.supports_bnb,
+         lambda s, d: s.optimizer == "adamw" and not s.sharded and d.supports_bnb,
          lambda s, d: replace(s, optimizer="adamw8bit"),
          lambda s, d: "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"),
     Rung("reduce_batch", 1.12, True,

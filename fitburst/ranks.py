@@ -98,13 +98,15 @@ class Ranks:
         text = spec.to_yaml()
         if self.nodes > 1:
             self._post(f"attempt/{self.attempt}", {"spec": text})
-        records, start = self._attempt(text, prepared_dir, run_dir, device, on_metrics, poll_s)
-        failed = records is not None
-        if self.nodes > 1:
-            others = self._reports(self.attempt)
-            failed = failed or any(r is not None for r in others)
-            records = [*(records or []), *(r for node in others for r in (node or []))]
-        self.attempt += 1
+        try:
+            records, start = self._attempt(text, prepared_dir, run_dir, device, on_metrics, poll_s)
+            failed = records is not None
+            if self.nodes > 1:
+                others = self._reports(self.attempt)
+                failed = failed or any(r is not None for r in others)
+                records = [*(records or []), *(r for node in others for r in (node or []))]
+        finally:  # the next message to the other nodes (an attempt, or the end) goes under the next key
+            self.attempt += 1
         if failed:
             records = records or []
             what = "; ".join(f"rank {r['rank']} at step {r['step']}: {r['error']}" for r in records) or _refusal(

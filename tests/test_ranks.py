@@ -9,7 +9,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +26,8 @@ if plan == f"fail-{node}":
         {"rank": node, "step": 2, "error": "DefaultCPUAllocator: can't allocate memory", "oom_kind": "cpu",
          "peak_bytes": 123}))
     sys.exit(1)
+if plan == "interrupt" and node == 0:  # rank 0 logs a step; the supervisor is interrupted while relaying it
+    (run / "metrics.jsonl").write_text('{"step": 1, "train_loss": 1.0}\\n')
 time.sleep(float(plan.removeprefix("sleep-")) if plan.startswith("sleep-") else 60)
 """
 
@@ -56,7 +57,7 @@ def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_att
     head.store  # noqa: B018 - node 0 serves the store before the other node connects
     follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
     status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")))
+    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
     thread.start()
 
     # node 1's rank runs out of memory while node 0's would sleep for a minute: node 0's ends at once
@@ -87,7 +88,7 @@ def test_node_0_ending_on_an_error_makes_the_other_nodes_exit_failed(tmp_path, s
     head.store  # noqa: B018
     follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
     status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, Path(tmp_path / "node1"))))
+    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
     thread.start()
     head.finish(error="demo does not fit A6000")
     thread.join(timeout=60)
@@ -108,3 +109,29 @@ def test_the_plan_inside_a_rank_torchrun_started_is_refused_with_the_command_to_
     err = capsys.readouterr().err
     assert rc != 0 and "fitburst train --nproc-per-node N" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_node_0_interrupted_mid_attempt_ends_every_node_and_the_others_hear_of_it(tmp_path, spec, monkeypatch):
+    """Ctrl-C (or a cancelled flow) reaches node 0's supervisor while the ranks train: its ranks end, the other
+    node's end too, and the end of the run reaches the other node under the next attempt's key."""
+    from fitburst import ranks
+
+    monkeypatch.setattr(ranks, "REPORT_TIMEOUT_S", 5)  # how long node 0 waits for a node that never answers
+    port = free_port()
+    head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
+    head.store  # noqa: B018
+    follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
+    thread.start()
+
+    def interrupted(row, step):
+        raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        head.run(spec.model_copy(update={"name": "interrupt"}), tmp_path, tmp_path / "node0", poll_s=0.05,
+                 on_metrics=interrupted)
+    head.finish(error="interrupted")  # as fitburst train does on its way out
+    thread.join(timeout=60)
+    assert status == [1] and time.monotonic() - t0 < 60

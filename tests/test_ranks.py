@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,12 +47,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def spec(pipelines_file):
-    return load_pipeline(pipelines_file, "demo", {"preflight.device": "cpu"})
-
-
-def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_attempt_runs_on_both(tmp_path, spec):
+def two_nodes(tmp_path: Path) -> tuple[ScriptRanks, ScriptRanks, list[int], threading.Thread]:
+    """Node 0's supervisor (serving the store) and node 1's, following it in a thread: ``status`` gets its exit
+    status."""
     port = free_port()
     head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
     head.store  # noqa: B018 - node 0 serves the store before the other node connects
@@ -59,6 +57,16 @@ def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_att
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
     thread.start()
+    return head, follower, status, thread
+
+
+@pytest.fixture
+def spec(pipelines_file):
+    return load_pipeline(pipelines_file, "demo", {"preflight.device": "cpu"})
+
+
+def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_attempt_runs_on_both(tmp_path, spec):
+    head, follower, status, thread = two_nodes(tmp_path)
 
     # node 1's rank runs out of memory while node 0's would sleep for a minute: node 0's ends at once
     t0 = time.monotonic()
@@ -83,13 +91,7 @@ def test_a_failure_on_either_node_ends_both_and_reaches_node_0_then_the_next_att
 
 
 def test_node_0_ending_on_an_error_makes_the_other_nodes_exit_failed(tmp_path, spec):
-    port = free_port()
-    head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
-    head.store  # noqa: B018
-    follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
-    status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
-    thread.start()
+    head, follower, status, thread = two_nodes(tmp_path)
     head.finish(error="demo does not fit A6000")
     thread.join(timeout=60)
     assert status == [1]
@@ -117,13 +119,7 @@ def test_node_0_interrupted_mid_attempt_ends_every_node_and_the_others_hear_of_i
     from fitburst import ranks
 
     monkeypatch.setattr(ranks, "REPORT_TIMEOUT_S", 5)  # how long node 0 waits for a node that never answers
-    port = free_port()
-    head = ScriptRanks(1, 2, 0, "127.0.0.1", port)
-    head.store  # noqa: B018
-    follower = ScriptRanks(1, 2, 1, "127.0.0.1", port)
-    status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(follower.follow(tmp_path, tmp_path / "node1")), daemon=True)
-    thread.start()
+    head, follower, status, thread = two_nodes(tmp_path)
 
     def interrupted(row, step):
         raise KeyboardInterrupt

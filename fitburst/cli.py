@@ -175,6 +175,9 @@ def cmd_train(args) -> int:
     from fitburst.spec import load_resolved
     from fitburst.tracking import RUN_ID_ENV, Tracker
 
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"fitburst train: --node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}: give "
+                        f"each node its place, 0 .. {args.nnodes - 1} (SkyPilot's SKYPILOT_NODE_RANK)")
     spec = load_resolved(args.spec)
     prepared = PreparedData.from_dir(args.prepared)
     ranks = Ranks(args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr, args.master_port)

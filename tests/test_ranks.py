@@ -131,3 +131,15 @@ def test_node_0_interrupted_mid_attempt_ends_every_node_and_the_others_hear_of_i
     head.finish(error="interrupted")  # as fitburst train does on its way out
     thread.join(timeout=60)
     assert status == [1] and time.monotonic() - t0 < 60
+
+
+def test_a_node_rank_outside_the_nodes_is_refused_before_anything_loads(tmp_path, demo_spec, demo_prepared, capsys):
+    from fitburst.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(demo_spec.to_yaml())
+    rc = main(["train", "--spec", str(spec), "--prepared", str(demo_prepared.dir), "--run-dir", str(tmp_path / "run"),
+               "--nnodes", "2", "--node-rank", "2"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--node-rank 2 is not a node of --nnodes 2" in err and "0 .. 1" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
@@ -320,6 +321,19 @@ def gpu_like_masking(padded: bool):
 # --- building ----------------------------------------------------------------------------------------------
 
 
+def _params_and_states(model) -> Iterator[tuple[Any, Any]]:
+    """Each parameter once (a tied weight once), with its 4-bit quantization state (on the weight, or on the module
+    once FSDP sharded it; None for an unquantized one)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield p, getattr(p, "quant_state", None) or (getattr(module, "quant_state", None) if name == "weight"
+                                                         else None)
+
+
 def _loaded_bytes(model, double_quant: bool, adapter_trains: bool) -> int:
     """The traced model's base weights as loaded and prepared, in bytes (an adapter's trainable weights left out):
     every parameter at its dtype (after k-bit preparation: the unquantized ones in fp32), a 4-bit weight by its
@@ -328,31 +342,18 @@ def _loaded_bytes(model, double_quant: bool, adapter_trains: bool) -> int:
 
     from .estimator import four_bit_bytes
 
-    seen: dict[int, float] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen or adapter_trains and p.requires_grad:
-                continue
-            state = getattr(p, "quant_state", None) or (getattr(module, "quant_state", None) if name == "weight"
-                                                         else None)
-            seen[id(p)] = (four_bit_bytes(math.prod(state.shape), double_quant) if state is not None
-                           else p.numel() * p.element_size())
-    return int(sum(seen.values()))
+    return int(sum(four_bit_bytes(math.prod(state.shape), double_quant) if state is not None
+                   else p.numel() * p.element_size()
+                   for p, state in _params_and_states(model) if not (adapter_trains and p.requires_grad)))
 
 
 def _param_count(model) -> int:
     """The model's parameters as the analytic estimate counts them (a tied weight once): a 4-bit weight by the
-    values it packs (its quantization state's shape, on the weight or, once FSDP sharded it, on the module), not by
-    the elements of its packed storage, which are 2 or 4 values each (uint8, or the compute dtype when sharded)."""
+    values it packs (its quantization state's shape), not by the elements of its packed storage, which are 2 or 4
+    values each (uint8, or the compute dtype when sharded)."""
     import math
 
-    counts: dict[int, int] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            state = getattr(p, "quant_state", None) or (getattr(module, "quant_state", None) if name == "weight"
-                                                         else None)
-            counts.setdefault(id(p), math.prod(state.shape) if state is not None else p.numel())
-    return sum(counts.values())
+    return sum(math.prod(state.shape) if state is not None else p.numel() for p, state in _params_and_states(model))
 
 
 def config_dict(ref: str) -> dict:

@@ -31,12 +31,12 @@ torch is imported inside the functions: this module is on the import path of tra
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitburst import environ
 from fitburst.errors import UserError
 
 SHARDED_DIR = "sharded"  # the torch.distributed.checkpoint folder inside a checkpoint's step-N/
@@ -76,7 +76,7 @@ SINGLE = World()
 def world(env: dict[str, str] | None = None) -> World:
     """This process's :class:`World` from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE);
     one process when they are not set."""
-    env = dict(os.environ) if env is None else env
+    env = environ.snapshot() if env is None else env
     size = int(env.get("WORLD_SIZE", "1"))
     return World(rank=int(env.get("RANK", "0")), size=size, local_rank=int(env.get("LOCAL_RANK", "0")),
                  local_size=int(env.get("LOCAL_WORLD_SIZE", str(size))))

@@ -29,11 +29,9 @@ PACKAGES = ("fitburst", "flows", "tasks")
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 # settings a user may have set; only defaults are applied (os.environ.setdefault)
 QUIET_ENV = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # no telemetry heartbeat (and its 'database is locked' traces)
     "MLFLOW_CONFIGURE_LOGGING": "false",  # MLflow's loggers propagate to ours instead of printing themselves
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # hub, transformers' weight loading
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-    "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
 }
 
 

@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from fitburst import environ
 from fitburst.errors import UserError
 
 RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.train)
@@ -165,7 +166,7 @@ class Ranks:
         spec_path.write_text(spec_text)
         relay = _MetricsRelay(run_dir / "metrics.jsonl", on_metrics)
         # the ranks log nothing to MLflow themselves: the supervisor does (and holds the run)
-        env = {k: v for k, v in os.environ.items() if k != "FITBURST_MLFLOW_RUN_ID"}
+        env = {k: v for k, v in environ.snapshot().items() if k != "FITBURST_MLFLOW_RUN_ID"}
         with (run_dir / self._on_this_node(RANKS_LOG)).open("a") as out:
             start = out.tell()
             proc = subprocess.Popen(self.command(spec_path, prepared_dir, run_dir, device), env=env, stdout=out,

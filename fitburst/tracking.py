@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TypedDict
 from fitburst import __version__
 from fitburst.data import DataError, iter_records, load_split
 from fitburst.device import torch_dtype
+from fitburst.environ import snapshot
 from fitburst.memory import Estimate
 from fitburst.models import load_model, load_tokenizer, resolve_model_ref
 from fitburst.plots import loss_curve, memory_bar_chart, memory_comparison
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 
 def secret_values() -> list[str]:
     """Values of environment variables whose names look secret (long enough to be worth scrubbing)."""
-    return sorted((v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 6), key=len, reverse=True)
+    env = snapshot()  # other threads (MLflow's) set and unset variables while this runs
+    return sorted((v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 6), key=len, reverse=True)
 
 
 def redact(text: str) -> str:

@@ -1,0 +1,31 @@
+"""The process environment, read safely while other threads write it, and third-party telemetry off by default.
+
+``os.environ`` is shared by every thread, and libraries write it from their own threads (MLflow's telemetry
+client sets and unsets ``_MLFLOW_TELEMETRY_SESSION_ID`` from a worker thread). Iterating it with ``items()``,
+``dict(os.environ)`` or ``{**os.environ}`` lists the keys first and reads each value after: a key removed in
+between raises ``KeyError``. :func:`snapshot` reads each listed key with ``get`` and skips the ones gone.
+"""
+
+from __future__ import annotations
+
+import os
+
+# what fitburst turns off unless the user set it (os.environ.setdefault); set the variable yourself to undo
+TELEMETRY_OFF = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",  # MLflow's usage telemetry (a background thread that posts events)
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # Prefect server's telemetry heartbeat
+    "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",  # SkyPilot's usage logging
+    "HF_HUB_DISABLE_TELEMETRY": "1",  # huggingface_hub's (transformers', datasets') request telemetry
+}
+
+
+def snapshot() -> dict[str, str]:
+    """A copy of the environment as it is now; safe while other threads set and unset variables."""
+    values = ((k, os.environ.get(k)) for k in list(os.environ))
+    return {k: v for k, v in values if v is not None}
+
+
+def telemetry_off() -> None:
+    """Third-party telemetry off, for this process and every process it starts, unless the user set it."""
+    for k, v in TELEMETRY_OFF.items():
+        os.environ.setdefault(k, v)

@@ -57,7 +57,6 @@ def test_optimizer_picks_runpod_a6000_for_7b_lora_and_dry_run_launch_completes()
     cands = {(c["gpu"], c["provider"]): c for c in out["candidates"]}
     assert cands[("A6000", "runpod")]["price_source"] == "skypilot-catalog"  # priced from SkyPilot's catalog
     assert not cands[("T4", "azure")]["fits"]
-    assert out["dryrun"]["seconds"] < 30
     assert "SkyPilot optimizer pick: RunPod {'RTXA6000': 1}" in out["report"]
 
 

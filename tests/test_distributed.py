@@ -123,10 +123,9 @@ def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, p
     from fitburst.ranks import Ranks, RanksFailed
 
     spec = spec_for(pipelines_file, "demo", training__distributed="none")
-    started = time.monotonic()
     with pytest.raises(RanksFailed, match="training.distributed is none but torchrun started 2 processes") as e:
         Ranks(2).run(spec, demo_prepared.dir, tmp_path / "run")
-    assert e.value.oom_kind is None and time.monotonic() - started < 120
+    assert e.value.oom_kind is None
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

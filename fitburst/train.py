@@ -140,7 +140,12 @@ def prepare_for_training(model, spec: PipelineSpec):
             model.enable_input_require_grads()
     family = family_for(model.config)
     refuse_packing(spec, family)
-    if method.type in ("lora", "qlora"):
+    init = spec.init_folder()
+    if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
+        from peft import PeftModel  # heavy: loaded only when training
+
+        model = PeftModel.from_pretrained(model, str(init), is_trainable=True)
+    elif method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
         check_lora_targets(model, method.target_modules, spec.name)

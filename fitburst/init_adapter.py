@@ -112,7 +112,7 @@ def mismatches(spec: PipelineSpec, src: InitSource) -> list[str]:
 
 def fetch_init(spec: PipelineSpec, src: InitSource, uri: str) -> PipelineSpec:
     """``spec`` starting from ``src``'s adapter folder on this machine (a registered version's source run's
-    ``adapter`` artifact, downloaded into the cache once per version)."""
+    ``adapter`` artifact, downloaded into the cache once per run)."""
     if src.run_id is None:
         folder = Path(src.uri)
     else:
@@ -120,7 +120,7 @@ def fetch_init(spec: PipelineSpec, src: InitSource, uri: str) -> PipelineSpec:
 
         from fitburst.cache import cache_root
 
-        folder = cache_root() / "init" / f"{src.model}-v{src.version}" / "adapter"
+        folder = cache_root() / "init" / src.run_id / "adapter"  # a run id names one adapter in any store
         if not (folder / "adapter_config.json").is_file():
             folder = Path(mlflow.artifacts.download_artifacts(run_id=src.run_id, artifact_path="adapter",
                                                               dst_path=str(folder.parent), tracking_uri=uri))

@@ -346,7 +346,10 @@ class Tracker:
         if model and version:
             from mlflow.entities import LoggedModelInput  # heavy: loaded only to log
 
-            model_id = getattr(self.client.get_model_version(model, version), "model_id", None)
+            mv = self.client.get_model_version(model, version)
+            # the SQL registry keeps a version's logged model only in its source, models:/<model id>
+            model_id = mv.model_id or (mv.source.removeprefix("models:/") if re.match(r"^models:/m-\w+$",
+                                                                                     mv.source or "") else None)
             if model_id:
                 self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
 

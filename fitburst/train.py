@@ -142,9 +142,14 @@ def prepare_for_training(model, spec: PipelineSpec):
     refuse_packing(spec, family)
     init = spec.init_folder()
     if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
-        from peft import PeftModel  # heavy: loaded only when training
+        from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training
 
-        model = PeftModel.from_pretrained(model, str(init), is_trainable=True)
+        if next(model.parameters()).is_meta:  # the preflight's trace: the adapter's layers, no weights to read
+            config = LoraConfig.from_pretrained(str(init))
+            config.inference_mode = False
+            model = get_peft_model(model, config)
+        else:
+            model = PeftModel.from_pretrained(model, str(init), is_trainable=True)
     elif method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 

@@ -75,9 +75,10 @@ def test_init_from_champion_starts_from_its_adapter_and_compares_on_the_same_spl
     # the champion measured on this run's split, and the alias moves only when the new version beats that
     assert float(second.data.tags["registry.champion_loss_same_split"]) == pytest.approx(m["eval.init_loss"])
     moved = m["eval.tuned_loss"] < m["eval.init_loss"]
-    assert store.get_model_version_by_alias("fitburst-demo", "champion").version == ("2" if moved else "1")
-    v1 = store.get_model_version("fitburst-demo", "1")
-    assert v1.model_id in [i.model_id for i in second.inputs.model_inputs]  # MLflow lineage: the input model
+    assert str(store.get_model_version_by_alias("fitburst-demo", "champion").version) == ("2" if moved else "1")
+    # MLflow lineage: the champion's logged model (an output of the first run) is an input of the second
+    champion_model = first.outputs.model_outputs[0].model_id
+    assert [i.model_id for i in second.inputs.model_inputs] == [champion_model]
 
 
 def test_init_from_an_adapter_of_another_rank_is_refused_with_the_field_and_the_fix(prefect_server, pipelines_file,

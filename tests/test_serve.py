@@ -60,6 +60,8 @@ def write_pipelines(path: Path, *, drop: tuple[str, ...] = (), demo_cron: str | 
     if not data.exists():
         shutil.copy(ROOT / demo["data"]["path"], data)
     demo["data"]["path"] = str(data)
+    demo["training"]["max_steps"] = 5  # the schedule's own runs (no overrides) train briefly
+    demo["eval"].update(max_batches=1, samples=0)
     demo["notify"] = {"events": ["failed", "completed"], "webhook_url": "${FITBURST_TEST_WEBHOOK}"}
     if demo_cron:
         demo["schedule"] = {"cron": demo_cron, "timezone": demo_tz or "UTC"}
@@ -253,7 +255,9 @@ def test_overrides_schema_is_derived_from_the_spec():
     assert props["training.max_steps"]["anyOf"][0] == {"type": "integer", "minimum": 1}
     assert set(props["method.type"]["enum"]) == {"lora", "qlora", "full"}
     assert props["training"]["properties"]["max_steps"] == props["training.max_steps"]
-    assert not {"schedule", "notify", "name", "base_dir"} & set(props)
+    assert not {"notify", "name", "base_dir", "schedule.cron", "schedule.timezone"} & set(props)
+    assert set(props["schedule"]["properties"]) == {"when"}  # a run may say whether to train: nothing else of it
+    assert props["schedule.when"]["anyOf"][0]["enum"] == ["changed", "always"]
 
 
 # --- against the served stack -----------------------------------------------------------------------------

@@ -332,7 +332,16 @@ def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, token
 
     cloud = run_settings(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
     b = spec.burst
-    spent = month_spend(spec) if b.max_monthly_usd is not None or b.max_monthly_usd_all is not None else None
+    spent = None
+    if b.max_monthly_usd is not None or b.max_monthly_usd_all is not None:
+        try:
+            spent = month_spend(spec)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: the budget cannot be checked, so no burst
+            from fitburst.tracking import redact  # the store's URI may carry a password
+
+            raise PreflightFailed(f"{spec.name}: a monthly burst budget is set but this month's spend cannot be read "
+                                  f"from MLflow ({type(e).__name__}: {redact(str(e))[:200]}): bring the tracking "
+                                  "server back, or unset burst.max_monthly_usd / max_monthly_usd_all") from None
     try:
         return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact, spent=spent)
     except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them

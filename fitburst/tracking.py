@@ -348,8 +348,9 @@ class Tracker:
 
             mv = self.client.get_model_version(model, version)
             # the SQL registry keeps a version's logged model only in its source, models:/<model id>
-            model_id = mv.model_id or (mv.source.removeprefix("models:/") if re.match(r"^models:/m-\w+$",
-                                                                                     mv.source or "") else None)
+            source = mv.source or ""
+            model_id = mv.model_id or (source.removeprefix("models:/") if re.match(r"^models:/m-\w+$", source)
+                                       else None)
             if model_id:
                 self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
 

@@ -1,5 +1,9 @@
 """The fine-tuning DAG: data prep -> preflight -> train (local, or burst to a cloud GPU) -> eval.
 
+Before the preflight: the adapter ``method.init_from`` names is found and checked (before data prep), and after data
+prep a run whose fingerprint matches the pipeline's last completed training ends there, Completed, when
+``schedule.when`` is ``changed`` (the default for the schedule's own runs): see docs/deployments.md.
+
 One MLflow run per flow run, opened here and closed on every exit path (FINISHED, FAILED, or KILLED on
 cancellation / Ctrl-C).
 """
@@ -101,7 +105,8 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
     gpu = ExitStack()  # the local-GPU slot, held from the preflight (it budgets against free memory) to the end
     try:
         tracker.log_spec(spec)
-        init = init_source(spec, tracker) if not dry_run else None  # checked before any compute
+        starts_from = spec.method.init_from != "none" and not dry_run
+        init = init_source(spec, tracker) if starts_from else None  # checked before any compute
         prepared = data_prep(spec, tracker, dry_run=dry_run)
         if not dry_run:
             assert prepared is not None  # data_prep returns None only for a dry run

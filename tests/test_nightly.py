@@ -5,7 +5,7 @@ GPUs (burst.max_monthly_usd) and `fitburst costs`. The cron schedule's own runs 
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -123,9 +123,7 @@ def _burst(client, exp: str, pipeline: str, when, **tags) -> None:
 def spent(store):
     """Earlier bursts this month: demo $9.00 (recorded) + $0.90 (its launcher died: the estimate counts), another
     pipeline $5.00; not counted: last month's $100 and a dry run's."""
-    from fitburst.history import month_bounds
-
-    start, _ = month_bounds()
+    start = datetime.now(timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     exp = store.create_experiment("fitburst")
     _burst(store, exp, "demo", start + timedelta(hours=1), **{"cloud.cost_usd": "9.000", "cloud.estimated_usd": "7"})
     _burst(store, exp, "demo", start + timedelta(hours=2), **{"cloud.estimated_usd": "0.9000"})

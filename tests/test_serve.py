@@ -62,6 +62,7 @@ def write_pipelines(path: Path, *, drop: tuple[str, ...] = (), demo_cron: str | 
     demo["data"]["path"] = str(data)
     demo["training"]["max_steps"] = 5  # the schedule's own runs (no overrides) train briefly
     demo["eval"].update(max_batches=1, samples=0)
+    demo["tracking"] = {"experiment": "fitburst", "log_model": False}  # no model logged or registered: faster runs
     demo["notify"] = {"events": ["failed", "completed"], "webhook_url": "${FITBURST_TEST_WEBHOOK}"}
     if demo_cron:
         demo["schedule"] = {"cron": demo_cron, "timezone": demo_tz or "UTC"}

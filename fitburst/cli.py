@@ -8,6 +8,7 @@ estimate   "will it fit?" for a model without a pipeline file
 train      one training step of the DAG with no Prefect (what the cloud node runs)
 serve      register every pipeline as a Prefect deployment with its schedule
 calibrate  fit the estimator's correction constants from MLflow history
+costs      rented-GPU spend per pipeline and per day in a month, from MLflow
 merge      fold a run's LoRA adapter into its base model (a plain model folder, base dtype)
 """
 
@@ -148,11 +149,15 @@ def cmd_run(args) -> int:
     from fitburst.spec import load_pipeline
 
     overrides = parse_overrides(args.set)
+    if args.force:  # train even when nothing changed since the last completed run
+        overrides["schedule.when"] = "always"
     load_pipeline(args.file, args.pipeline, overrides)  # a mistake is one message here, not a Prefect traceback
     from flows.finetune import finetune
 
     summary = finetune(pipeline=args.pipeline, overrides=overrides, pipelines_file=args.file, dry_run=args.dry_run)
     assert isinstance(summary, dict)  # the spec loaded above; a flow that returns a Failed state raises here
+    if summary.get("trained") is False:
+        print(f"{args.pipeline}: {summary['message']}; nothing trained (--force trains anyway)")
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
     print(json.dumps(summary, indent=2, default=str))
@@ -219,6 +224,28 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_costs(args) -> int:
+    """Rented-GPU spend of a month from MLflow: each burst's recorded cost, or its estimate where none was."""
+    from fitburst.history import costs_table, month_bounds, month_bursts
+    from fitburst.tracking import tracking_uri
+
+    uri = args.tracking_uri or tracking_uri()
+    start, _ = month_bounds(args.month)
+    print(f"rented-GPU spend in {start:%Y-%m} (UTC), {uri}")
+    print(costs_table(month_bursts(uri, args.experiment, args.month)))
+    return 0
+
+
+def _month(value: str) -> str:
+    from datetime import datetime
+
+    try:
+        datetime.strptime(value, "%Y-%m")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a month is YYYY-MM (e.g. 2026-11), got {value!r}") from None
+    return value
+
+
 def cmd_merge(args) -> int:
     from fitburst.share import merge
 
@@ -246,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("run", help="run a pipeline end to end (Prefect flow)")
     with_pipeline(sp)
     sp.add_argument("--dry-run", action="store_true", help="prep + preflight, print the decision, train nothing")
+    sp.add_argument("--force", action="store_true", help="train even when nothing changed since the last completed "
+                    "run (the same as --set schedule.when=always)")
     sp.set_defaults(func=cmd_run)
 
     sp = sub.add_parser("prepare", help="tokenize and split a pipeline's data")
@@ -293,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_arguments(sp)
     sp.set_defaults(func=lambda a: __import__("fitburst.calibrate", fromlist=["main"]).main(a))
+
+    sp = sub.add_parser("costs", help="rented-GPU spend per pipeline and per day, from MLflow")
+    sp.add_argument("--month", type=_month, help="YYYY-MM (default: this month, UTC)")
+    sp.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    sp.add_argument("--experiment", help="one experiment (default: every experiment in the store)")
+    sp.set_defaults(func=cmd_costs)
 
     sp = sub.add_parser("merge", help="merge a run's adapter into its base model (base dtype)")
     sp.add_argument("run", help="run folder (runs/<pipeline>/<id>), adapter folder, or MLflow run id")

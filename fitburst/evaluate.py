@@ -28,6 +28,7 @@ class EvalResult:
     tuned_ppl: float
     n_tokens: int
     samples: list[dict] = field(default_factory=list)
+    init_loss: float | None = None  # method.init_from: the adapter the run started from, on the same split
 
     @property
     def delta_loss(self) -> float:
@@ -66,6 +67,7 @@ def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path
             samples = family.generate_samples(model, tok, rows, ev.samples, ev.max_new_tokens, device)
         return loss, n, samples
 
+    init_loss = None
     if spec.method.type == "full":  # the "adapter" folder holds the whole tuned model
         base_loss, n, base_samples = measure(base)
         del base
@@ -75,6 +77,13 @@ def evaluate(spec: PipelineSpec, prepared: PreparedData, adapter_dir: str | Path
         with model.disable_adapter():
             base_loss, n, base_samples = measure(model)
         tuned_loss, _, tuned_samples = measure(model)
+        init = spec.init_folder()
+        if init is not None:  # the adapter it started from (the champion), on the same rows, the same way
+            model.load_adapter(str(init), adapter_name="init")
+            model.set_adapter("init")
+            init_loss, _ = family.eval_loss(model, rows, tok.pad_token_id, ev.batch_size, device, ev.max_batches,
+                                            amp=amp, kernel=kernel)
     samples = [{**t, "base_completion": b["completion"]} for t, b in zip(tuned_samples, base_samples, strict=True)]
     return EvalResult(base_loss=base_loss, base_ppl=math.exp(min(base_loss, 50)), tuned_loss=tuned_loss,
-                      tuned_ppl=math.exp(min(tuned_loss, 50)), n_tokens=n, samples=samples)
+                      tuned_ppl=math.exp(min(tuned_loss, 50)), n_tokens=n, samples=samples,
+                      init_loss=init_loss)

@@ -20,6 +20,7 @@ from fitburst.cloud.rank import Candidate, rank_candidates
 from fitburst.data import PreparedData, run_settings
 from fitburst.errors import UserError
 from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, Gpus, resolve_gpus
+from fitburst.history import month_spend
 from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate
 from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
@@ -325,16 +326,28 @@ def conclude(spec: PipelineSpec, shape: ModelShape | None, device: Device, check
 
 def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, tokens: int | None,
                exact: EstimateFn | None) -> list[Candidate]:
-    """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`)."""
+    """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`); with a
+    monthly budget, against this month's spend so far as MLflow holds it."""
     from fitburst.memory.trace import TraceUnsupported
 
     cloud = run_settings(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+    b = spec.burst
+    spent = None
+    if b.max_monthly_usd is not None or b.max_monthly_usd_all is not None:
+        try:
+            spent = month_spend(spec)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: the budget cannot be checked, so no burst
+            from fitburst.tracking import redact  # the store's URI may carry a password
+
+            raise PreflightFailed(f"{spec.name}: a monthly burst budget is set but this month's spend cannot be read "
+                                  f"from MLflow ({type(e).__name__}: {redact(str(e))[:200]}): bring the tracking "
+                                  "server back, or unset burst.max_monthly_usd / max_monthly_usd_all") from None
     try:
-        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact)
+        return rank_candidates(spec, shape, cloud, tokens=tokens, exact=exact, spent=spent)
     except TraceUnsupported:  # a cloud plan the trace cannot run: the analytic band places all of them
         if shape is None:  # no analytic estimate to fall back on: no cloud GPU can be planned
             return []
-        return rank_candidates(spec, shape, cloud, tokens=tokens)
+        return rank_candidates(spec, shape, cloud, tokens=tokens, spent=spent)
 
 
 def cloud_candidates(spec: PipelineSpec, report: PreflightReport) -> list[Candidate]:

@@ -129,6 +129,19 @@ class MethodSpec(Strict):
     vision: Literal["frozen", "projector", "tower"] = Field(
         default="frozen", description="vision-language models: the vision tower stays frozen, or its projector "
         "(the merger) trains too, or all of it (LoRA on those layers, or full weights with type: full)")
+    init_from: str = Field(
+        default="none", description="none: a fresh LoRA; champion: the adapter of the 'champion' version of "
+        "tracking.register_as; or a models:/NAME/VERSION (models:/NAME@ALIAS) URI or an adapter folder: training "
+        "starts from that adapter (same base model, method and rank)")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_source(cls, v: str) -> str:
+        v = v.strip()
+        if v in ("none", "champion") or v.startswith("models:/") or v.startswith(("/", ".", "~")) or "/" in v:
+            return v
+        raise ValueError("init_from is none, champion, a models:/NAME/VERSION (or models:/NAME@ALIAS) URI, or the "
+                         "path of an adapter folder")
 
     @model_validator(mode="after")
     def _quant_matches_type(self) -> MethodSpec:
@@ -260,6 +273,12 @@ class BurstSpec(Strict):
     max_hourly_usd: float | None = Field(default=None, gt=0)
     max_total_usd: float | None = Field(default=None, gt=0)
     max_local_hours: float | None = Field(default=None, gt=0)
+    max_monthly_usd: float | None = Field(default=None, gt=0, description="this pipeline's rented-GPU spend in a "
+                                          "calendar month (UTC), read from MLflow: a burst whose estimate would go "
+                                          "over it is refused before launch")
+    max_monthly_usd_all: float | None = Field(default=None, gt=0, description="the same cap over every pipeline "
+                                              "of the tracking experiment together (set it under defaults: one "
+                                              "budget for the whole file)")
     autostop_minutes: int = Field(default=30, ge=1)
     bucket: str | None = Field(
         default=None, description="s3:// or gs:// bucket for a spot (managed) job's outputs and checkpoints"
@@ -344,6 +363,10 @@ def _cron_field_ok(text: str, lo: int, hi: int) -> bool:
 class ScheduleSpec(Strict):
     cron: str | None = None
     timezone: str = "UTC"
+    when: Literal["changed", "always"] | None = Field(
+        default=None, description="changed: train only when the data, the settings, the base model or the training "
+        "code changed since the pipeline's last completed run; always: train every time. Unset: changed for a run "
+        "the schedule starts, always for a run a person starts")
 
     @field_validator("cron")
     @classmethod
@@ -471,6 +494,26 @@ class PipelineSpec(Strict):
             raise ValueError("eval.enabled needs a validation split: set data.val_split (e.g. 0.1) or eval.enabled: "
                              "false")
         return self
+
+    @model_validator(mode="after")
+    def _init_from_needs(self) -> PipelineSpec:
+        init = self.method.init_from
+        if init != "none" and self.method.type == "full":
+            raise ValueError("method.init_from starts from a LoRA adapter: use method.type lora or qlora, or "
+                             "init_from: none")
+        if init == "champion" and not self.tracking.register_as:
+            raise ValueError("method.init_from: champion needs tracking.register_as (the registered model whose "
+                             "'champion' alias it starts from): set it, or give a models:/ URI or adapter folder")
+        return self
+
+    def init_folder(self) -> Path | None:
+        """method.init_from as a local adapter folder (resolved against pipelines.yaml's folder); None for none,
+        champion and a models:/ URI."""
+        init = self.method.init_from
+        if init in ("none", "champion") or init.startswith("models:/"):
+            return None
+        p = Path(init).expanduser()
+        return p if p.is_absolute() else Path(self.base_dir) / p
 
     def data_path(self) -> Path | None:
         """data.path resolved against pipelines.yaml's folder; None for a hub dataset."""
@@ -730,6 +773,11 @@ def _build(
         else:
             where, src = f"line {_locate(lines, name, field)}: ", ""
         problems.append(f"pipeline '{name}': {where}field '{'.'.join(field)}'{src} (got {value!r}): {why}")
+    init = spec.init_folder()
+    if init is not None and not (init / "adapter_config.json").is_file():
+        problems.append(f"pipeline '{name}': line {_locate(lines, name, ('method', 'init_from'))}: field "
+                        f"'method.init_from' (got {spec.method.init_from!r}): no adapter at {init} (a folder holding "
+                        "adapter_config.json, such as a run folder's adapter/)")
     source = spec.data_source()
     if isinstance(source, Path) and not source.exists():
         key = "path" if spec.data.path is not None else "dataset"

@@ -37,6 +37,7 @@ RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
 OWNER_TAG = "fitburst.owner"  # host:pid:process start time of the process that opened the run
 PREVIOUS_TAG = "fitburst.closed_stale_runs"  # runs of this pipeline found open with a dead owner, closed on start
 RESUMED_TAG = "fitburst.resumed_from_run"  # the run whose checkpoint this run resumed
+INIT_TAG = "fitburst.init_from"  # the adapter a run started from (method.init_from): models:/NAME/VERSION or a folder
 OUTBOX_FILE = "mlflow_outbox.jsonl"
 OUTBOX_FLUSH_S = float(os.environ.get("FITBURST_MLFLOW_FLUSH_S", "120"))
 
@@ -332,13 +333,29 @@ class Tracker:
     def log_eval(self, ev) -> None:
         self.log_metrics({"eval.base_loss": ev.base_loss, "eval.base_ppl": ev.base_ppl,
                           "eval.tuned_loss": ev.tuned_loss, "eval.tuned_ppl": ev.tuned_ppl,
-                          "eval.delta_loss": ev.delta_loss, "eval.n_tokens": ev.n_tokens})
+                          "eval.delta_loss": ev.delta_loss, "eval.n_tokens": ev.n_tokens,
+                          "eval.init_loss": ev.init_loss})
         if ev.samples:
             cols = list(ev.samples[0])
             self.client.log_table(self.run_id, {c: [redact(str(s[c])) for s in ev.samples] for c in cols},
                                   "eval/samples.json")
 
     # --- model training: lineage, system metrics, the logged and registered model -------------------------
+    def log_init_source(self, uri: str, run_id: str | None, model: str | None, version: str | None) -> None:
+        """Lineage of a run that starts from an adapter (method.init_from): tags naming it, and a registered
+        version's logged model as this run's input model (MLflow's model lineage, shown on both)."""
+        self.set_tags({INIT_TAG: uri, **({f"{INIT_TAG}.run_id": run_id} if run_id else {})})
+        if model and version:
+            from mlflow.entities import LoggedModelInput  # heavy: loaded only to log
+
+            mv = self.client.get_model_version(model, version)
+            # the SQL registry keeps a version's logged model only in its source, models:/<model id>
+            source = mv.source or ""
+            model_id = mv.model_id or (source.removeprefix("models:/") if re.match(r"^models:/m-\w+$", source)
+                                       else None)
+            if model_id:
+                self.client.log_inputs(self.run_id, models=[LoggedModelInput(model_id)])
+
     def log_dataset_inputs(self, prepared, source: str | Path) -> None:
         """Each prepared split as an MLflow dataset input: the data file as source, the content hash (file, data
         settings and tokenizer) as digest, the split's rows (profile: num_rows) and its token columns (schema)."""
@@ -446,9 +463,12 @@ class Tracker:
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = old_env
 
-    def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None) -> dict:
+    def register_model(self, name: str, model_id: str, tags: dict, tuned_loss: float | None,
+                       same_split: tuple[str, float] | None = None) -> dict:
         """A new version of registered model ``name`` tagged with ``tags``; alias ``champion`` moves to it only when
-        its eval loss is lower than the current champion's (or there is none). Returns version, champion, moved."""
+        its eval loss is lower than the current champion's (or there is none). The champion's loss is the one its
+        own run recorded, or ``same_split`` (version, loss) when that version is still the champion: the run
+        started from it and measured it on this run's validation split. Returns version, champion, moved."""
         from mlflow.exceptions import MlflowException  # heavy: loaded only to log
 
         reg = self.client
@@ -461,7 +481,10 @@ class Tracker:
                                                tags={k: redact(str(v)) for k, v in tags.items()})
         try:
             holder = reg.get_model_version_by_alias(name, CHAMPION)
-            held = holder.tags.get("eval.tuned_loss")
+            held: float | str | None = holder.tags.get("eval.tuned_loss")
+            if same_split is not None and str(holder.version) == same_split[0]:
+                held = same_split[1]
+                self.set_tags({"registry.champion_loss_same_split": f"{held:.6f}"})
         except MlflowException:
             holder, held = None, None
         better = tuned_loss is not None and (holder is None or held is None or tuned_loss < float(held))

@@ -140,7 +140,17 @@ def prepare_for_training(model, spec: PipelineSpec):
             model.enable_input_require_grads()
     family = family_for(model.config)
     refuse_packing(spec, family)
-    if method.type in ("lora", "qlora"):
+    init = spec.init_folder()
+    if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
+        from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training
+
+        if next(model.parameters()).is_meta:  # the preflight's trace: the adapter's layers, no weights to read
+            config = LoraConfig.from_pretrained(str(init))
+            config.inference_mode = False
+            model = get_peft_model(model, config)
+        else:
+            model = PeftModel.from_pretrained(model, str(init), is_trainable=True)
+    elif method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model  # heavy: loaded only when training
 
         check_lora_targets(model, method.target_modules, spec.name)

@@ -1,5 +1,9 @@
 """The fine-tuning DAG: data prep -> preflight -> train (local, or burst to a cloud GPU) -> eval.
 
+Before the preflight: the adapter ``method.init_from`` names is found and checked (before data prep), and after data
+prep a run whose fingerprint matches the pipeline's last completed training ends there, Completed, when
+``schedule.when`` is ``changed`` (the default for the schedule's own runs): see docs/deployments.md.
+
 One MLflow run per flow run, opened here and closed on every exit path (FINISHED, FAILED, or KILLED on
 cancellation / Ctrl-C).
 """
@@ -12,7 +16,7 @@ from typing import Annotated, Any
 
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
-from prefect.states import Failed, State
+from prefect.states import Completed, Failed, State
 from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
@@ -23,10 +27,12 @@ from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
 from fitburst.tracking import Tracker, redact
 from fitburst.train import TrainResult
 from tasks import artifact_key
+from tasks.changed import what_changed
 from tasks.data_prep import data_prep
 from tasks.evaluate import evaluate_task
 from tasks.preflight import preflight_task
 from tasks.publish import publish_model
+from tasks.start import init_source, start_from
 from tasks.train import LOCAL_TRAIN_TAG, train_local
 
 DEFAULT_FILE = DEFAULT_PIPELINES_FILE
@@ -35,6 +41,7 @@ GIB = 1024**3
 
 
 NOT_OVERRIDABLE = {"name", "base_dir", "schedule", "notify"}  # identity, and what only `fitburst serve` applies
+OVERRIDABLE_ONLY = {"schedule": {"when"}}  # of those sections, what one run may change
 
 
 def overrides_schema() -> dict:
@@ -53,7 +60,9 @@ def overrides_schema() -> dict:
     def section(model: type[BaseModel], prefix: str, flat: dict) -> dict:
         props = {}
         for name, field in model.model_fields.items():
-            if not prefix and name in NOT_OVERRIDABLE:
+            keep = OVERRIDABLE_ONLY.get(prefix.rstrip("."))
+            if (not prefix and name in NOT_OVERRIDABLE - set(OVERRIDABLE_ONLY)) or (keep is not None and
+                                                                                   name not in keep):
                 continue
             ann = field.annotation
             if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -96,8 +105,19 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
     gpu = ExitStack()  # the local-GPU slot, held from the preflight (it budgets against free memory) to the end
     try:
         tracker.log_spec(spec)
+        starts_from = spec.method.init_from != "none" and not dry_run
+        init = init_source(spec, tracker) if starts_from else None  # checked before any compute
         prepared = data_prep(spec, tracker, dry_run=dry_run)
         if not dry_run:
+            assert prepared is not None  # data_prep returns None only for a dry run
+            unchanged = what_changed(spec, prepared, tracker, scheduled=started_by_schedule(), init=init)
+            if unchanged is not None:  # the flow run ends Completed, its MLflow run FINISHED, nothing trained
+                status = "FINISHED"
+                return Completed(message=unchanged, data={"pipeline": spec.name, "mlflow_run_id": tracker.run_id,
+                                                          "tracking_uri": tracker.uri, "trained": False,
+                                                          "message": unchanged})
+            if init is not None:
+                spec = start_from(spec, init, tracker)
             gpu.enter_context(local_gpu_slot())
         report: PreflightReport = preflight_task(spec, prepared, tracker)
         if report.verdict.placement != "local":
@@ -135,7 +155,7 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
                 status = "FINISHED"
                 return summary
         summary.update(publish_model(planned, result, ev, tracker, placement,
-                                     "local" if placement == "local" else "cloud"))
+                                     "local" if placement == "local" else "cloud", init=init))
         summary.update(run_dir=result.run_dir, adapter_dir=result.adapter_dir, trained_on=result.device,
                        steps=result.steps, measured_peak_bytes=result.peak.allocated_bytes)
         if ev is not None:
@@ -151,6 +171,15 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
     finally:
         gpu.close()
         tracker.end(status)  # never raises: a closing failure cannot hide the error that ended the run
+
+
+def started_by_schedule() -> bool:
+    """Whether the deployment's schedule created this flow run (rather than a person: `fitburst run`, `prefect
+    deployment run`, the UI): ``schedule.when`` then defaults to ``changed``."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return bool(ctx and ctx.flow_run and ctx.flow_run.auto_scheduled)
 
 
 @contextmanager
@@ -197,6 +226,9 @@ def _burst(spec, prepared, report: PreflightReport, tracker: Tracker, dry_run: b
     from fitburst.rundir import open_run_dir, release
     from tasks.burst import train_cloud
 
+    if spec.method.init_from != "none" and not dry_run:
+        raise PreflightFailed(f"{spec.name}: method.init_from ({spec.method.init_from}) does not travel to a cloud "
+                              "node yet: train it here (burst.policy: never) or set method.init_from: none")
     if prepared is None and not dry_run:
         raise PreflightFailed(f"{spec.name}: the data could not be tokenized here (tokenizer not reachable), so "
                               "there is nothing to send to the cloud node; run with network access to the hub")

@@ -17,8 +17,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from fitburst.cloud import BurstFailed, BurstResult, burst_train
+from fitburst.cloud import BurstFailed, BurstResult, Candidate, burst_train
 from fitburst.data import PreparedData
+from fitburst.history import ESTIMATE_TAG
 from fitburst.memory import Estimate
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
@@ -39,7 +40,8 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
     try:
         prepared_dir = prepared.dir if prepared else None
         res: BurstResult = burst_train(spec, prepared_dir, run_dir, candidates, dry_run=dry_run, log=emit,
-                                       mlflow_run_id=run_id, local=local, on_ids=_tag_ids(tracker))
+                                       mlflow_run_id=run_id, local=local,
+                                       on_ids=_tag_ids(tracker, launch_estimate(candidates)))
     except BurstFailed as e:
         if tracker is not None:
             tracker.set_tags(e.result.tags())
@@ -71,11 +73,20 @@ def train_cloud(spec: PipelineSpec, prepared: PreparedData | None, tracker: Trac
     return result
 
 
-def _tag_ids(tracker: Tracker | None):
-    """The cluster name and job id as MLflow tags the moment they exist (so a lost launcher's run says where)."""
+def _tag_ids(tracker: Tracker | None, estimate_usd: float | None):
+    """The cluster name and job id as MLflow tags the moment they exist (so a lost launcher's run says where), with
+    ``path=cloud`` and the estimated cost: a burst whose end the launcher never sees counts at it in the month's
+    spend (fitburst.history) until its actual cost is set."""
     if tracker is None:
         return None
-    return lambda ids: tracker.set_tags({f"cloud.{k}": str(v) for k, v in ids.items()})
+    launch = {"path": "cloud", **({ESTIMATE_TAG: f"{estimate_usd:.4f}"} if estimate_usd is not None else {})}
+    return lambda ids: tracker.set_tags({**launch, **{f"cloud.{k}": str(v) for k, v in ids.items()}})
+
+
+def launch_estimate(candidates: list) -> float | None:
+    """The estimated total of the candidate a launch tries first (the best usable one)."""
+    ok = [c for c in map(Candidate.from_dict, candidates) if c.usable]
+    return ok[0].est_total_usd if ok else None
 
 
 def _fetch_train_result(tracker: Tracker | None, run_dir: Path) -> None:

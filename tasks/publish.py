@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.evaluate import EvalResult
+from fitburst.init_adapter import InitSource
 from fitburst.models import model_family
 from fitburst.spec import PipelineSpec, resolve_env
 from fitburst.tracking import Tracker
@@ -17,7 +18,9 @@ from fitburst.train import TrainResult
 
 @task(name="publish-model", cache_policy=NONE)
 def publish_model(spec: PipelineSpec, result: TrainResult, ev: EvalResult | None, tracker: Tracker,
-                  verdict: str, path: str) -> dict:
+                  verdict: str, path: str, init: InitSource | None = None) -> dict:
+    """``init``: the registered version the run started from; while it is the champion, the new version must beat
+    its loss on this run's validation split (measured by the eval) to take the alias."""
     log = get_run_logger()
     out: dict = {}
     tr = spec.tracking
@@ -39,8 +42,12 @@ def publish_model(spec: PipelineSpec, result: TrainResult, ev: EvalResult | None
         out["model_uri"] = info.model_uri
         log.info("logged model %s", info.model_uri)
         if tr.register_as:
+            same = None
+            if init is not None and init.model == tr.register_as and init.version and ev is not None and \
+                    ev.init_loss is not None:
+                same = (init.version, ev.init_loss)
             reg = tracker.register_model(tr.register_as, info.model_id, tags,
-                                         ev.tuned_loss if ev is not None else None)
+                                         ev.tuned_loss if ev is not None else None, same_split=same)
             out.update(registered_model=tr.register_as, **reg)
             log.info("registered %s version %d; champion: version %s%s", tr.register_as, reg["version"],
                      reg["champion"], " (moved)" if reg["moved"] else "")

@@ -532,6 +532,8 @@ def test_flow_burst_branch_ends_the_mlflow_run_failed_when_the_launch_fails(pref
     assert runs[0].data.tags["cloud.job_status"] == "LAUNCH_FAILED" and runs[0].data.tags["path"] == "cloud"
     # the cluster name reached MLflow the moment it was chosen (a lost launcher's run says where it ran)
     assert runs[0].data.tags["cloud.cluster"].startswith("fitburst-demo-")
+    # and the estimate it launched with: what the month's spend counts if the launcher never sees the end
+    assert float(runs[0].data.tags["cloud.estimated_usd"]) > 0 and "cloud.cost_usd" in runs[0].data.tags
 
 
 # --- nothing lost: pull before teardown on every exit path, reattach after the launcher died --------------------

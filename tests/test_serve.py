@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +56,13 @@ def write_pipelines(path: Path, *, drop: tuple[str, ...] = (), demo_cron: str | 
         if "path" in p["data"]:  # a local file (hub datasets have `dataset` instead)
             p["data"]["path"] = str(ROOT / p["data"]["path"])
     demo = doc["pipelines"]["demo"]
+    data = path.parent / "instructions.jsonl"  # demo's own copy of its data: a test changes one record of it
+    if not data.exists():
+        shutil.copy(ROOT / demo["data"]["path"], data)
+    demo["data"]["path"] = str(data)
+    demo["training"]["max_steps"] = 5  # the schedule's own runs (no overrides) train briefly
+    demo["eval"].update(max_batches=1, samples=0)
+    demo["tracking"] = {"experiment": "fitburst", "log_model": False}  # no model logged or registered: faster runs
     demo["notify"] = {"events": ["failed", "completed"], "webhook_url": "${FITBURST_TEST_WEBHOOK}"}
     if demo_cron:
         demo["schedule"] = {"cron": demo_cron, "timezone": demo_tz or "UTC"}
@@ -248,7 +256,9 @@ def test_overrides_schema_is_derived_from_the_spec():
     assert props["training.max_steps"]["anyOf"][0] == {"type": "integer", "minimum": 1}
     assert set(props["method.type"]["enum"]) == {"lora", "qlora", "full"}
     assert props["training"]["properties"]["max_steps"] == props["training.max_steps"]
-    assert not {"schedule", "notify", "name", "base_dir"} & set(props)
+    assert not {"notify", "name", "base_dir", "schedule.cron", "schedule.timezone"} & set(props)
+    assert set(props["schedule"]["properties"]) == {"when"}  # a run may say whether to train: nothing else of it
+    assert props["schedule.when"]["anyOf"][0]["enum"] == ["changed", "always"]
 
 
 # --- against the served stack -----------------------------------------------------------------------------
@@ -315,6 +325,79 @@ def test_cron_schedule_produces_scheduled_runs(stack):
     starts = sorted(datetime.fromisoformat(r["expected_start_time"].replace("Z", "+00:00")) for r in runs)
     assert all((s.hour, s.minute) == (2, 0) and s.utcoffset().total_seconds() == 0 for s in starts)
     assert all(r["parameters"]["pipeline"] == "demo" for r in runs)
+
+
+def _next_scheduled_run(stack: Stack, deployment_id: str) -> dict:
+    """The earliest run the scheduler created for the deployment (its cron's next 02:00)."""
+    end = time.time() + 60
+    while time.time() < end:
+        runs = stack.flow_runs(deployment_id={"any_": [deployment_id]}, state={"type": {"any_": ["SCHEDULED"]}})
+        if runs:
+            return min(runs, key=lambda r: r["expected_start_time"])
+        time.sleep(1)
+    raise AssertionError("the scheduler created no runs")
+
+
+def _start_now(stack: Stack, run: dict, timeout: float = 240) -> dict:
+    """Move a scheduled run's start to now (it stays the schedule's run: auto_scheduled) and wait for its end."""
+    now = datetime.now().astimezone().isoformat()
+    with stack.http() as c:
+        r = c.post(f"/flow_runs/{run['id']}/set_state", json={"state": {
+            "type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True})
+        assert r.status_code in (200, 201), r.text
+        end = time.time() + timeout
+        while time.time() < end:
+            fr = c.get(f"/flow_runs/{run['id']}").json()
+            if fr["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                return fr
+            time.sleep(1)
+    raise AssertionError(f"scheduled run {run['id']} did not finish in {timeout}s:\n" + stack.serve_output()[-3000:])
+
+
+def _trained(stack: Stack, flow_run: dict) -> tuple[bool, dict]:
+    """Whether the flow run trained (a train-local task ran), and the tags of its MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    with stack.http() as c:
+        trs = c.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}).json()
+    client = MlflowClient(stack.env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("fitburst").experiment_id],
+                              f"tags.`prefect.flow_run_id` = '{flow_run['id']}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    return any(r["name"].startswith("train-local") for r in trs), {"run_id": runs[0].info.run_id, **runs[0].data.tags}
+
+
+def test_scheduled_runs_train_only_when_something_changed(stack):
+    """The cron schedule's own runs: the first trains, the second (nothing changed) ends Completed having trained
+    nothing, the third (one record of the data changed) trains again."""
+    deployment = stack.deployment("demo")["id"]
+    first = _start_now(stack, _next_scheduled_run(stack, deployment))
+    assert first["state_type"] == "COMPLETED" and first["auto_scheduled"], first["state"]
+    trained, first_tags = _trained(stack, first)
+    assert trained and first_tags["fitburst.trained"] == "true"
+
+    second = _start_now(stack, _next_scheduled_run(stack, deployment))
+    assert second["state_type"] == "COMPLETED", second["state"]
+    assert second["state"]["message"].startswith(f"nothing changed since run {first_tags['run_id']} (")
+    trained, tags = _trained(stack, second)
+    assert not trained and tags["fitburst.trained"] == "false"
+    assert tags["fitburst.unchanged_since"] == first_tags["run_id"]
+    assert tags["fitburst.fingerprint"] == first_tags["fitburst.fingerprint"]
+    with stack.http() as c:
+        arts = c.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [second["id"]]}}}).json()
+    assert first_tags["run_id"] in next(a for a in arts if a["key"] == "unchanged-demo")["data"]
+
+    data = Path(yaml.safe_load(stack.pipelines.read_text())["pipelines"]["demo"]["data"]["path"])
+    lines = data.read_text().splitlines()
+    record = json.loads(lines[0])
+    record["output"] += " (revised)"
+    data.write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
+    third = _start_now(stack, _next_scheduled_run(stack, deployment))
+    assert third["state_type"] == "COMPLETED", third["state"]
+    trained, tags = _trained(stack, third)
+    assert trained and tags["fitburst.trained"] == "true"
+    assert tags["fitburst.fingerprint.data"] != first_tags["fitburst.fingerprint.data"]
+    assert tags["fitburst.fingerprint.settings"] == first_tags["fitburst.fingerprint.settings"]
 
 
 def test_concurrent_local_trainings_serialize(stack):

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from fitburst.cloud.gpus import Offer, offers
 from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, GiB
+from fitburst.history import Spend, monthly_budget_problems
 from fitburst.hours import estimate_hours, throughput, train_tokens
 from fitburst.memory import Estimate, ModelShape, TrainSettings, resolve_device
 from fitburst.memory.planner import EstimateFn, Plan, plan_gpus, world_sizes
@@ -132,6 +133,7 @@ def rank_candidates(
     tokens: int | None = None,
     offer_list: list[Offer] | None = None,
     exact: EstimateFn | None = None,
+    spent: Spend | None = None,
 ) -> list[Candidate]:
     """Every GPU of ``spec.burst`` on every provider that sells it, re-planned over the GPU counts it may use and
     priced; usable first, cheapest total first.
@@ -143,6 +145,7 @@ def rank_candidates(
     are estimated from ``max_steps`` when set, else left unknown and candidates rank by hourly price.
     ``offer_list`` skips the catalog lookup (tests, or a caller that already has offers; each offer's ``count``
     is its GPUs per instance). ``exact`` verifies each GPU's plan (see :func:`fitburst.memory.plan_fit`).
+    ``spent``: this month's spend so far, for ``burst.max_monthly_usd`` (:func:`fitburst.history.month_spend`).
     """
     burst = spec.burst
     if tokens is None:
@@ -195,7 +198,7 @@ def rank_candidates(
                 gpus_per_node=per_node,
                 nodes=nodes,
             )
-            over = budget_problems(burst, c)
+            over = budget_problems(burst, c, spent)
             if over:
                 c.within_budget = False
                 c.reason = "; ".join(filter(None, [c.reason, *over]))
@@ -211,8 +214,8 @@ def rank_candidates(
     return out
 
 
-def budget_problems(burst, c: Candidate) -> list[str]:
-    """Why ``c`` breaks the policy's caps (empty when it does not)."""
+def budget_problems(burst, c: Candidate, spent: Spend | None = None) -> list[str]:
+    """Why ``c`` breaks the policy's caps (empty when it does not); the monthly ones with ``spent`` so far."""
     problems = []
     if burst.max_hourly_usd is not None and c.hourly_usd is not None and c.hourly_usd > burst.max_hourly_usd:
         problems.append(f"${c.hourly_usd:.2f}/h is over max_hourly_usd ${burst.max_hourly_usd:.2f}")
@@ -223,4 +226,4 @@ def budget_problems(burst, c: Candidate) -> list[str]:
             problems.append(
                 f"estimated ${c.est_total_usd:.2f} is over max_total_usd ${burst.max_total_usd:.2f}"
             )
-    return problems
+    return problems + monthly_budget_problems(burst, spent, c.est_total_usd)

@@ -125,7 +125,7 @@ def check_budget(spec: PipelineSpec, candidates: list[Candidate]) -> list[Candid
         why = "; ".join(f"{c.label()}: {c.reason}" for c in fitting)
         raise BudgetError(
             f"refused before launch: every fitting GPU breaks the burst budget ({why}); "
-            "raise burst.max_hourly_usd / burst.max_total_usd or shorten the run"
+            "raise burst.max_hourly_usd / burst.max_total_usd / burst.max_monthly_usd or shorten the run"
         )
     return ok
 

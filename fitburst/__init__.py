@@ -12,8 +12,8 @@ from fitburst.allocator_env import configure as _configure_allocators  # noqa: E
 
 _configure_allocators()  # CUDA expandable segments, MPS fail-fast watermark (unless the user set them)
 
-from fitburst.environ import telemetry_off as _telemetry_off  # noqa: E402
+from fitburst.environ import library_defaults as _library_defaults  # noqa: E402
 
-_telemetry_off()  # before MLflow, Prefect or SkyPilot is imported: their telemetry is off unless the user set it
+_library_defaults()  # before MLflow, Prefect or SkyPilot is imported: telemetry off, Prefect's server start patient
 
 __version__ = "0.1.0"

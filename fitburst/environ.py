@@ -1,4 +1,4 @@
-"""The process environment, read safely while other threads write it, and third-party telemetry off by default.
+"""The process environment, read safely while other threads write it, and the libraries' defaults fitburst sets.
 
 ``os.environ`` is shared by every thread, and libraries write it from their own threads (MLflow's telemetry
 client sets and unsets ``_MLFLOW_TELEMETRY_SESSION_ID`` from a worker thread). Iterating it with ``items()``,
@@ -19,13 +19,19 @@ TELEMETRY_OFF = {
 }
 
 
+# how long Prefect waits for the temporary server `fitburst run` starts when no server is configured: its 20 s
+# default is too short for a fresh database on a loaded 2-core machine (benchmarks/results/soak.txt)
+PREFECT_PATIENCE = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+
+
 def snapshot() -> dict[str, str]:
     """A copy of the environment as it is now; safe while other threads set and unset variables."""
     values = ((k, os.environ.get(k)) for k in list(os.environ))
     return {k: v for k, v in values if v is not None}
 
 
-def telemetry_off() -> None:
-    """Third-party telemetry off, for this process and every process it starts, unless the user set it."""
-    for k, v in TELEMETRY_OFF.items():
+def library_defaults() -> None:
+    """Third-party telemetry off and Prefect's patience set, for this process and every process it starts, where
+    the user has not set the variable."""
+    for k, v in {**TELEMETRY_OFF, **PREFECT_PATIENCE}.items():
         os.environ.setdefault(k, v)

@@ -66,6 +66,11 @@ def _synthetic_configs() -> dict[str, dict]:
            "synthetic-llama-biased": {**read("smollm2-135m"), "attention_bias": True, "mlp_bias": True},
            "synthetic-stablelm-qkv-bias": {**read("stablelm-3b"), "use_qkv_bias": True},
            "synthetic-t5-relu": {**read("flan-t5-xl"), "feed_forward_proj": "relu", "dropout_rate": 0.0}}
+    # refused: an architecture not modelled, a mixture of experts not modelled, experts among dense layers
+    out["synthetic-gpt-neox"] = {**read("smollm2-135m"), "model_type": "gpt_neox"}
+    out["synthetic-deepseek-moe"] = {**read("smollm2-135m"), "model_type": "deepseek_v2", "n_routed_experts": 8}
+    out["synthetic-llama-moe"] = {**read("smollm2-135m"), "num_local_experts": 4}
+    out["synthetic-qwen2-moe-sparse-step"] = {**read("qwen1.5-moe-a2.7b"), "decoder_sparse_step": 2}
     text = read("qwen2.5-0.5b")
     out["synthetic-text-config"] = {"model_type": "qwen2_vl", "tie_word_embeddings": True,
                                     "text_config": {k: v for k, v in text.items() if k != "tie_word_embeddings"}}

@@ -98,7 +98,8 @@ def _shape_record(shape) -> dict:
 
 
 def _estimate_record(shape, settings, device) -> Any:
-    from fitburst.memory.estimator import estimate, host_bytes
+    from fitburst.memory.estimator import estimate
+    from fitburst.memory.fsdp_terms import host_bytes
 
     try:
         est = estimate(shape, settings, device, calibrate=False)

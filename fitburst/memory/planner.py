@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
+from fitburst.runconfig import TrainSettings
 from fitburst.spec import SAFETY_MARGIN
 
 from .budget import Budget
-from .estimator import Estimate, TrainSettings, estimate
+from .estimator import Estimate, estimate
 from .ladder import EVAL_HALVING_COST, LADDER, RUNGS, smaller_batch
 from .shapes import ModelShape
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
-from fitburst.runconfig import spec_with_settings
+from fitburst.runconfig import TrainSettings, spec_with_settings
 
-from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
+from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 # Micro-batches of an accumulation window the trace steps through. The third and later ones repeat the second's
@@ -337,10 +337,10 @@ def _params_and_states(model) -> Iterator[tuple[Any, Any]]:
 def _loaded_bytes(model, double_quant: bool, adapter_trains: bool) -> int:
     """The traced model's base weights as loaded and prepared, in bytes (an adapter's trainable weights left out):
     every parameter at its dtype (after k-bit preparation: the unquantized ones in fp32), a 4-bit weight by its
-    packed values and quantization state (:func:`fitburst.memory.estimator.four_bit_bytes`)."""
+    packed values and quantization state (:func:`fitburst.memory.params.four_bit_bytes`)."""
     import math
 
-    from .estimator import four_bit_bytes
+    from .params import four_bit_bytes
 
     return int(sum(four_bit_bytes(math.prod(state.shape), double_quant) if state is not None
                    else p.numel() * p.element_size()

@@ -146,48 +146,12 @@ def decoder_block(shape: ModelShape, c: StepContext, rg_in: bool, decoder: bool 
     """Saved-for-backward tensors of one block (name -> bytes; shared tensors share a name), whether its output
     needs grad, and the bytes of its top sub-layer (the MLP and its norm: their backward runs first and frees them
     before the attention's backward runs)."""
-    T, a, h, i = c.tokens, c.act_bytes, shape.hidden, shape.intermediate
-    qd, kvd = shape.q_dim, shape.kv_dim
+    h = shape.hidden
     sv: dict[str, int] = {}
     if c.master:  # autocast's 16-bit copies of this block's weights, kept for backward
-        sv["w16"] = a * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(decoder))
+        sv["w16"] = c.act_bytes * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(decoder))
     rg_n1 = norm(sv, "ln1", "x", rg_in, c, shape, h)
-    if shape.fused_qkv:
-        rg_qkv = _linear(sv, "qkv_proj", "n1", h, rg_n1, c)
-        rg_q = rg_k = rg_v = rg_qkv
-    else:
-        names = [lin.name for lin in shape.attn_linears()]
-        rg_q = _linear(sv, names[0], "n1", h, rg_n1, c)
-        rg_k = _linear(sv, names[1], "n1", h, rg_n1, c)
-        rg_v = _linear(sv, names[2], "n1", h, rg_n1, c)
-    rg_att = rg_q or rg_k or rg_v
-    if shape.qk_norm and rg_att:
-        sv["qnorm.f32"] = 4 * T * qd
-        sv["knorm.f32"] = 4 * T * kvd
-    if rg_att:  # attention's matmuls keep their inputs; under autocast, 16-bit copies (k-bit's fp32 q/k/v freed)
-        m = attention_bytes(c)
-        groups = shape.heads // shape.kv_heads
-        sv["q_rope"] = m * T * qd
-        repeat = (
-            groups > 1
-            and (c.attention != "flash" or c.padded or c.kv_expanded)
-            and shape.head_dim <= 256
-            or (groups > 1 and shape.head_dim > 256)
-        )
-        kv_saved = m * T * (qd if repeat else kvd)
-        sv["k_rope"] = kv_saved
-        sv["v"] = kv_saved
-        if c.attention == "flash":
-            sv["attn_out"] = m * T * qd
-            sv["lse"] = 4 * T * shape.heads
-            if c.padded:
-                sv["attn_bias"] = m * c.rows * c.seq * c.seq
-        else:  # eager / math: the probabilities are kept (fp32 softmax output, plus eager's 16-bit cast)
-            sv["probs.f32"] = 4 * c.rows * shape.heads * c.seq * c.seq
-            if m != 4:
-                sv["probs"] = m * c.rows * shape.heads * c.seq * c.seq
-    o_name = shape.attn_linears()[-1].name
-    rg_o = _linear(sv, o_name, "ctx", qd, rg_att, c)
+    rg_o = _self_attention(sv, shape, c, rg_n1)
     rg_h1 = rg_in or rg_o
     below = set(sv)  # the attention sub-layer's tensors (a parallel block's MLP reads its norm output too)
     if shape.parallel_block:
@@ -198,36 +162,96 @@ def decoder_block(shape: ModelShape, c: StepContext, rg_in: bool, decoder: bool 
             norm(sv, "ln_post_attn", "o", rg_o, c, shape, h)
         rg_n2 = norm(sv, "ln2", "h1", rg_h1, c, shape, h)
         n2 = "n2"
-    mlp = shape.mlp_linears()
     if shape.experts:
         rg_m = _moe(sv, shape, c, n2, rg_n2)
     elif shape.mlp == "gated":
-        if shape.fused_gate_up:
-            rg_g = rg_u = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
-        else:
-            rg_g = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
-            rg_u = _linear(sv, mlp[1].name, n2, h, rg_n2, c)
-        act = a
-        if rg_g:
-            sv["gate"] = a * T * i  # activation input
-            if shape.act == "gelu_new":
-                act = _gelu_new(sv, "gate", c, a, i)
-        if rg_u:
-            sv["act"] = act * T * i
-        if rg_g:
-            sv["up"] = a * T * i
-        rg_p = rg_g or rg_u
-        rg_m = _linear(sv, mlp[-1].name, "p", i, rg_p, c)
+        rg_m = _gated_mlp(sv, shape, c, n2, rg_n2)
     else:
-        rg_f = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
-        if rg_f:
-            sv["fc1"] = a * T * i
-            if shape.act == "gelu_new":
-                _gelu_new(sv, "fc1", c, a, i)
-        rg_m = _linear(sv, mlp[-1].name, "p", i, rg_f, c)
+        rg_m = _plain_mlp(sv, shape, c, n2, rg_n2)
     if shape.norms_per_layer > 2:
         norm(sv, "ln_post_ff", "m", rg_m, c, shape, h)
     return sv, rg_h1 or rg_m, sum(v for k, v in sv.items() if k not in below)
+
+
+def _self_attention(sv: dict, shape: ModelShape, c: StepContext, rg_n1: bool) -> bool:
+    """The attention sub-layer after its norm: q, k, v (fused or not), qk-norms, the kernel's saved tensors, the
+    output projection; returns whether its output needs grad."""
+    T, h, qd, kvd = c.tokens, shape.hidden, shape.q_dim, shape.kv_dim
+    if shape.fused_qkv:
+        rg_att = _linear(sv, "qkv_proj", "n1", h, rg_n1, c)
+    else:
+        names = [lin.name for lin in shape.attn_linears()]
+        rg_q = _linear(sv, names[0], "n1", h, rg_n1, c)
+        rg_k = _linear(sv, names[1], "n1", h, rg_n1, c)
+        rg_v = _linear(sv, names[2], "n1", h, rg_n1, c)
+        rg_att = rg_q or rg_k or rg_v
+    if shape.qk_norm and rg_att:
+        sv["qnorm.f32"] = 4 * T * qd
+        sv["knorm.f32"] = 4 * T * kvd
+    if rg_att:
+        _attention_kernel(sv, shape, c)
+    return _linear(sv, shape.attn_linears()[-1].name, "ctx", qd, rg_att, c)
+
+
+def _attention_kernel(sv: dict, shape: ModelShape, c: StepContext) -> None:
+    """What attention's matmuls keep of their inputs (under autocast, 16-bit copies; k-bit's fp32 q/k/v freed): k and
+    v repeated to every query head where the kernel takes no grouped-query heads; the fused kernels' output and
+    log-sum-exp, eager's and math's probabilities (fp32 softmax output, plus eager's 16-bit cast)."""
+    T, qd, kvd = c.tokens, shape.q_dim, shape.kv_dim
+    m = attention_bytes(c)
+    groups = shape.heads // shape.kv_heads
+    sv["q_rope"] = m * T * qd
+    repeat = (
+        groups > 1
+        and (c.attention != "flash" or c.padded or c.kv_expanded)
+        and shape.head_dim <= 256
+        or (groups > 1 and shape.head_dim > 256)
+    )
+    kv_saved = m * T * (qd if repeat else kvd)
+    sv["k_rope"] = kv_saved
+    sv["v"] = kv_saved
+    if c.attention == "flash":
+        sv["attn_out"] = m * T * qd
+        sv["lse"] = 4 * T * shape.heads
+        if c.padded:
+            sv["attn_bias"] = m * c.rows * c.seq * c.seq
+    else:
+        sv["probs.f32"] = 4 * c.rows * shape.heads * c.seq * c.seq
+        if m != 4:
+            sv["probs"] = m * c.rows * shape.heads * c.seq * c.seq
+
+
+def _gated_mlp(sv: dict, shape: ModelShape, c: StepContext, n2: str, rg_n2: bool) -> bool:
+    """gate/up (fused or not), the activation and its product, down; returns whether its output needs grad."""
+    T, a, h, i = c.tokens, c.act_bytes, shape.hidden, shape.intermediate
+    mlp = shape.mlp_linears()
+    if shape.fused_gate_up:
+        rg_g = rg_u = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
+    else:
+        rg_g = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
+        rg_u = _linear(sv, mlp[1].name, n2, h, rg_n2, c)
+    act = a
+    if rg_g:
+        sv["gate"] = a * T * i  # activation input
+        if shape.act == "gelu_new":
+            act = _gelu_new(sv, "gate", c, a, i)
+    if rg_u:
+        sv["act"] = act * T * i
+    if rg_g:
+        sv["up"] = a * T * i
+    return _linear(sv, mlp[-1].name, "p", i, rg_g or rg_u, c)
+
+
+def _plain_mlp(sv: dict, shape: ModelShape, c: StepContext, n2: str, rg_n2: bool) -> bool:
+    """fc1, the activation, fc2; returns whether its output needs grad."""
+    a, i = c.act_bytes, shape.intermediate
+    mlp = shape.mlp_linears()
+    rg_f = _linear(sv, mlp[0].name, n2, shape.hidden, rg_n2, c)
+    if rg_f:
+        sv["fc1"] = a * c.tokens * i
+        if shape.act == "gelu_new":
+            _gelu_new(sv, "fc1", c, a, i)
+    return _linear(sv, mlp[-1].name, "p", i, rg_f, c)
 
 
 def t5_block(shape: ModelShape, c: StepContext, rg_in: bool, decoder: bool = True) -> tuple[dict, bool, int]:

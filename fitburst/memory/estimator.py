@@ -160,7 +160,7 @@ class Activations:
         return self.blocks_on_device + self.head_input + self.shared + self.adapter_copies + self.vision_saved
 
 
-def activations(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, trained: int) -> Activations:
+def saved_activations(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, trained: int) -> Activations:
     """The step's saved activations: every block's (:data:`fitburst.memory.activations.BLOCKS`), the head input,
     the tensors every block reads, and a vision tower's; ``trained``: the adapters' values (their 16-bit copies)."""
     ckpt = s.grad_checkpointing
@@ -222,17 +222,17 @@ def _shared(shape: ModelShape, s: TrainSettings, c: StepContext, mask: int) -> i
 def _position_biases(shape: ModelShape, s: TrainSettings, c: StepContext) -> int:
     """The relative position biases (T5) a step keeps beside its blocks."""
     heads, seq = shape.heads, c.seq
-    weight_bytes = 4 if s.master_weights or s.dtype == "fp32" else c.dtype_bytes
+    bias_bytes = 4 if s.master_weights or s.dtype == "fp32" else c.dtype_bytes  # the weights' dtype
     if c.mask_b == 1:
         # CUDA: each attention call keeps its own bias (t5_block's attention); every cross-attention keeps the one
         # zero bias when no padding mask makes one per call; checkpointed blocks keep the encoder's and the decoder's
         # relative-position biases (1 x heads x S x S, the weights' dtype) and that zero bias as inputs
         return (0 if c.padded else c.act_bytes * heads * seq * seq) + (
-            2 * heads * seq * seq * weight_bytes if s.grad_checkpointing else 0)
+            2 * heads * seq * seq * bias_bytes if s.grad_checkpointing else 0)
     if s.grad_checkpointing:
         # the position-bias masks (encoder self, decoder self and cross: b x heads x S x S in the weights' dtype)
         # are inputs every checkpointed block keeps
-        return 3 * c.rows * heads * seq * seq * weight_bytes
+        return 3 * c.rows * heads * seq * seq * bias_bytes
     return 0
 
 
@@ -251,7 +251,7 @@ class Loss:
         return self.kernel != "standard"
 
 
-def loss(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, states: ModelStates) -> Loss:
+def loss_head(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, states: ModelStates) -> Loss:
     """The loss head's terms: the standard loss's logits and their fp32 copies, or the fused linear cross-entropy's
     rule (decoder-only models: an encoder-decoder trains with the standard loss), which holds no logits."""
     fused = s.fused_loss and not shape.encoder_layers
@@ -440,8 +440,8 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     if states.paged:
         notes.append(f"paged optimizer state ({states.paged / GiB:.2f} GiB) lives in CUDA unified memory, outside "
                      "torch's allocator; it pages to host RAM under pressure")
-    acts = activations(shape, s, device, c, states.trained)
-    head = loss(shape, s, device, c, states)
+    acts = saved_activations(shape, s, device, c, states.trained)
+    head = loss_head(shape, s, device, c, states)
     if head.fused:
         notes.append(f"loss: {describe_lean(s, device)}")
     phases = step_phases(shape, s, c, states, acts, head)

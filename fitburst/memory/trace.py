@@ -327,14 +327,15 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
 
-    from fitburst.device import make_amp, torch_dtype
+    from fitburst.device import make_amp
     from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step, prepare_for_training
 
-    from . import cuda_kernels, mps_kernels, sharded
+    from . import cuda_kernels, sharded
     from .autocast_policy import device_autocast
     from .loss_kernels import loss_kernel_of, traced_fused_loss
+    from .recorder import Recorder  # torch: imported only to trace
 
     s = settings
     if s.quant == "int8":
@@ -356,27 +357,17 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     model = prepare_for_training(model, sp)
     sharded.shard_on_meta(model, s)
     padded = s.batch > 1 if s.padded is None else s.padded
-    from .recorder import Recorder  # torch: imported only to trace
-
     rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
-    sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
-            else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
+    sdpa = _device_sdpa(device)
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
           gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
-        if s.world_size > 1:
-            load_bytes = sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
-        else:
-            load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
-            _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+        load_bytes = _loaded(model, rec, s, kbit_read_ahead)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
-        opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
-        if foreach and "foreach" in opt.defaults:
-            for g in opt.param_groups:
-                g["foreach"] = True
+        opt = _optimizer(sp, params, foreach)
         hooks = _phase_hooks(model, opt, rec, prefix, fused_loss=s.fused_loss)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
         # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
@@ -392,13 +383,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         if s.offload and kind == "cuda":
             lean["offload"] = cuda_kernels.offloaded_activations(rec)
         stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
-        try:
+        with _fake_kernels_of(sp.model.name):
             step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
                  **lean)
-        except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
-            raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
-                                   f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
-                                   "wider error band decide") from None
         del micro
         prefix[0] = ""
         rec.phase = "forward"
@@ -417,6 +404,52 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV)
+
+
+def _device_sdpa(device: Device | None) -> contextlib.AbstractContextManager:
+    """SDPA as ``device`` runs it: CUDA's fused kernel of that device, MPS's math composite, else the CPU's own."""
+    from . import cuda_kernels, mps_kernels
+
+    if device is not None and device.kind == "cuda":
+        return cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16)
+    return mps_kernels.mps_sdpa_math() if device is not None and device.kind == "mps" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fake_kernels_of(model_name: str) -> Iterator[None]:
+    """A step whose op has no fake kernel for this case (e.g. MoE mm) is a :class:`TraceUnsupported`."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        raise TraceUnsupported(f"{model_name}: a kernel of this model cannot run on fake tensors in this "
+                               f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
+                               "wider error band decide") from None
+
+
+def _loaded(model, rec, s: TrainSettings, kbit_read_ahead: int) -> int:
+    """Materialize the model's weights under the recorder, as the loop loads them (a sharded run: rank 0's share of
+    what FSDP loads); the bytes from_pretrained's caching_allocator_warmup reserves first."""
+    from fitburst.device import torch_dtype
+
+    from . import sharded
+
+    if s.world_size > 1:
+        return sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
+    load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
+    _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+    return load_bytes
+
+
+def _optimizer(sp, params: list, foreach: bool):
+    """The loop's optimizer over ``params``; ``foreach``: its multi-tensor path, as AdamW runs on CUDA."""
+    from fitburst.train import make_optimizer
+
+    tr = sp.training
+    opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+    if foreach and "foreach" in opt.defaults:
+        for g in opt.param_groups:
+            g["foreach"] = True
+    return opt
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:

@@ -22,7 +22,7 @@ rank measures its own memory peak and rank 0 records them all (:func:`gather`).
 Loading (:func:`fitburst.train.build_model`): rank 0 alone reads the checkpoint into host RAM; every other rank builds
 the model without weights (meta device), every rank shards it, and :func:`fill_from_rank0` gives each rank its
 shards of rank 0's weights, so a node holds one copy of the model while loading, not one per rank, and no GPU ever
-holds the whole model. A 4-bit base is loaded by every rank (:func:`fitburst.memory.estimator.loads_once` says why),
+holds the whole model. A 4-bit base is loaded by every rank (:func:`fitburst.memory.fsdp_terms.loads_once` says why),
 its packed weights stored in the compute dtype, ``bnb_4bit_quant_storage``, so they shard like any weight
 (:func:`fitburst.models.quantization_config`).
 

@@ -217,7 +217,8 @@ def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Thro
 def _traffic(shape: ModelShape | int, settings: TrainSettings) -> int:
     """:func:`fsdp_traffic` of a run: from the model's shape, or without one (a traced architecture) from its
     parameter count, each weight gathered at 2 bytes (the trained ones' gradients reduced)."""
-    from fitburst.memory.estimator import gathered_bytes, lora_params
+    from fitburst.memory.fsdp_terms import gathered_bytes
+    from fitburst.memory.params import lora_params
 
     if isinstance(shape, int):
         trained = shape if settings.method == "full" else 0

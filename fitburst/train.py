@@ -36,7 +36,7 @@ from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
 from fitburst.hardware import resolve_device
-from fitburst.memory.estimator import loads_once
+from fitburst.memory.fsdp_terms import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -89,7 +89,7 @@ class TrainResult:
 def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World = SINGLE):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
     method. Several ranks (``world``): shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`),
-    each rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.estimator.loads_once`),
+    each rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.fsdp_terms.loads_once`),
     only rank 0 reads the checkpoint: the other ranks build the same model without weights, LoRA adapters included,
     and receive every weight, the adapters' initial ones too, from rank 0 (:func:`fitburst.distributed.
     fill_from_rank0`). Returns (model, tokenizer)."""
@@ -720,7 +720,7 @@ def offload_host_bytes(spec: PipelineSpec, w: World) -> int | None:
     """Host RAM this node's ranks hold with FSDP's CPU offload: their share of the weights as loaded, of the
     trainable weights' fp32 gradients and of the optimizer state (the analytic estimate's figures); None for an
     architecture it does not model."""
-    from fitburst.memory.estimator import optimizer_bytes, param_counts, weight_bytes
+    from fitburst.memory.params import optimizer_bytes, param_counts, weight_bytes
     from fitburst.models import spec_shape
     from fitburst.runconfig import settings_from_spec
 

@@ -200,7 +200,7 @@ def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(tmp_
 
 def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path, pipelines_file, demo_prepared):
     """4-bit weights are loaded by every rank (bitsandbytes quantizes on load; a rank built without weights has no
-    quantization state to receive: fitburst.memory.estimator.loads_once), and the two ranks still train as one
+    quantization state to receive: fitburst.memory.fsdp_terms.loads_once), and the two ranks still train as one
     process at the combined batch (bf16: :data:`BF16_REL`)."""
     spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16",
                     training__micro_batch_size=8)

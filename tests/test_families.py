@@ -71,7 +71,7 @@ def test_lora_on_experts_counts_what_peft_trains(arch, targets, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fitburst.memory import TrainSettings
-    from fitburst.memory.estimator import lora_params
+    from fitburst.memory.params import lora_params
 
     kw = dict(TINY[arch])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -111,7 +111,7 @@ def test_qlora_leaves_experts_unquantized_and_the_estimate_counts_them_fp32(tmp_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fitburst.memory import TrainSettings
-    from fitburst.memory.estimator import weight_bytes
+    from fitburst.memory.params import weight_bytes
     from fitburst.models import load_model
 
     kw = dict(TINY["mixtral"], hidden_size=128, intermediate_size=256)

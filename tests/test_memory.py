@@ -19,7 +19,7 @@ from fitburst.memory import (
     plan_fit,
     resolve_device,
 )
-from fitburst.memory.estimator import lora_params, optimizer_bytes, weight_bytes
+from fitburst.memory.params import lora_params, optimizer_bytes, weight_bytes
 from fitburst.memory.shapes import bundled_names
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -185,7 +185,8 @@ def test_host_ram_counts_one_loaded_copy_per_node_or_one_per_rank_for_4bit_weigh
     the node's other ranks receive their shards from it, however many they are; a 4-bit base is loaded by every
     rank of the node at once: at least 35 GB each for Llama-3.1-70B (70.55B weights x 0.5 bytes), at most 44 GB
     (embeddings and head unquantized in fp32 after k-bit preparation, and the quantization statistics)."""
-    from fitburst.memory.estimator import host_bytes, param_counts
+    from fitburst.memory.fsdp_terms import host_bytes
+    from fitburst.memory.params import param_counts
 
     def host(model: str, s: TrainSettings, per_node: int) -> float:
         return host_bytes(param_counts(load_shape(model), s), s, per_node) / 1e9
@@ -291,14 +292,14 @@ def test_probing_several_cuda_gpus_leaves_no_cuda_context_in_the_planning_proces
 
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_host_ram_holds_a_4bit_model_as_bitsandbytes_loads_and_prepares_it(tmp_path, double_quant):
-    """Each rank of a sharded QLoRA run loads the 4-bit base itself (estimator.loads_once), so a node's host RAM
+    """Each rank of a sharded QLoRA run loads the 4-bit base itself (fsdp_terms.loads_once), so a node's host RAM
     holds a copy per rank: packed weights, their quantization state, and the embeddings, head and norms unquantized
     (fp32 after k-bit preparation). Measured on the model bitsandbytes really loads here; the traced and analytic
     counts match it within 1 %, where half a byte per parameter fell short."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fitburst.memory.estimator import host_bytes
+    from fitburst.memory.fsdp_terms import host_bytes
     from fitburst.memory.shapes import ModelShape
     from fitburst.models import quantization_config
     from fitburst.runconfig import spec_with_settings

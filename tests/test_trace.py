@@ -252,9 +252,9 @@ def test_feature_dropout_noise_is_not_taken_for_a_mask():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitburst.memory.trace import _recorder_cls
+    from fitburst.memory.recorder import Recorder
 
-    rec = _recorder_cls()()
+    rec = Recorder()
     with FakeTensorMode(), rec:
         x = torch.empty(2, 8, 4, 4)
         torch.nn.functional.dropout2d(x, 0.1, True)
@@ -273,10 +273,10 @@ def test_rules_match_torchs_own_routing_on_fake_cuda_and_mps_tensors():
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitburst.memory.trace import _recorder_cls
+    from fitburst.memory.recorder import Recorder
 
     def allocated(device: str, rule=lambda ev: ev) -> list[int]:
-        rec = _recorder_cls()()
+        rec = Recorder()
         with FakeTensorMode(allow_non_fake_inputs=True):
             x16 = torch.empty(2, 4, 8, 8, device=device, dtype=torch.float16)
             x32 = torch.empty(2, 64, device=device)
@@ -940,9 +940,9 @@ def test_a_freed_step_counters_address_is_not_read_as_a_counter():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fitburst.memory.trace import _recorder_cls
+    from fitburst.memory.recorder import Recorder
 
-    rec = _recorder_cls()()
+    rec = Recorder()
     read = []
     with FakeTensorMode(allow_non_fake_inputs=True), rec:
         for _ in range(200):

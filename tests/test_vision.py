@@ -168,7 +168,7 @@ def test_vision_terms_follow_images_and_what_trains(vl_spec):
     from dataclasses import replace
 
     from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
-    from fitburst.memory.estimator import vision_activations
+    from fitburst.memory.activations import vision_activations
 
     shape = load_shape("qwen2-vl-7b")
     dev = resolve_device("cuda:80GiB")

@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitburst.hardware import Device
+from fitburst.runconfig import TrainSettings
 from fitburst.spec import SAFETY_MARGIN
 
 from .calibration import band_for
-from .estimator import Estimate, TrainSettings, host_bytes
+from .estimator import Estimate
+from .fsdp_terms import host_bytes
 
 
 @dataclass(frozen=True)

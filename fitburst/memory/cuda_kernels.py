@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from fitburst.hardware import Device, expands_kv, sdpa_kernel_for  # noqa: F401
 
 if TYPE_CHECKING:
-    from .estimator import TrainSettings
+    from fitburst.runconfig import TrainSettings
 
 CUBLASLT_WORKSPACE = 1024 * 1024
 _WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")

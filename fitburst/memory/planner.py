@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
+from fitburst.runconfig import TrainSettings
 from fitburst.spec import SAFETY_MARGIN
 
 from .budget import Budget
-from .estimator import Estimate, TrainSettings, estimate
+from .estimator import Estimate, estimate
 from .ladder import EVAL_HALVING_COST, LADDER, RUNGS, smaller_batch
 from .shapes import ModelShape
 
@@ -207,7 +208,14 @@ def plan_fit(
         plan = verified([f for f in search() if f[1] not in rejected])
     if plan is not None:
         return plan
-    # nothing fits here: the closest miss (judged as the analytic estimate it is), and how long a sequence would fit
+    return _closest_miss(shape, settings, device, budget, base, len(rejected), safety_margin)
+
+
+def _closest_miss(shape: ModelShape, settings: TrainSettings, device: Device, budget: Budget, base: Estimate,
+                  rejected: int, safety_margin: float) -> Plan:
+    """Nothing fits here: the plan that does not fit, with the closest miss (``base``, judged as the analytic
+    estimate it is), why (the device, or the host RAM), how many plans the exact estimate ``rejected``, and how long
+    a sequence would fit."""
     base = budget.judge(base)
     assert base.band is not None  # judge sets it
     if not budget.host_fits(base):
@@ -228,7 +236,7 @@ def plan_fit(
                f"upper edge (estimate {_gib(base.reserved_peak_bytes)}, band +{base.band.high:.0%}) of "
                f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if rejected:
-        why.append(f"the exact estimate rejected the {len(rejected)} cheapest plan(s) the analytic one accepted")
+        why.append(f"the exact estimate rejected the {rejected} cheapest plan(s) the analytic one accepted")
     if not budget.host_fits(base):
         why.append("a shorter sequence does not help: the host RAM decides")
     else:

@@ -8,36 +8,30 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fitburst.errors import UserError
+from .architectures import (
+    ARCHITECTURES,
+    Architecture,
+    Getter,
+    ModelConfigError,
+    UnmodelledArchitecture,
+    VisionShape,
+    architecture,
+    qwen2_vl_vision,
+    qwen2_vl_vision_params,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # model_type values whose layer names and saved tensors the analytic estimate models (see from_config)
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "gemma", "gemma2", "gemma3",
-                   "gemma3_text", "phi", "phi3", "stablelm", "t5", "mixtral", "qwen2_moe", "qwen3_moe")
-# mixture-of-experts types whose experts, router and shared expert are counted (see ModelShape.experts)
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# target_modules names peft 0.21 maps onto the fused expert parameters of transformers 5 (its MoE conversion)
-EXPERT_ALIASES = {"mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-                  "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}}
+SUPPORTED_TYPES = tuple(ARCHITECTURES)
+# target_modules names peft 0.21 maps onto the fused expert parameters of transformers 5, per model_type
+EXPERT_ALIASES = {t: a.expert_aliases for t, a in ARCHITECTURES.items() if a.expert_aliases}
 # config keys that mark a mixture-of-experts model (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...)
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-class ModelConfigError(UserError, ValueError):
-    """A model's config.json cannot be found or read, or describes an architecture the estimate cannot model."""
-
-
-class UnmodelledArchitecture(ModelConfigError):
-    """config.json was read, but its architecture is not one the analytic estimate models: the traced estimate
-    (which builds the real model with transformers) still can, so callers with a trace fall back to it."""
-
-    def __init__(self, message: str, model_type: str):
-        super().__init__(message)
-        self.model_type = model_type
-
 # suffixes stripped from a hub id's basename when looking for a bundled config
 _SUFFIXES = ("-instruct", "-it", "-hf", "-chat", "-base", "-4e1t", "-v0.1", "-v0.2", "-v0.3", "-4k", "-128k")
+# hidden_act names as the estimate's activation rules call them (anything else: silu)
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
 
 @dataclass(frozen=True)
@@ -52,28 +46,6 @@ class Linear:
     @property
     def numel(self) -> int:
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """A Qwen2-VL-style vision tower: patch embedding, ``depth`` pre-norm ViT blocks (LayerNorm, fused qkv,
-    attention within each image, fc1 -> QuickGELU -> fc2) over patch tokens, and the merger (LayerNorm, then an MLP
-    on ``merge``**2 neighbouring patches that emits one language-model token of width ``out``)."""
-
-    depth: int
-    dim: int
-    heads: int
-    mlp: int
-    patch: int  # pixels per patch side
-    temporal: int  # frames per patch (a still image is repeated to fill them)
-    channels: int
-    merge: int  # spatial merge size: merge**2 patches per language token
-    out: int
-
-    @property
-    def patch_in(self) -> int:
-        """Values per patch in pixel_values."""
-        return self.channels * self.temporal * self.patch ** 2
 
 
 @dataclass
@@ -124,6 +96,11 @@ class ModelShape:
 
     # --- derived ----------------------------------------------------------------------------------------
     @property
+    def arch(self) -> Architecture:
+        """The per-architecture facts of this shape's model_type (fitburst.memory.architectures)."""
+        return architecture(self.model_type)
+
+    @property
     def q_dim(self) -> int:
         return self.heads * self.head_dim
 
@@ -133,15 +110,13 @@ class ModelShape:
 
     def attn_linears(self, cross: bool = False) -> list[Linear]:
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        if self.model_type == "t5":
-            return [Linear("q", h, q), Linear("k", h, kv), Linear("v", h, kv), Linear("o", q, h)]
-        o_name = "dense" if self.model_type == "phi" else "o_proj"
+        q_name, k_name, v_name, o_name = self.arch.attention_names
         if self.fused_qkv:
             return [Linear("qkv_proj", h, q + 2 * kv, self.qkv_bias), Linear(o_name, q, h, self.o_bias)]
         return [
-            Linear("q_proj", h, q, self.qkv_bias),
-            Linear("k_proj", h, kv, self.qkv_bias),
-            Linear("v_proj", h, kv, self.qkv_bias),
+            Linear(q_name, h, q, self.qkv_bias),
+            Linear(k_name, h, kv, self.qkv_bias),
+            Linear(v_name, h, kv, self.qkv_bias),
             Linear(o_name, q, h, self.o_bias),
         ]
 
@@ -152,10 +127,10 @@ class ModelShape:
             s = self.shared_intermediate
             shared = [Linear("gate_proj", h, s), Linear("up_proj", h, s), Linear("down_proj", s, h),
                       Linear("shared_expert_gate", h, 1)] if s else []
-            router = [] if self.model_type == "qwen2_moe" else [Linear("gate", h, self.experts)]
+            router = [Linear("gate", h, self.experts)] if self.arch.router_is_linear else []
             return shared + router
-        if self.model_type == "t5":
-            return [Linear("wi_0", h, i), Linear("wi_1", h, i), Linear("wo", i, h)]
+        if names := self.arch.feed_forward_names:
+            return [Linear(names[0], h, i), Linear(names[1], h, i), Linear(names[2], i, h)]
         if self.mlp == "plain":
             return [Linear("fc1", h, i, b), Linear("fc2", i, h, b)]
         if self.fused_gate_up:
@@ -169,9 +144,9 @@ class ModelShape:
         return [("experts.gate_up_proj", 2 * i, h), ("experts.down_proj", h, i)] if self.experts else []
 
     def expert_numels(self) -> list[int]:
-        """numel of one block's routed-expert parameters, and of qwen2_moe's router (other routers are among
-        :meth:`mlp_linears`: peft wraps them like linears)."""
-        router = [self.experts * self.hidden] if self.model_type == "qwen2_moe" else []
+        """numel of one block's routed-expert parameters, and of a router that is no linear (qwen2_moe's; other
+        routers are among :meth:`mlp_linears`: peft wraps them like linears)."""
+        router = [] if self.arch.router_is_linear else [self.experts * self.hidden]
         return [self.experts * a * b for _, a, b in self.expert_tensors()] + router
 
     @property
@@ -183,7 +158,7 @@ class ModelShape:
         multiplier, fan_in, fan_out) per expert: ``all-linear`` and the pre-transformers-5 names reach them
         (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj; none on qwen2_moe), the fused gate_up_proj at twice
         the rank."""
-        alias = EXPERT_ALIASES.get(self.model_type, {})
+        alias = self.arch.expert_aliases
         if targets == "all-linear" or targets == ["all-linear"]:
             want = set(alias.values())
         else:
@@ -193,15 +168,15 @@ class ModelShape:
             [("experts.down_proj", 1, i, h)] if "down_proj" in want else [])
 
     def layer_linears(self, decoder: bool = True) -> list[Linear]:
-        """Linears of one block; T5 decoder blocks also hold cross-attention (same peft names q/k/v/o)."""
+        """Linears of one block; decoder blocks with cross-attention (T5) hold it too (same peft names q/k/v/o)."""
         lins = self.attn_linears()
-        if self.model_type == "t5" and decoder:
+        if self.arch.cross_attention and decoder:
             lins = lins + self.attn_linears(cross=True)
         return lins + self.mlp_linears()
 
     def norm_params_per_layer(self, decoder: bool = True) -> int:
         per = self.hidden * (2 if self.norm == "layer" else 1)
-        n = self.norms_per_layer + (1 if self.model_type == "t5" and decoder else 0)
+        n = self.norms_per_layer + (1 if self.arch.cross_attention and decoder else 0)
         extra = 2 * self.head_dim if self.qk_norm else 0
         return n * per + extra
 
@@ -259,183 +234,120 @@ class ModelShape:
         (:class:`ModelConfigError`), never estimated as something they are not."""
         mt = str(cfg.get("model_type", "")).lower()
         where = f"{name or mt or 'model'}" + (f" ({source})" if source else "")
-        experts = next((int(cfg[k]) for k in _MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
-        if experts and mt not in MOE_TYPES:
-            raise UnmodelledArchitecture(
-                f"{where}: model_type {mt!r} is a mixture-of-experts model ({experts} experts); the analytic "
-                "estimate models dense blocks only and would count it wrong. Use the traced estimate "
-                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
-        if mt not in SUPPORTED_TYPES:
-            raise UnmodelledArchitecture(
-                f"{where}: model_type {mt!r} is not one the analytic estimate models ({', '.join(SUPPORTED_TYPES)}); "
-                "its layer names and saved tensors would be guessed. Use the traced estimate "
-                "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
-        top = cfg
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
-        if text and "hidden_size" in text:
-            merged = dict(text)
-            for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
-                if k in cfg and k not in merged:
-                    merged[k] = cfg[k]
-            cfg = merged
+        arch = _modelled(cfg, mt, where)
+        top, cfg = cfg, _language_config(cfg)
         name = name or cfg.get("_name_or_path") or top.get("_name_or_path") or mt or "model"
-
-        def g(*keys, default=None):
-            for k in keys:
-                if cfg.get(k) is not None:
-                    return cfg[k]
-            return default
-
-        if mt == "t5" or "d_model" in cfg:
-            h = int(g("d_model"))
-            heads = int(g("num_heads"))
-            dkv = int(g("d_kv", default=h // heads))
-            gated = "gated" in str(g("feed_forward_proj", default="relu"))
-            dec = int(g("num_decoder_layers", default=g("num_layers")))
-            buckets = int(g("relative_attention_num_buckets", default=32))
-            shape = cls(
-                name=name,
-                model_type="t5",
-                hidden=h,
-                layers=dec,
-                heads=heads,
-                kv_heads=heads,
-                head_dim=dkv,
-                intermediate=int(g("d_ff")),
-                vocab=int(g("vocab_size")),
-                tied=bool(g("tie_word_embeddings", default=True)),
-                mlp="gated" if gated else "plain",
-                act="gelu_new" if gated else "relu",
-                norm="rms",
-                norm_style="t5",
-                norms_per_layer=2,
-                encoder_layers=int(g("num_layers")),
-                dropout=float(g("dropout_rate", default=0.1)),
-                extra_params=2 * buckets * heads,
-                max_position=None,
-                config_dtype=g("torch_dtype", "dtype"),
-                source=source,
-            )
-            return shape
-
-        h = int(g("hidden_size", "n_embd", "d_model"))
-        layers = int(g("num_hidden_layers", "n_layer"))
-        heads = int(g("num_attention_heads", "n_head"))
-        kv = int(g("num_key_value_heads", default=heads) or heads)
-        head_dim = int(g("head_dim", default=h // heads) or h // heads)
-        inter = int(g("intermediate_size", "n_inner", default=4 * h) or 4 * h)
-        vocab = int(g("vocab_size"))
-        act_name = str(g("hidden_act", "hidden_activation", "activation_function", default="silu"))
-        act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_new", "gelu": "gelu", "relu": "relu"}.get(
-            act_name, "silu"
-        )
-        kw: dict = dict(
-            name=name,
-            model_type=mt,
-            hidden=h,
-            layers=layers,
-            heads=heads,
-            kv_heads=kv,
-            head_dim=head_dim,
-            intermediate=inter,
-            vocab=vocab,
-            tied=bool(g("tie_word_embeddings", default=False)),
-            act=act,
-            max_position=g("max_position_embeddings"),
-            sliding_window=g("sliding_window"),
-            config_dtype=g("torch_dtype", "dtype"),
-            source=source,
-            softcap=bool(g("final_logit_softcapping")),
-        )
-        if mt in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
-            kw["qkv_bias"] = True
-        if mt in ("llama", "mistral"):
-            kw["qkv_bias"] = kw["o_bias"] = bool(g("attention_bias", default=False))
-            kw["mlp_bias"] = bool(g("mlp_bias", default=False))
-        if mt.startswith("gemma3"):
-            kw.update(norm_style="gemma", norms_per_layer=4, qk_norm=True)
-        elif mt == "gemma2":
-            kw.update(norm_style="gemma", norms_per_layer=4)
-        elif mt == "gemma":
-            kw.update(norm_style="gemma")
-        if mt == "phi3":
-            kw.update(fused_qkv=True, fused_gate_up=True)
-        if mt == "phi":
-            kw.update(
-                mlp="plain",
-                qkv_bias=True,
-                o_bias=True,
-                mlp_bias=True,
-                norm="layer",
-                norm_style="layernorm",
-                norms_per_layer=1,
-                parallel_block=True,
-                lm_head_bias=True,
-            )
-        if mt == "stablelm":
-            kw.update(norm="layer", norm_style="layernorm", qkv_bias=bool(g("use_qkv_bias", default=False)))
-        if mt == "qwen3":
-            kw.update(qk_norm=True, qkv_bias=bool(g("attention_bias", default=False)))
-        if mt in MOE_TYPES:
-            _moe(kw, cfg, mt, where)
-        vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
-        if vis and mt in ("qwen2_vl", "qwen2_5_vl"):
-            kw["extra_params"] = _qwen2_vl_vision_params(vis, h)
-            if mt == "qwen2_vl":  # Qwen2.5-VL's tower (RMSNorm, gated MLP, window attention) differs
-                kw["vision"] = _qwen2_vl_vision(vis, h)
-                kw["extra_note"] = ("vision tower: frozen, its forward is a transient; trained, its activations per "
-                                    "patch are kept (images per sample and their resolution from the settings)")
-            else:
-                kw["extra_note"] = "vision tower (weights only; image activations not modelled)"
-        elif vis:
-            kw["extra_note"] = "vision tower not counted"
+        g = _getter(cfg)
+        if arch.encoder_decoder or "d_model" in cfg:
+            return cls(**_t5_fields(g, name, source))
+        kw = _decoder_fields(g, name, mt, source)
+        kw.update(arch.read(g))
+        if arch.read_experts is not None:
+            arch.read_experts(kw, cfg, where)
+            kw["experts_per_tok"] = int(cfg.get("num_experts_per_tok", 2))
+        kw.update(_vision_fields(top, arch, kw["hidden"]))
         return cls(**kw)
 
 
-def _moe(kw: dict, cfg: dict, mt: str, where: str) -> None:
-    """Expert counts of a Mixtral / Qwen-MoE config into ``kw``; layouts the count would get wrong are refused."""
-    if mt == "mixtral":
-        kw.update(experts=int(cfg["num_local_experts"]), expert_intermediate=kw["intermediate"])
+def _modelled(cfg: dict, mt: str, where: str) -> Architecture:
+    """The registry's entry for ``mt``; a mixture of experts or an architecture it does not model is refused."""
+    arch = ARCHITECTURES.get(mt)
+    experts = next((int(cfg[k]) for k in _MOE_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
+    if experts and (arch is None or arch.read_experts is None):
+        raise UnmodelledArchitecture(
+            f"{where}: model_type {mt!r} is a mixture-of-experts model ({experts} experts); the analytic "
+            "estimate models dense blocks only and would count it wrong. Use the traced estimate "
+            "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
+    if arch is None:
+        raise UnmodelledArchitecture(
+            f"{where}: model_type {mt!r} is not one the analytic estimate models ({', '.join(SUPPORTED_TYPES)}); "
+            "its layer names and saved tensors would be guessed. Use the traced estimate "
+            "(`fitburst estimate --exact`, or `fitburst preflight`), which builds the real model", mt)
+    return arch
+
+
+def _language_config(cfg: dict) -> dict:
+    """The language model's config: a multimodal config's ``text_config`` (with the top level's tying and dtype where
+    it says none), else the config itself."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+    if not (text and "hidden_size" in text):
+        return cfg
+    merged = dict(text)
+    for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        if k in cfg and k not in merged:
+            merged[k] = cfg[k]
+    return merged
+
+
+def _getter(cfg: dict) -> Getter:
+    """g(*keys, default=None): the value of the first of ``keys`` that ``cfg`` sets (not None)."""
+
+    def g(*keys, default=None):
+        for k in keys:
+            if cfg.get(k) is not None:
+                return cfg[k]
+        return default
+
+    return g
+
+
+def _t5_fields(g: Getter, name: str, source: str) -> dict:
+    """A T5 config (d_model, num_heads, d_ff, ...) as ModelShape's fields: ``layers`` the decoder's depth."""
+    h = int(g("d_model"))
+    heads = int(g("num_heads"))
+    gated = "gated" in str(g("feed_forward_proj", default="relu"))
+    buckets = int(g("relative_attention_num_buckets", default=32))
+    return dict(name=name, model_type="t5", hidden=h, layers=int(g("num_decoder_layers", default=g("num_layers"))),
+                heads=heads, kv_heads=heads, head_dim=int(g("d_kv", default=h // heads)),
+                intermediate=int(g("d_ff")), vocab=int(g("vocab_size")),
+                tied=bool(g("tie_word_embeddings", default=True)), mlp="gated" if gated else "plain",
+                act="gelu_new" if gated else "relu", norm="rms", norm_style="t5", norms_per_layer=2,
+                encoder_layers=int(g("num_layers")), dropout=float(g("dropout_rate", default=0.1)),
+                extra_params=2 * buckets * heads, max_position=None, config_dtype=g("torch_dtype", "dtype"),
+                source=source)
+
+
+def _decoder_fields(g: Getter, name: str, mt: str, source: str) -> dict:
+    """The fields every decoder-only config gives (under the Hugging Face or the GPT-2 names)."""
+    h = int(g("hidden_size", "n_embd", "d_model"))
+    heads = int(g("num_attention_heads", "n_head"))
+    act_name = str(g("hidden_act", "hidden_activation", "activation_function", default="silu"))
+    return dict(
+        name=name,
+        model_type=mt,
+        hidden=h,
+        layers=int(g("num_hidden_layers", "n_layer")),
+        heads=heads,
+        kv_heads=int(g("num_key_value_heads", default=heads) or heads),
+        head_dim=int(g("head_dim", default=h // heads) or h // heads),
+        intermediate=int(g("intermediate_size", "n_inner", default=4 * h) or 4 * h),
+        vocab=int(g("vocab_size")),
+        tied=bool(g("tie_word_embeddings", default=False)),
+        act=_ACTIVATIONS.get(act_name, "silu"),
+        max_position=g("max_position_embeddings"),
+        sliding_window=g("sliding_window"),
+        config_dtype=g("torch_dtype", "dtype"),
+        source=source,
+        softcap=bool(g("final_logit_softcapping")),
+    )
+
+
+def _vision_fields(top: dict, arch: Architecture, hidden: int) -> dict:
+    """A vision tower's fields: its weights (and with a modelled tower its shape) and the note saying what of it the
+    estimate counts."""
+    vis = top.get("vision_config") if isinstance(top.get("vision_config"), dict) else None
+    if not vis:
+        return {}
+    if not arch.vision:
+        return {"extra_note": "vision tower not counted"}
+    out: dict = {"extra_params": qwen2_vl_vision_params(vis, hidden)}
+    if arch.vision == "modelled":
+        out["vision"] = qwen2_vl_vision(vis, hidden)
+        out["extra_note"] = ("vision tower: frozen, its forward is a transient; trained, its activations per patch "
+                             "are kept (images per sample and their resolution from the settings)")
     else:
-        step, dense = int(cfg.get("decoder_sparse_step", 1)), cfg.get("mlp_only_layers") or []
-        if step != 1 or dense:
-            raise ModelConfigError(
-                f"{where}: dense layers among the expert layers (decoder_sparse_step={step}, mlp_only_layers="
-                f"{dense}) are not modelled by the analytic estimate. Use the traced estimate "
-                "(`fitburst estimate --exact`, or `fitburst preflight`)")
-        experts = int(cfg.get("num_experts") or cfg["num_local_experts"])  # transformers 5 saves num_local_experts
-        kw.update(experts=experts, expert_intermediate=int(cfg["moe_intermediate_size"]),
-                  shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
-        kw["intermediate"] = kw["expert_intermediate"]
-        if mt == "qwen2_moe":
-            kw["qkv_bias"] = bool(cfg.get("qkv_bias", True))
-        else:
-            kw.update(qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)))
-    kw["experts_per_tok"] = int(cfg.get("num_experts_per_tok", 2))
-
-
-def _qwen2_vl_vision(v: dict, out_hidden: int) -> VisionShape:
-    d = int(v.get("embed_dim", 1280))
-    return VisionShape(depth=int(v.get("depth", 32)), dim=d, heads=int(v.get("num_heads", 16)),
-                       mlp=int(d * float(v.get("mlp_ratio", 4))), patch=int(v.get("patch_size", 14)),
-                       temporal=int(v.get("temporal_patch_size", 2)),
-                       channels=int(v.get("in_chans", v.get("in_channels", 3))),
-                       merge=int(v.get("spatial_merge_size", 2)), out=int(v.get("hidden_size", out_hidden)))
-
-
-def _qwen2_vl_vision_params(v: dict, out_hidden: int) -> int:
-    d = int(v.get("embed_dim", 1280))
-    depth = int(v.get("depth", 32))
-    mlp = int(d * float(v.get("mlp_ratio", 4)))
-    patch = int(v.get("patch_size", 14))
-    tp = int(v.get("temporal_patch_size", 2))
-    chans = int(v.get("in_chans", v.get("in_channels", 3)))
-    merge = int(v.get("spatial_merge_size", 2))
-    out = int(v.get("hidden_size", out_hidden))
-    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * mlp + mlp) + (mlp * d + d)
-    m = d * merge * merge
-    merger = 2 * d + (m * m + m) + (m * out + out)
-    return chans * tp * patch * patch * d + depth * block + merger
+        out["extra_note"] = "vision tower (weights only; image activations not modelled)"
+    return out
 
 
 # --- loading ---------------------------------------------------------------------------------------------

@@ -15,14 +15,15 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
-from fitburst.runconfig import spec_with_settings
+from fitburst.runconfig import TrainSettings, spec_with_settings
 
-from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate, TrainSettings
+from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
+from .trace_events import Event, StepTrace, live_peaks, peak_components
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 # Micro-batches of an accumulation window the trace steps through. The third and later ones repeat the second's
@@ -37,263 +38,6 @@ CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors 
 
 class TraceUnsupported(UserError, ValueError):
     """This configuration cannot be traced; the message says which part and what to do instead."""
-
-
-@dataclass(frozen=True)
-class Event:
-    """One storage allocation (``alloc``) or free, in program order."""
-
-    kind: str  # alloc | free | empty_cache (torch.cuda.empty_cache(), added by a CUDA rule)
-    sid: int  # storage id (unique over the trace)
-    size: int  # bytes
-    phase: str  # load | warmup.<phase> | <phase> (measured step)
-    op: str = ""  # aten op that allocated it (alloc events)
-    tag: str = ""  # what a CUDA rule needs to know (adapter, step_counter, softmax_upcast, sdpa_fwd ...)
-
-
-@dataclass
-class StepTrace:
-    events: list[Event]
-    measured_start: int  # index of the measured step's first event
-    params: dict[str, int]
-    seconds: float
-    dtype_bytes: int
-    heads: int = 0
-    notes: list[str] = field(default_factory=list)
-    load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
-    kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
-    kv_expanded: bool = False  # grouped-query k/v expanded before SDPA (fitburst.models.EXPANDED_KV)
-
-    def live_peaks(self) -> tuple[int, str, dict[str, int]]:
-        """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
-        return live_peaks(self.events, self.measured_start)
-
-
-def live_peaks(events: list[Event], start: int) -> tuple[int, str, dict[str, int]]:
-    cur = peak = 0
-    peak_phase = ""
-    phases: dict[str, int] = {}
-    for i, e in enumerate(events):
-        cur += e.size if e.kind == "alloc" else -e.size
-        if i < start:
-            continue
-        if i == start:
-            phases["load"] = cur - (e.size if e.kind == "alloc" else -e.size)
-        if cur > phases.get(e.phase, -1):
-            phases[e.phase] = cur
-        if cur > peak:
-            peak, peak_phase = cur, e.phase
-    return peak, peak_phase, phases
-
-
-def peak_components(events: list[Event], start: int) -> dict[str, int]:
-    """The tensors live at the measured step's peak, by where they came from: base ``weights`` and
-    ``lora_weights`` (loaded), ``optimizer_states`` (left by the warm-up step), ``cuda_workspaces`` (cuBLAS's,
-    on CUDA), ``fsdp_buffers`` (a sharded run's gathered weights and gradient reductions, the sharded gradients
-    they leave included), ``step_tensors`` (activations, gradients and temporaries of the measured step). They sum
-    to the peak of :func:`live_peaks`."""
-    cur = peak = 0
-    at = -1
-    for i, e in enumerate(events):
-        cur += e.size if e.kind == "alloc" else -e.size
-        if i >= start and cur > peak:
-            peak, at = cur, i
-    live: dict[int, tuple[int, str]] = {}
-    for e in events[: at + 1]:
-        if e.kind == "alloc":
-            kind = ("lora_weights" if e.tag == "adapter" else "weights") if e.phase == "load" else (
-                "cuda_workspaces" if e.tag == "workspace" else
-                "fsdp_buffers" if e.tag.startswith("fsdp_") else
-                "optimizer_states" if e.phase.startswith("warmup.") else "step_tensors")
-            live[e.sid] = (e.size, kind)
-        else:
-            live.pop(e.sid, None)
-    out: dict[str, int] = {}
-    for size, kind in live.values():
-        out[kind] = out.get(kind, 0) + size
-    return out
-
-
-# --- the recorder ---------------------------------------------------------------------------------------
-
-
-def _recorder_cls():
-    import weakref
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    aten = torch.ops.aten
-    counter_ops = {aten.add_, aten._foreach_add_}  # overload packets
-    quantize_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "quantize_4bit", None)
-    quantize_4bit = quantize_4bit.default if quantize_4bit is not None else None
-    gemm_4bit = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
-    gemm_4bit = gemm_4bit.default if gemm_4bit is not None else None
-    matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-    region_enter = torch.ops.profiler._record_function_enter_new.default
-    region_exit = {torch.ops.profiler._record_function_exit.default,
-                   torch.ops.profiler._record_function_exit._RecordFunction}
-    cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
-    efficient = aten._scaled_dot_product_efficient_attention.default
-
-    def _local(t):
-        """A DTensor's (a parameter, gradient or optimizer state sharded by FSDP2) own shard: its storage is what the
-        rank holds (the wrapper's storage has the global shape)."""
-        return t._local_tensor if isinstance(t, DTensor) else t
-
-    class Recorder(TorchDispatchMode):
-        """Records every new output storage (alloc) and its deallocation (free) in order."""
-
-        def __init__(self):
-            super().__init__()
-            self.events: list[Event] = []
-            self.live: dict[int, int] = {}  # storage _cdata -> sid
-            self.sizes: dict[int, int] = {}  # sid -> bytes, while live
-            self.finalized: set[int] = set()  # storages (_cdata) with a finalizer registered
-            self.phase = "load"
-            self.tag = ""
-            self.regions: list[str] = []  # open torch.profiler regions (FSDP names its collectives this way)
-            self._next = 0
-            self.h2f: set[int] = set()  # sids of softmax outputs computed from an fp16 input's fp32 copy
-            self.counters: set[int] = set()  # 0-dim tensors incremented in place (optimizer step counters)
-            self._upcast: int | None = None  # sid of an fp32 copy of an fp16 tensor made by the last op
-
-        def _free(self, key: int, sid: int, size: int) -> None:
-            """A tracked storage died: free what it holds now (nothing, if a resize to 0 freed it already). Its
-            address may be reused by the next storage (a GradScaler's found-inf flag, read as inf if taken for a
-            step counter): it is no longer a counter."""
-            self.counters.discard(key)
-            cur = self.live.pop(key, None)
-            if cur is not None:
-                self.events.append(Event("free", cur, self.sizes.pop(cur, size), self.phase))
-
-        def resized(self, st, before: int, after: int) -> None:
-            """``st`` was resized from ``before`` to ``after`` bytes (:func:`fitburst.memory.sharded.storage_resizes`):
-            the bytes it held are freed and the new size allocated, under a new id."""
-            key = st._cdata
-            if (cur := self.live.pop(key, None)) is not None:
-                self.events.append(Event("free", cur, self.sizes.pop(cur, before), self.phase))
-            elif key not in self.finalized:  # a storage made before the recorder: track it from here on
-                self.finalized.add(key)
-                weakref.finalize(st, self._finalized, key, -1, 0)
-            if after:
-                sid = self._next
-                self._next += 1
-                self.live[key], self.sizes[sid] = sid, after
-                self.events.append(Event("alloc", sid, after, self.phase, "resize_", self.tag or self.region_tag()))
-
-        def region_tag(self) -> str:
-            """The tag of what FSDP allocates in its collectives' regions (``fsdp_all_gather``: gathered weights
-            and their buffer; ``fsdp_reduce_scatter``: gradient buffers), else ""."""
-            for name in reversed(self.regions):
-                if name.startswith("FSDP::"):
-                    what = name[6:].split(" ")[0]
-                    return ("fsdp_all_gather" if what.startswith("all_gather") or what.endswith("_prefetch") else
-                            "fsdp_reduce_scatter" if "reduce" in what else "")
-            return ""
-
-        def track(self, t, op: str = "", tag: str = "") -> int | None:
-            if not isinstance(t, torch.Tensor):
-                return None
-            st = _local(t).untyped_storage()
-            key = st._cdata
-            if key in self.live:
-                return None
-            size = st.nbytes()
-            sid = self._next
-            self._next += 1
-            self.live[key], self.sizes[sid] = sid, size
-            self.events.append(Event("alloc", sid, size, self.phase, op, tag or self.tag or self.region_tag()))
-            if key not in self.finalized:
-                self.finalized.add(key)
-                weakref.finalize(st, self._finalized, key, sid, size)
-            return len(self.events) - 1
-
-        def _finalized(self, key: int, sid: int, size: int) -> None:
-            self.finalized.discard(key)
-            self._free(key, sid, size)
-
-        def sid_of(self, t) -> int | None:
-            return self.live.get(_local(t).untyped_storage()._cdata)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is region_enter:
-                self.regions.append(args[0])
-            elif func in region_exit and self.regions:
-                self.regions.pop()
-            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            if leaves and not any(  # integer bookkeeping on
-                    isinstance(t, FakeTensor) or t.is_meta or t.is_floating_point() for t in leaves):
-                with unset_fake_temporarily():  # real ids and image grids of a vision-language batch: run it
-                    return func(*args, **kwargs)
-            if func is aten._local_scalar_dense.default:  # .item() has no data here: step counters read 1
-                t = args[0]  # (they were incremented), anything else 0 (loss, GradScaler's found-inf flag)
-                return False if t.dtype == torch.bool else int(_local(t).untyped_storage()._cdata in self.counters)
-            if func.overloadpacket in counter_ops:
-                for t in tree_leaves(args[0]):
-                    if isinstance(t, torch.Tensor) and t.dim() == 0:
-                        self.counters.add(_local(t).untyped_storage()._cdata)
-            if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
-                # MoE experts (transformers' grouped_mm): the meta kernel accepts only bf16 (as the CUDA kernel
-                # once did); the CPU and CUDA kernels run fp32/fp16 too, with an output of the same shape and dtype
-                low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                       for a in args]
-                out = func(*low, **kwargs).to(args[0].dtype)
-            else:
-                out = func(*args, **kwargs)
-            name = func.__name__
-            tag, h2f = "", False
-            if func in matmuls:
-                tag = "matmul" + (".bias" if func in (aten.addmm.default, aten.baddbmm.default) else "")
-            elif func is aten._softmax.default and self._upcast is not None and self.sid_of(args[0]) == self._upcast:
-                self._retag(args[0], "softmax_upcast")
-                h2f = True
-            elif func is aten.bernoulli_.float:  # dropout's noise (CPU: input dtype; CUDA's fused kernel: bool);
-                # feature dropout's noise (at::empty of a broadcast shape) stays a float tensor on CUDA too
-                self._retag(args[0], f"dropout_noise:{args[0].element_size()}", op="empty_like.default")
-            elif func is aten._softmax_backward_data.default:
-                tag = "softmax_bwd_h2f" if self.sid_of(args[1]) in self.h2f else "softmax_bwd"
-            elif "scaled_dot_product" in name:  # the shapes the CUDA kernels size their temporaries by
-                q, k = args[1:3] if "backward" in name else args[:2]
-                b, h, sq, d = q.shape
-                tag = (f"sdpa_bwd:{b}:{h}:{sq}:{d}:{k.shape[1]}:{k.shape[2]}:{q.element_size()}"
-                       if "backward" in name else "sdpa_fwd")
-            elif func is gemm_4bit:  # rows M and the bytes of the weight dequantized to the input's dtype
-                a, (n, k) = args[0], args[2]
-                tag = f"gemm_4bit:{a.numel() // a.shape[-1]}:{n * k * a.element_size()}"
-            leaves = tree_leaves(out)
-            if func is quantize_4bit:  # its CUDA kernel allocates absmax before the packed weight it returns first
-                leaves = leaves[::-1]
-            tags = [tag] * len(leaves)
-            if func is cpu_flash:  # its logsumexp (b, h, s) fp32; the efficient kernel's has rows padded to 32
-                tags[1] = f"sdpa_lse:{b * h * -(-sq // 32) * 32 * 4}"
-            elif func is efficient:  # the philox seed and offset are host tensors on CUDA
-                tags[2:] = ["host"] * (len(leaves) - 2)
-            for t, t_tag in zip(leaves, tags, strict=True):
-                self.track(t, name, t_tag)
-            # the fp32 output of a softmax over an fp16 input (CUDA: one half_to_float kernel)
-            if h2f and (sid := self.sid_of(out)) is not None:
-                self.h2f.add(sid)
-            # CPU's softmax(fp16 x, dtype=fp32) is x.to(fp32) then _softmax: remember such a copy
-            if func is aten._to_copy.default and args[0].dtype == torch.float16 and out.dtype == torch.float32:
-                self._upcast = self.sid_of(out)
-            return out
-
-        def _retag(self, t, tag: str, op: str | None = None) -> None:
-            """Tag the allocation of ``t`` (only if the op that made it is ``op``, when given)."""
-            sid = self.sid_of(t)
-            for i in range(len(self.events) - 1, -1, -1):
-                e = self.events[i]
-                if e.sid == sid and e.kind == "alloc":
-                    if op is None or e.op == op:
-                        self.events[i] = Event(e.kind, e.sid, e.size, e.phase, e.op, tag)
-                    return
-
-    return Recorder
 
 
 # --- making transformers behave as on a GPU --------------------------------------------------------------
@@ -337,10 +81,10 @@ def _params_and_states(model) -> Iterator[tuple[Any, Any]]:
 def _loaded_bytes(model, double_quant: bool, adapter_trains: bool) -> int:
     """The traced model's base weights as loaded and prepared, in bytes (an adapter's trainable weights left out):
     every parameter at its dtype (after k-bit preparation: the unquantized ones in fp32), a 4-bit weight by its
-    packed values and quantization state (:func:`fitburst.memory.estimator.four_bit_bytes`)."""
+    packed values and quantization state (:func:`fitburst.memory.params.four_bit_bytes`)."""
     import math
 
-    from .estimator import four_bit_bytes
+    from .params import four_bit_bytes
 
     return int(sum(four_bit_bytes(math.prod(state.shape), double_quant) if state is not None
                    else p.numel() * p.element_size()
@@ -583,14 +327,15 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
 
-    from fitburst.device import make_amp, torch_dtype
+    from fitburst.device import make_amp
     from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step, prepare_for_training
 
-    from . import cuda_kernels, mps_kernels, sharded
+    from . import cuda_kernels, sharded
     from .autocast_policy import device_autocast
     from .loss_kernels import loss_kernel_of, traced_fused_loss
+    from .recorder import Recorder  # torch: imported only to trace
 
     s = settings
     if s.quant == "int8":
@@ -612,25 +357,17 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
     model = prepare_for_training(model, sp)
     sharded.shard_on_meta(model, s)
     padded = s.batch > 1 if s.padded is None else s.padded
-    rec = _recorder_cls()()
+    rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
-    sdpa = (cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16) if device is not None and kind == "cuda"
-            else mps_kernels.mps_sdpa_math() if kind == "mps" else contextlib.nullcontext())
+    sdpa = _device_sdpa(device)
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
           gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
-        if s.world_size > 1:
-            load_bytes = sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
-        else:
-            load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
-            _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+        load_bytes = _loaded(model, rec, s, kbit_read_ahead)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
-        opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
-        if foreach and "foreach" in opt.defaults:
-            for g in opt.param_groups:
-                g["foreach"] = True
+        opt = _optimizer(sp, params, foreach)
         hooks = _phase_hooks(model, opt, rec, prefix, fused_loss=s.fused_loss)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
         # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
@@ -646,13 +383,9 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         if s.offload and kind == "cuda":
             lean["offload"] = cuda_kernels.offloaded_activations(rec)
         stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
-        try:
+        with _fake_kernels_of(sp.model.name):
             step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
                  **lean)
-        except (RuntimeError, NotImplementedError) as e:  # an op with no fake kernel for this case (e.g. MoE mm)
-            raise TraceUnsupported(f"{sp.model.name}: a kernel of this model cannot run on fake tensors in this "
-                                   f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
-                                   "wider error band decide") from None
         del micro
         prefix[0] = ""
         rec.phase = "forward"
@@ -671,6 +404,52 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV)
+
+
+def _device_sdpa(device: Device | None) -> contextlib.AbstractContextManager:
+    """SDPA as ``device`` runs it: CUDA's fused kernel of that device, MPS's math composite, else the CPU's own."""
+    from . import cuda_kernels, mps_kernels
+
+    if device is not None and device.kind == "cuda":
+        return cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16)
+    return mps_kernels.mps_sdpa_math() if device is not None and device.kind == "mps" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fake_kernels_of(model_name: str) -> Iterator[None]:
+    """A step whose op has no fake kernel for this case (e.g. MoE mm) is a :class:`TraceUnsupported`."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError) as e:
+        raise TraceUnsupported(f"{model_name}: a kernel of this model cannot run on fake tensors in this "
+                               f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
+                               "wider error band decide") from None
+
+
+def _loaded(model, rec, s: TrainSettings, kbit_read_ahead: int) -> int:
+    """Materialize the model's weights under the recorder, as the loop loads them (a sharded run: rank 0's share of
+    what FSDP loads); the bytes from_pretrained's caching_allocator_warmup reserves first."""
+    from fitburst.device import torch_dtype
+
+    from . import sharded
+
+    if s.world_size > 1:
+        return sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
+    load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
+    _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+    return load_bytes
+
+
+def _optimizer(sp, params: list, foreach: bool):
+    """The loop's optimizer over ``params``; ``foreach``: its multi-tensor path, as AdamW runs on CUDA."""
+    from fitburst.train import make_optimizer
+
+    tr = sp.training
+    opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+    if foreach and "foreach" in opt.defaults:
+        for g in opt.param_groups:
+            g["foreach"] = True
+    return opt
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:

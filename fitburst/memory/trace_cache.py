@@ -27,8 +27,9 @@ from .estimator import Estimate
 log = logging.getLogger(__name__)
 
 # the code a traced figure depends on: the trace and its kernel rules, the model loading and the training step
-_CODE = ("memory/trace.py", "memory/sharded.py", "memory/allocator.py", "memory/cuda_kernels.py",
-         "memory/mps_kernels.py", "memory/autocast_policy.py", "memory/estimator.py", "memory/loss_kernels.py",
+_CODE = ("memory/trace.py", "memory/recorder.py", "memory/trace_events.py", "memory/sharded.py",
+         "memory/allocator.py", "memory/cuda_kernels.py", "memory/mps_kernels.py", "memory/autocast_policy.py",
+         "memory/estimator.py", "memory/params.py", "memory/loss_kernels.py",
          "hardware.py", "models.py", "train.py", "distributed.py", "device.py", "runconfig.py", "families/*.py")
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 

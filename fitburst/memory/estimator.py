@@ -20,7 +20,7 @@ from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
 
 from . import calibration
 from .calibration import ErrorBand
-from .cuda_kernels import cublas_workspace_bytes, expanded_kv_note
+from .cuda_kernels import adamw_impl, cublas_workspace_bytes, expanded_kv_note
 from .loss_kernels import describe_lean, fused_eval_bytes, fused_loss_terms, hidden_cast, loss_kernel_of
 from .shapes import EXPERT_ALIASES, ModelShape
 
@@ -261,11 +261,10 @@ def optimizer_bytes(
         return pbytes * sum(tensors), 0, 0
     if s.optimizer == "adamw":
         state = 2 * pbytes * sum(tensors)
-        # torch AdamW: foreach on CUDA (one sqrt buffer over all params), per tensor elsewhere
-        if device.kind == "cpu":
-            temp = 2 * pbytes * max(tensors, default=0)
-        else:
-            temp = pbytes * sum(tensors)
+        # torch AdamW as the loop runs it (cuda_kernels.adamw_impl): fused updates in place; foreach holds one
+        # sqrt buffer over all params; per tensor, two buffers of the largest tensor
+        impl = adamw_impl(device.kind, s.world_size, s.adamw)
+        temp = {"fused": 0, "foreach": pbytes * sum(tensors)}.get(impl, 2 * pbytes * max(tensors, default=0))
         return state, temp, 0
     state = 0
     for n in tensors:

@@ -388,6 +388,7 @@ def run_all(out: Path, models: Path, budget: float, steps: int, tiny: bool, only
                 log.rows.extend(json.loads(done.read_text()))
             log.status[c.name]["trainer"] = "ok" if rc == 0 else f"failed: {why}"
         log.write()
+    log.write()  # the configurations left out at the end, with why
     print_speed(log.rows)
     return 1 if failed else 0
 

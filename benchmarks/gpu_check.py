@@ -201,7 +201,7 @@ class Readings:
 
         import fitburst.train as loop
 
-        load, prepare, step = loop.load_pipeline_model, loop.prepare_for_training, loop.device_step
+        load, prepare, step = loop.load_pipeline_model, loop.prepare_for_training, loop.optimizer_step
 
         def loaded(*a, **k):
             model = load(*a, **k)
@@ -228,7 +228,7 @@ class Readings:
                                                      max_entries=self.history)
         with (mock.patch.object(loop, "load_pipeline_model", loaded),
               mock.patch.object(loop, "prepare_for_training", prepared),
-              mock.patch.object(loop, "device_step", stepped)):
+              mock.patch.object(loop, "optimizer_step", stepped)):
             yield
         self.take("peak")
         if cuda:

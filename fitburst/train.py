@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from fitburst import distributed
 from fitburst.data import PreparedData, batch_tokens, collate, load_split
@@ -479,11 +479,13 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
-def device_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
-                max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
-                offload: contextlib.AbstractContextManager | None = None, n_items=None, world: World = SINGLE):
-    """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss, a 0-d
-    tensor on ``device`` (reading it makes the host wait for the step: :func:`optimizer_step` does).
+def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
+                   max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
+                   offload: contextlib.AbstractContextManager | None = None, n_items=None, world: World = SINGLE,
+                   on_device: bool = False) -> Any:
+    """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss: a float,
+    or with ``on_device`` a 0-d tensor on ``device`` (the loop's: reading a value on the host waits for the device to
+    finish the step, so the loop reads the loss at log intervals only).
 
     The loss is token-weighted over the whole window (sum of token losses / label tokens in the window, through
     transformers' ``num_items_in_batch``), so two micro-batches of 4 give the gradient of one batch of 8. With
@@ -524,13 +526,7 @@ def device_step(model, optimizer, params: list, micro_batches: list[dict], *, de
     optimizer.zero_grad(set_to_none=True)
     if world.sharded:
         total = distributed.all_sum(total, device)
-    return total
-
-
-def optimizer_step(*args, **kwargs) -> float:
-    """:func:`device_step`, its loss read on the host (which waits for the device: the loop itself reads the loss
-    at log intervals only)."""
-    return device_step(*args, **kwargs).item()
+    return total if on_device else total.item()
 
 
 def to_device(t, device: str):
@@ -696,8 +692,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
             n_items = sum(family.label_tokens(b) for b in micro)
             if w.sharded:
                 n_items = distributed.all_sum(n_items, device)
-            loss = device_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
-                               amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w)
+            loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
+                                  amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w, on_device=True)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
                 scheduler.step()
             tokens += sum(batch_tokens(b) for b in micro)

@@ -101,8 +101,8 @@ def test_the_loss_is_read_on_the_host_at_log_intervals_only(tmp_path, demo_spec,
             reads.append(1)
             return super().item()
 
-    step = loop.device_step
-    monkeypatch.setattr(loop, "device_step", lambda *a, **k: step(*a, **k).as_subclass(Watched))
+    step = loop.optimizer_step
+    monkeypatch.setattr(loop, "optimizer_step", lambda *a, **k: step(*a, **k).as_subclass(Watched))
     r = train(small(demo_spec, max_steps=6, log_every=3), demo_prepared, tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert r.steps == 6 and [row["step"] for row in rows] == [3, 6] and len(reads) == 2
@@ -117,7 +117,7 @@ def test_the_pace_leaves_out_the_warm_up_step(tmp_path, demo_spec, demo_prepared
     now = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
     timed: list[int] = []
-    step = loop.device_step
+    step = loop.optimizer_step
 
     def clocked(model, optimizer, params, micro, **k):
         loss = step(model, optimizer, params, micro, **k)
@@ -125,7 +125,7 @@ def test_the_pace_leaves_out_the_warm_up_step(tmp_path, demo_spec, demo_prepared
         timed.append(sum(int(b["attention_mask"].sum()) for b in micro))
         return loss
 
-    monkeypatch.setattr(loop, "device_step", clocked)
+    monkeypatch.setattr(loop, "optimizer_step", clocked)
     r = train(small(demo_spec, max_steps=4, log_every=2, grad_accum=2), demo_prepared, tmp_path, progress=False)
     assert r.steps_per_sec == pytest.approx(1.0)
     assert r.tokens_per_sec == pytest.approx(sum(timed[1:]) / 3) and r.tokens == sum(timed)

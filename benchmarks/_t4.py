@@ -76,7 +76,8 @@ def settings_of(r: dict) -> TrainSettings:
         method="qlora" if quant != "none" else "lora", quant=quant, double_quant=False,
         rank=int(r["lora_rank"]), alpha=float(r["lora_alpha"]), dropout=float(r["lora_dropout"]),
         targets=r["lora_targets"].split(";"), batch=int(r["batch_size"]), seq_len=int(r["seq_len"]),
-        grad_checkpointing=r["grad_checkpoint"] == "true", optimizer="adamw", dtype=r["precision"],
+        grad_checkpointing=r["grad_checkpoint"] == "true", optimizer="adamw", adamw="foreach",  # torch's CUDA default
+        dtype=r["precision"],
         attention="eager" if r["attention"] == "eager" else "sdpa", padded=False,
         keep_logits=True)  # the harness's output lives to the end of its step (the analytic estimate's switch)
 
@@ -113,7 +114,7 @@ def predict(r: dict, *, placement: str = allocator.PLACEMENT, cache: dict | None
     tr = cache.get(key) if cache is not None else None
     if tr is None:
         with harness_gqa_shim() if s.attention == "sdpa" else contextlib.nullcontext():
-            tr = trace_step(spec_of(r), s, seq_len=s.seq_len, foreach=True, step=harness_step,
+            tr = trace_step(spec_of(r), s, seq_len=s.seq_len, adamw=s.adamw, step=harness_step,
                             kbit_read_ahead=READ_AHEAD)
         if cache is not None:
             cache[key] = tr

@@ -23,6 +23,32 @@ GPU). One CSV row per configuration and stage goes to ``benchmarks/results/gpu_c
 facts (memory, context after initialisation, compute capability); a table is printed. Without CUDA it says so and
 exits 2.
 
+``--at-scale``: real-size models on one H100 or H200, in one device run of at most 8 minutes (``--budget`` seconds,
+450 by default, builds included; the configurations in priority order, those out of time named as such): Qwen2.5-7B
+LoRA r16 all-linear bf16 at 1,024 and 2,048 tokens with checkpointing off and on, Llama-3.1-8B QLoRA nf4 + double
+quant + checkpointing at 2,048, Llama-3.2-1B full at 2 x 1,024, Gemma-3-1B LoRA at 2 x 2,048 with the standard and
+the fused loss, then Liger's fused loss, paged AdamW8bit, fp16 + GradScaler, activation offloading and a save +
+resume (:data:`_at_scale.CASES`). Each model is built once with random weights from fitburst's bundled config
+(memory does not depend on the values) and saved (``--models``, not the repository), so fitburst's own loading path
+is measured; each configuration trains through ``fitburst.train.train`` with the readings above (an allocator
+snapshot at the peak only, for the first five configurations), its tokens/s and MFU after the warm-up step, the SDPA
+backend that ran and how AdamW stepped; the speed configurations also through Hugging Face's Trainer + peft on the
+same settings. ``--out`` gets ``at_scale.csv`` and ``at_scale.json`` (library versions, each configuration's status)
+after every configuration, and at most 5 ``snap-<config>.pickle.gz``: with the log, the 8 files a device run brings
+back. No estimate is computed on the GPU: ``--replay at_scale.csv`` computes the traced and analytic ones here.
+``--dry-run`` runs all of it on a CPU with tiny stand-ins of the models (tests/test_gpu_check_at_scale.py).
+
+On the device machine (its image lacks some packages): first, here, ``benchmarks/at_scale_carry.sh`` (wheels into
+the git-ignored ``.whl/``, 9 MB, bitsandbytes trimmed to its CUDA 13.0 library), then one call of the tool ``run``
+with ``carry: [".whl"]``, ``timeout_s: 600`` and this command::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && python3 benchmarks/gpu_check.py --at-scale \
+      --budget 450 --out $OUT --models /tmp/models 2>&1 | tee $OUT/at_scale.log
+
+then, here, copy ``at_scale.csv``, ``at_scale.json`` and the log to ``benchmarks/results/at_scale-<gpu>.*`` and run
+``--replay`` on the CSV (its output beside it).
+
 ``--replay CSV`` needs no GPU: today's estimates of a CSV's configurations on the GPU it records, against what was
 measured there (measured / estimate - 1 per configuration, then the range per role and method). A row's
 ``others_bytes``, where set, is device memory other processes held while it was measured (``mem_get_info`` counts
@@ -45,12 +71,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _at_scale as at_scale  # noqa: E402  (beside this file)
 
 MiB = 1 << 20
 FIELDS = ["config", "role", "stage", "gpu", "world_size", "seq_len", "device_total_bytes", "context_bytes",
           "capability", "allocated", "reserved", "max_allocated", "max_reserved", "device_used", "est_method",
           "est_allocated", "est_reserved", "est_device_total", "alloc_ratio", "reserved_ratio", "device_ratio",
-          "snapshot", "others_bytes"]
+          "snapshot", "others_bytes", "adamw"]
 
 
 def cuda_or_exit() -> int:
@@ -130,25 +159,38 @@ def device_facts(device) -> dict:
 
 
 class Readings:
-    """Memory readings at the loop's stages, taken by wrapping fitburst.train's own functions."""
+    """Memory readings at the loop's stages, taken by wrapping fitburst.train's own functions. ``snapshots``: the
+    stages whose allocator snapshot is pickled (None: every stage). Without CUDA (a dry run) no reading is taken:
+    each stage's row is empty."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, snapshots: set[str] | None = None, history: int = 1_000_000):
         self.folder = folder
         self.rows: dict[str, dict] = {}
+        self.steps = 0
+        self.snapshots = snapshots
+        self.history = history  # allocator events kept for the snapshots (their Python stacks only, below 1M)
+
+    def restart(self) -> None:
+        """A second training in the same process (a resume): its first step is a warm-up again."""
         self.steps = 0
 
     def take(self, stage: str) -> None:
         import torch
 
+        if not torch.cuda.is_available():
+            self.rows[stage] = {}
+            return
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         snap = self.folder / f"{stage}.pickle"
-        with snap.open("wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+        if self.snapshots is None or stage in self.snapshots:
+            with snap.open("wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(), f)
         self.rows[stage] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                             "max_allocated": torch.cuda.max_memory_allocated(),
                             "max_reserved": torch.cuda.max_memory_reserved(), "device_used": total - free,
-                            "snapshot": str(snap.relative_to(REPO) if snap.is_relative_to(REPO) else snap)}
+                            "snapshot": (str(snap.relative_to(REPO) if snap.is_relative_to(REPO) else snap)
+                                         if snap.exists() else "")}
 
     @contextlib.contextmanager
     def around_training(self):
@@ -176,16 +218,21 @@ class Readings:
             self.steps += 1
             if self.steps == 1:
                 self.take("after_warmup_step")
-                torch.cuda.reset_peak_memory_stats()  # the estimate's peak is the measured step's
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()  # the estimate's peak is the measured step's
             return loss
 
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.memory._record_memory_history(stacks="all" if self.history >= 1_000_000 else "python",
+                                                     max_entries=self.history)
         with (mock.patch.object(loop, "load_pipeline_model", loaded),
               mock.patch.object(loop, "prepare_for_training", prepared),
               mock.patch.object(loop, "optimizer_step", stepped)):
             yield
         self.take("peak")
-        torch.cuda.memory._record_memory_history(enabled=None)
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _local_ref(spec):
@@ -195,15 +242,16 @@ def _local_ref(spec):
     return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(spec.model.name)})})
 
 
-def estimates(spec, seq_len: int, device) -> dict[str, object]:
+def estimates(spec, seq_len: int, device, adamw: str = "auto") -> dict[str, object]:
     """The preflight's analytic and traced estimates of the run ``spec`` trains on ``device`` (one micro-batch of
-    ``seq_len`` tokens, unpadded)."""
+    ``seq_len`` tokens, unpadded); ``adamw``: how the measured run's AdamW stepped, where not today's rule
+    (:func:`fitburst.memory.cuda_kernels.adamw_impl`)."""
     from fitburst.data import run_settings
     from fitburst.memory import Budget, estimate
     from fitburst.memory.trace import TraceUnsupported, traced_estimate
     from fitburst.models import spec_shape
 
-    s = replace(run_settings(spec, device, seq_len), padded=False)
+    s = replace(run_settings(spec, device, seq_len), padded=False, adamw=adamw)
     out: dict[str, object] = {}
     shape = spec_shape(spec)
     if shape is not None:
@@ -221,6 +269,7 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
     import torch
 
     from fitburst.data import prepare_pipeline
+    from fitburst.memory.cuda_kernels import adamw_impl
     from fitburst.spec import load_pipeline
     from fitburst.train import train
 
@@ -239,7 +288,7 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
     for stage, r in readings.rows.items():
         for method, e in ests.items() or [("none", None)]:
             row = {"config": name, "role": role(name), "stage": stage, "gpu": device.name, "world_size": 1,
-                   "seq_len": seq, **device_facts(device), **r, "est_method": method}
+                   "seq_len": seq, **device_facts(device), **r, "est_method": method, "adamw": adamw_impl("cuda")}
             if e is not None and stage == "peak":
                 row.update(est_allocated=e.allocated_peak_bytes, est_reserved=e.reserved_peak_bytes,
                            est_device_total=e.device_total_bytes,
@@ -395,7 +444,8 @@ def replay(csv_path: Path) -> int:
             seq = prepare_pipeline(spec).stats["max"]
             measured = {"alloc": int(r["max_allocated"]), "resv": int(r["max_reserved"]),
                         "device": int(r["device_used"]) - int(r.get("others_bytes") or 0)}
-            for method, e in estimates(spec, seq, device).items():
+            # a row without the column was measured before the loop fused AdamW: torch's CUDA default, foreach, ran
+            for method, e in estimates(spec, seq, device, adamw=r.get("adamw") or "foreach").items():
                 est = {"alloc": e.allocated_peak_bytes, "resv": e.reserved_peak_bytes, "device": e.device_total_bytes}
                 err = {k: measured[k] / est[k] - 1 for k in est}
                 for k, v in err.items():
@@ -408,18 +458,46 @@ def replay(csv_path: Path) -> int:
     return 0
 
 
+def is_at_scale(csv_path: Path) -> bool:
+    """Whether ``csv_path`` was written by --at-scale (its rows say which loop ran)."""
+    with csv_path.open() as f:
+        return "loop" in (csv.DictReader(f).fieldnames or [])
+
+
+def run_at_scale(args: argparse.Namespace) -> int:
+    """--at-scale (--dry-run: on the CPU with tiny stand-ins): the parent, or one of its child processes."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the parent makes no CUDA context
+    if not args.dry_run:
+        cuda_or_exit()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for kind in ("build", "case", "trainer"):
+        if name := getattr(args, kind):
+            return at_scale.child_main(kind, name, args.out, args.models, args.steps, args.dry_run, args.snapshot)
+    return at_scale.run_all(args.out, args.models, args.budget, args.steps, args.dry_run, args.only)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is the warm-up)")
+    p.add_argument("--steps", type=int, help="optimizer steps per run, the first the warm-up (4; --at-scale: 6)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--only", nargs="*", help="these configurations only, in this order")
     p.add_argument("--config-timeout", type=int, default=240, help="seconds one configuration may take")
     p.add_argument("--config", help=argparse.SUPPRESS)  # the child process of one configuration
     p.add_argument("--replay", type=Path, help="no GPU: today's estimates against a CSV this check wrote")
+    p.add_argument("--at-scale", action="store_true", help="real-size models on one GPU (the module's docstring)")
+    p.add_argument("--dry-run", action="store_true", help="--at-scale on the CPU with tiny stand-ins of the models")
+    p.add_argument("--budget", type=float, default=450, help="--at-scale: seconds for everything, builds included")
+    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "fitburst-at-scale",
+                   help="--at-scale: where the models are built (GBs: not the repository)")
+    for child in ("--build", "--case", "--trainer"):  # --at-scale's child processes
+        p.add_argument(child, help=argparse.SUPPRESS)
+    p.add_argument("--snapshot", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.steps = max(args.steps, 2)
+    args.steps = max(args.steps or (6 if args.at_scale or args.dry_run else 4), 2)
     if args.replay:
-        return replay(args.replay)
+        return at_scale.replay(args.replay) if is_at_scale(args.replay) else replay(args.replay)
+    if args.at_scale or args.dry_run:
+        return run_at_scale(args)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # counting the GPUs makes no CUDA context
     n = cuda_or_exit()
     os.environ.setdefault("FITBURST_TRACE_CACHE", "0")  # estimate afresh: the check is of today's code

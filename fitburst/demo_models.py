@@ -86,12 +86,10 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family:
     """Train a byte-level BPE tokenizer on the demo data and save a randomly initialised Llama-type model (or, for
     ``family`` mixtral, a Mixtral with 4 experts of which 2 run per token)."""
     import torch  # heavy: builders only
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     texts = demo_texts()
-    tok = PreTrainedTokenizerFast(tokenizer_object=demo_bpe(texts, vocab_size, SPECIAL_TOKENS),
-                                  eos_token="<|im_end|>", pad_token="<|pad|>")
-    tok.chat_template = CHATML_TEMPLATE
+    tok = demo_tokenizer(vocab_size, texts)
     tok.save_pretrained(dest)
 
     torch.manual_seed(0)
@@ -105,6 +103,16 @@ def build_demo_model(dest: Path, vocab_size: int, pretrain: bool = True, family:
     if pretrain:
         _pretrain(model, tok, [t for t in texts if t])
     model.save_pretrained(dest)
+
+
+def demo_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """The demo's chat tokenizer: byte-level BPE of ``vocab_size`` trained on the demo data (``texts``), ChatML."""
+    from transformers import PreTrainedTokenizerFast  # heavy: builders only
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=demo_bpe(texts or demo_texts(), vocab_size, SPECIAL_TOKENS),
+                                  eos_token="<|im_end|>", pad_token="<|pad|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
 
 
 def demo_texts() -> list[str]:

@@ -230,3 +230,32 @@ def _traffic(shape: ModelShape | int, settings: TrainSettings) -> int:
 
 def _any_gpu() -> Device:
     return Device("cuda", "cuda", 0, 0)
+
+
+# --- measured speed --------------------------------------------------------------------------------------------
+
+
+def model_flops(params: int, tokens: int, attn_width: int = 0, squared_lengths: int = 0) -> float:
+    """Model FLOPs of training on ``tokens`` tokens, PaLM's count (Chowdhery et al. 2022, appendix B): 6 per parameter
+    and token (the forward, and the backward to activations and to weights), plus attention's score and value
+    products, 12 per unit of ``attn_width`` (layers x query width) and per token and position attended
+    (``squared_lengths``: the sum of each sequence's length squared). Recomputation (checkpointing) is not counted,
+    nor the weight gradients LoRA leaves out: one figure per model and data, whatever the method, so runs compare."""
+    return 6.0 * params * tokens + 12.0 * attn_width * squared_lengths
+
+
+def peak_tflops(device: Device) -> float | None:
+    """The device's dense 16-bit peak TFLOP/s from the tables above (a named CUDA GPU or Apple chip); None where it
+    is not known (the CPU, a GPU not in the table)."""
+    if device.kind == "cuda":
+        name = gpu_name(device.name)
+        return PEAK_TFLOPS[name] if name else None
+    if device.kind == "mps":
+        return APPLE_TFLOPS.get(apple_chip(device.name) or "")
+    return None
+
+
+def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops`` done in ``seconds`` over the ``peak`` TFLOP/s; None without a peak."""
+    return flops / seconds / (peak * 1e12) if peak and seconds > 0 else None
+

@@ -21,6 +21,9 @@ QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28
 METHODS = ("full", "lora", "qlora")
 QUANTS = ("none", "int8", "nf4", "fp4")
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+# how torch's AdamW steps: auto (the loop's choice for the device, fitburst.memory.cuda_kernels.adamw_impl), or the
+# implementation a measured run used (a replay of a run from before the loop fused AdamW on CUDA)
+ADAMW_IMPLS = ("auto", "fused", "foreach", "for-loop")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTIONS = ("eager", "sdpa", "flash")
 VISION = ("frozen", "projector", "tower")
@@ -44,6 +47,7 @@ class TrainSettings:
     seq_len: int = 512  # padded length (longest sample of the batch)
     grad_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit | sgd
+    adamw: str = "auto"  # how AdamW steps (ADAMW_IMPLS)
     dtype: str = "bf16"  # bf16 | fp16 | fp32
     attention: str = "sdpa"  # eager | sdpa | flash
     grad_accum: int = 1
@@ -70,7 +74,8 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
-                  "optimizer": (self.optimizer, OPTIMIZERS), "dtype": (self.dtype, DTYPES),
+                  "optimizer": (self.optimizer, OPTIMIZERS), "adamw": (self.adamw, ADAMW_IMPLS),
+                  "dtype": (self.dtype, DTYPES),
                   "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION),
                   "loss": (self.loss, LOSSES), "distributed": (self.distributed, DISTRIBUTED)}
         for k, (v, ok) in checks.items():

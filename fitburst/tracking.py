@@ -306,8 +306,11 @@ class Tracker:
                           "memory.measured_rss_peak_bytes": peak.rss_peak_bytes,
                           "train.steps": result.steps, "train.seconds": result.seconds,
                           "train.steps_per_sec": result.steps_per_sec, "train.tokens": result.tokens,
+                          "train.tokens_per_sec": result.tokens_per_sec,
                           "train.final_loss": result.final_loss, "params.trainable": result.trainable_params,
                           "params.total": result.total_params})
+        if result.mfu is not None:  # the device's peak is known (fitburst.hours.peak_tflops)
+            self.log_metrics({"train.mfu": result.mfu})
         if result.world_size > 1:  # several ranks: the figures above are the highest rank's; each rank's here
             self.set_tags({"train.world_size": str(result.world_size)})
             self.log_metrics({f"memory.rank{r}.measured_peak_bytes": p.allocated_bytes

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from fitburst import distributed
 from fitburst.data import PreparedData, batch_tokens, collate, load_split
@@ -36,6 +36,7 @@ from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
 from fitburst.hardware import resolve_device
+from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
@@ -60,7 +61,7 @@ class TrainResult:
     total_steps: int
     final_loss: float
     seconds: float
-    steps_per_sec: float
+    steps_per_sec: float  # after the warm-up step (Pace); a run of one step: that step's
     tokens: int
     trainable_params: int
     total_params: int
@@ -73,6 +74,8 @@ class TrainResult:
     grad_accum: int = 1  # as trained: a resume at another world size sets it to keep the effective batch
     samples_per_step: int = 0  # the effective batch: world size x micro-batch x grad_accum
     rank_peaks: list[MemoryPeak] = field(default_factory=list)  # several ranks: each rank's peak, in rank order
+    tokens_per_sec: float = 0.0  # real tokens, after the warm-up step (several ranks: rank 0's)
+    mfu: float | None = None  # model FLOPs utilisation after the warm-up step; None: the device's peak is not known
 
     def save(self) -> None:
         Path(self.run_dir, "train_result.json").write_text(json.dumps(asdict(self), indent=2))
@@ -243,11 +246,14 @@ def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
                          "but the output head)")
 
 
-def make_optimizer(name: str, params: list, lr: float, weight_decay: float):
+def make_optimizer(name: str, params: list, lr: float, weight_decay: float, adamw: str = "for-loop"):
+    """The run's optimizer; ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`: fused,
+    foreach or for-loop), which the estimates model."""
     import torch  # heavy: loaded only when training
 
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=adamw == "fused" or None,
+                                 foreach=adamw == "foreach")
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     import bitsandbytes as bnb  # heavy: loaded only when training
@@ -485,9 +491,11 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
 
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
                    max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
-                   offload: contextlib.AbstractContextManager | None = None, n_items=None,
-                   world: World = SINGLE) -> float:
-    """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss.
+                   offload: contextlib.AbstractContextManager | None = None, n_items=None, world: World = SINGLE,
+                   on_device: bool = False) -> Any:
+    """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss: a float,
+    or with ``on_device`` a 0-d tensor on ``device`` (the loop's: reading a value on the host waits for the device to
+    finish the step, so the loop reads the loss at log intervals only).
 
     The loss is token-weighted over the whole window (sum of token losses / label tokens in the window, through
     transformers' ``num_items_in_batch``), so two micro-batches of 4 give the gradient of one batch of 8. With
@@ -506,11 +514,11 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     family = family_for(model.config)
     if n_items is None:
         n_items = sum(family.label_tokens(mb) for mb in micro_batches)
-    n_items = torch.as_tensor(n_items).to(device).clamp(min=1)
+    n_items = to_device(torch.as_tensor(n_items), device).clamp(min=1)
     total = torch.zeros((), device=device)
     for mb in micro_batches:
         with amp.autocast() if amp is not None else contextlib.nullcontext(), offload or contextlib.nullcontext():
-            value = family.train_loss(model, {k: v.to(device) for k, v in mb.items()}, n_items, loss)
+            value = family.train_loss(model, {k: to_device(v, device) for k, v in mb.items()}, n_items, loss)
         (scaler.scale(value) if scaler is not None else value).backward()
         total += value.detach()
     if scaler is not None:
@@ -528,7 +536,95 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     optimizer.zero_grad(set_to_none=True)
     if world.sharded:
         total = distributed.all_sum(total, device)
-    return total.item()
+    return total if on_device else total.item()
+
+
+def to_device(t, device: str):
+    """A host tensor on ``device``. On CUDA through pinned (page-locked) memory and a non-blocking copy: the host
+    goes on queueing kernels while the copy runs, where a pageable copy would stage it and wait. Elsewhere ``.to``
+    as is (on the CPU the tensor itself, no copy)."""
+    if not device.startswith("cuda"):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def synchronize(device: str) -> None:
+    """Wait for the work queued on ``device`` (a clock read after it times the device's work, not the queueing)."""
+    import torch  # heavy: loaded only when training
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elif device.startswith("mps"):
+        torch.mps.synchronize()
+
+
+@dataclass
+class Pace:
+    """The run's pace after its warm-up step (whose allocations, kernel choices and first launches are not the
+    run's): optimizer steps, real tokens and model FLOPs (:func:`fitburst.hours.model_flops`) over the seconds since
+    it ended. The clock is read where the host has waited for the device anyway (a loss read at a log interval, the
+    end of the run), so timing adds one wait to the whole run: the one that starts the clock."""
+
+    device: str
+    peak_tflops: float | None = None  # the device's (fitburst.hours.peak_tflops); None: no MFU
+    params: int = 0  # the model's parameters, for its FLOPs
+    attn_width: int = 0  # layers x query width (0: attention not counted)
+    t0: float | None = None
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def start(self) -> None:
+        """The warm-up step is done: start the clock once the device has finished it."""
+        synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+    def add(self, micro_batches: list[dict]) -> None:
+        """One timed optimizer step over ``micro_batches`` (host tensors: counting them waits for nothing)."""
+        from fitburst.hours import model_flops
+
+        if self.t0 is None:
+            return
+        lengths = [lengths_of(b) for b in micro_batches]
+        tokens = sum(sum(ls) for ls in lengths)
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += model_flops(self.params, tokens, self.attn_width, sum(n * n for ls in lengths for n in ls))
+
+    def rates(self) -> dict[str, float]:
+        """steps/s, tokens/s and MFU (where the device's peak is known) so far; {} before any timed step. Call it
+        where the device's work is done (after a loss read), or the clock times the queueing."""
+        from fitburst.hours import mfu
+
+        if self.t0 is None or not self.steps:
+            return {}
+        seconds = time.perf_counter() - self.t0
+        rates = {"steps_per_s": self.steps / seconds, "tokens_per_s": self.tokens / seconds}
+        util = mfu(self.flops, seconds, self.peak_tflops)
+        return rates | ({"mfu": util} if util is not None else {})
+
+
+def lengths_of(batch: dict) -> list[int]:
+    """Each sequence's real (non-padding) length in a collated host batch."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return [int(batch["input_ids"].shape[-1])] * int(batch["input_ids"].shape[0])
+    return [int(n) for n in mask.reshape(mask.shape[0], -1).sum(-1).tolist()]
+
+
+def pace_for(spec: PipelineSpec, device: str, total_params: int) -> Pace:
+    """The :class:`Pace` of ``spec``'s run on ``device``: the model's parameters and attention width from its shape
+    (its loaded parameter count where the analytic estimate does not model it: attention then not counted), the
+    peak of a CUDA GPU or Apple chip."""
+    from fitburst.hours import peak_tflops
+    from fitburst.models import spec_shape
+
+    shape = spec_shape(spec)
+    kind = device.split(":")[0]
+    peak = peak_tflops(resolve_device(device)) if kind in ("cuda", "mps") else None
+    if shape is None:
+        return Pace(device, peak, total_params)
+    return Pace(device, peak, shape.param_count(), shape.layers * shape.q_dim)
 
 
 def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
@@ -576,7 +672,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     trainable, total = count_params(model)
     offload = activation_offloading(spec, model, kind)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
+    optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay, adamw_impl(kind, w.size))
     steps = total_steps(spec, prepared.n_train, w.size)
     scheduler = get_scheduler(tr.lr_scheduler, optimizer, num_warmup_steps=tr.warmup_steps,
                               num_training_steps=steps)
@@ -597,7 +693,9 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     model.train()
     bar = tqdm(total=steps, initial=step, desc=f"train {spec.name}", disable=not progress or not w.main, unit="step")
     t0, tokens, start_step = time.perf_counter(), 0, step
-    window_loss, window_tokens, last_loss = 0.0, 0, float("nan")
+    pace = pace_for(spec, device, total)
+    # the window's loss stays on the device, summed there: read (a wait for the device) at log intervals only
+    window_loss, window_tokens, last_loss = torch.zeros((), device=device), 0, float("nan")
     try:
         while step < steps and (stop_after is None or step - start_step < stop_after):
             micro = [next(stream) for _ in range(tr.grad_accum)]
@@ -605,29 +703,31 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
             if w.sharded:
                 n_items = distributed.all_sum(n_items, device)
             loss = optimizer_step(model, optimizer, params, micro, device=device, max_grad_norm=tr.max_grad_norm,
-                                  amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w)
-            n_labels = int(n_items)
+                                  amp=amp, loss=kernel, offload=offload, n_items=n_items, world=w, on_device=True)
             if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
                 scheduler.step()
             tokens += sum(batch_tokens(b) for b in micro)
+            pace.add(micro)
             meter.sample()
             step += 1
             samples += per_step
-            window_loss += loss * n_labels
-            window_tokens += n_labels
+            window_loss += loss * n_items
+            window_tokens += n_items
             bar.update(1)
             if step % tr.log_every == 0 or step == steps:
-                last_loss = window_loss / max(window_tokens, 1)  # token-weighted, as each step's loss is
-                row = {"train_loss": last_loss, "learning_rate": scheduler.get_last_lr()[0]}
+                last_loss = (window_loss / max(int(window_tokens), 1)).item()  # token-weighted, as a step's loss
+                row = {"train_loss": last_loss, "learning_rate": scheduler.get_last_lr()[0], **pace.rates()}
                 if amp.scaler is not None:
                     row.update(skipped_steps=amp.skipped_steps, loss_scale=amp.scaler.get_scale())
                 if metrics_file is not None:
                     metrics_file.write(json.dumps({"step": step, **row}) + "\n")
                     metrics_file.flush()
-                bar.set_postfix(loss=f"{last_loss:.3f}")
+                bar.set_postfix(progress_fields(row))
                 if on_metrics and w.main:
                     on_metrics(row, step)
-                window_loss, window_tokens = 0.0, 0
+                window_loss, window_tokens = torch.zeros((), device=device), 0
+            if step == start_step + 1:  # the warm-up step: the pace is timed from here
+                pace.start()
             if step % tr.checkpoint_every == 0 and step < steps:
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
                         samples_per_step=per_step)
@@ -649,6 +749,8 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
         if metrics_file is not None:
             metrics_file.close()
     seconds = time.perf_counter() - t0
+    synchronize(device)  # the last step's work done: the pace's clock reads the device's time
+    rates = pace.rates()
     if step < steps:  # stopped early on request: keep a checkpoint so a rerun picks up here
         save_checkpoint(run_dir, step, model, optimizer, scheduler, amp=amp, world=w, samples=samples,
                         samples_per_step=per_step)
@@ -663,13 +765,25 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     done = step - start_step
     result = TrainResult(
         run_dir=str(run_dir), adapter_dir=str(adapter_dir), device=device, precision=precision, steps=step,
-        total_steps=steps, final_loss=last_loss, seconds=seconds, steps_per_sec=done / seconds if seconds else 0.0,
+        total_steps=steps, final_loss=last_loss, seconds=seconds,
+        steps_per_sec=rates.get("steps_per_s", done / seconds if seconds else 0.0),
+        tokens_per_sec=rates.get("tokens_per_s", tokens / seconds if seconds else 0.0), mfu=rates.get("mfu"),
         tokens=tokens, trainable_params=trainable, total_params=total, resumed_from=resumed_from,
         skipped_steps=amp.skipped_steps, peak=peak, loss=kernel, activation_offloading=offload is not None,
         world_size=w.size, rank_peaks=rank_peaks, grad_accum=tr.grad_accum, samples_per_step=per_step)
     if w.main:
         result.save()
     return result
+
+
+def progress_fields(row: dict) -> dict[str, str]:
+    """The progress line's fields from a log row: loss, and where timed, tokens/s and MFU."""
+    fields = {"loss": f"{row['train_loss']:.3f}"}
+    if "tokens_per_s" in row:
+        fields["tok/s"] = f"{row['tokens_per_s']:,.0f}"
+    if "mfu" in row:
+        fields["mfu"] = f"{row['mfu']:.1%}"
+    return fields
 
 
 def save_trained(model, tok, dest: Path, spec: PipelineSpec, w: World) -> None:

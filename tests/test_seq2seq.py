@@ -227,7 +227,7 @@ def test_t5_traced_for_cuda_keeps_each_attention_bias_not_its_scores(t5_config_d
     s = TrainSettings(method="lora", rank=8, batch=1, seq_len=S, dtype="fp16", attention="sdpa", dropout=0.0,
                       targets=["q", "v"], keep_logits=False)
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
-    cuda = trace_step(spec, s, seq_len=S, foreach=True, autocast_of="cuda", device=resolve_device("T4"))
+    cuda = trace_step(spec, s, seq_len=S, adamw="foreach", autocast_of="cuda", device=resolve_device("T4"))
     cpu = trace_step(spec, s, seq_len=S)
     step = cuda.events[cuda.measured_start:]
     calls = [e for e in step if e.kind == "alloc" and e.op == "_scaled_dot_product_efficient_attention.default"

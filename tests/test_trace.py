@@ -168,9 +168,45 @@ def test_recorder_tags(eager16, model_dir):
 
 
 def test_foreach_runs_the_multi_tensor_optimizer(model_dir):
-    tr = trace_step(spec_for(model_dir), settings(), seq_len=S, foreach=True)
+    tr = trace_step(spec_for(model_dir), settings(), seq_len=S, adamw="foreach")
     assert any(e.op.startswith("_foreach_") for e in tr.events if e.phase == "optimizer_step")
-    assert ck.optimizer_foreach(resolve_device("T4")) and not ck.optimizer_foreach(resolve_device("cpu:8GiB"))
+    fused = trace_step(spec_for(model_dir), settings(), seq_len=S, adamw="fused")
+    assert not any(e.op.startswith("_foreach_sqrt") for e in fused.events if e.phase == "optimizer_step")
+
+
+def test_adamw_runs_fused_on_one_cuda_gpu_only():
+    assert ck.adamw_impl("cuda") == "fused" and ck.adamw_impl("cuda", 2) == "foreach"
+    assert ck.adamw_impl("cpu") == ck.adamw_impl("mps") == "for-loop"
+    assert ck.adamw_impl("cuda", ran="foreach") == "foreach"  # a run measured before the loop fused AdamW
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_adamw_step_temporaries_are_the_analytic_rule(impl):
+    """torch's own AdamW step (the loop's make_optimizer) on real CPU tensors, its live bytes counted by the
+    probe's tracker beyond the parameters, gradients and state it starts with, against the analytic estimate's
+    temporaries for that implementation: three sizes so each rule gives another figure (fused 0, foreach the sum of
+    the tensors, per tensor twice the largest)."""
+    import torch
+
+    from fitburst.memory.params import optimizer_bytes
+    from fitburst.probe import TensorTracker
+    from fitburst.train import make_optimizer
+
+    sizes = [3000, 1000, 500]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make_optimizer("adamw", params, 1e-3, 0.01, impl)
+    opt.step()  # the state appears
+    tracker = TensorTracker()
+    held = params + [p.grad for p in params] + [t for st in opt.state.values() for t in st.values()]
+    tracker.add(held)
+    tracker.peak = start = tracker.cur
+    with tracker:
+        opt.step()
+    device = resolve_device("T4" if impl != "for-loop" else "cpu:8GiB")
+    _, temp, _ = optimizer_bytes(settings(adamw=impl), sizes, 4, device)
+    assert abs((tracker.peak - start) - temp) <= 256  # a few scalar tensors (the step's increment) aside
 
 
 # --- each CUDA rule on its own --------------------------------------------------------------------------
@@ -353,7 +389,7 @@ def test_a_trace_for_cuda_runs_sdpa_through_the_kernel_cuda_picks(model_dir, tmp
     s = settings(dtype="fp16", batch=2, padded=True)
     runs = {}
     for device in (t4, None):
-        tr = trace_step(spec_for(mha), s, seq_len=S, foreach=True, autocast_of="cuda", device=device)
+        tr = trace_step(spec_for(mha), s, seq_len=S, adamw="foreach", autocast_of="cuda", device=device)
         events, start = ck.apply(tr, t4, s, S, device_map=True)
         rep = allocator.replay(events, start=start)
         runs[device] = ({e.op for e in tr.events if "scaled_dot" in e.op},

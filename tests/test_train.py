@@ -87,3 +87,70 @@ def test_device_refusals():
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     assert select_device("auto") == best
     assert select_device("cpu") == "cpu"
+
+
+def test_the_loss_is_read_on_the_host_at_log_intervals_only(tmp_path, demo_spec, demo_prepared, monkeypatch):
+    """Each step's loss stays on the device, summed there; the host reads it (waiting for the device) once per
+    logged row, not once per step."""
+    import fitburst.train as loop
+
+    reads: list[int] = []
+
+    class Watched(torch.Tensor):
+        def item(self):
+            reads.append(1)
+            return super().item()
+
+    step = loop.optimizer_step
+    monkeypatch.setattr(loop, "optimizer_step", lambda *a, **k: step(*a, **k).as_subclass(Watched))
+    r = train(small(demo_spec, max_steps=6, log_every=3), demo_prepared, tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert r.steps == 6 and [row["step"] for row in rows] == [3, 6] and len(reads) == 2
+    assert all(row["train_loss"] > 0 for row in rows)
+
+
+def test_the_pace_leaves_out_the_warm_up_step(tmp_path, demo_spec, demo_prepared, monkeypatch):
+    """A clock that takes 100 s for the first step and 1 s for each later one: steps/s and tokens/s are the later
+    steps' (the real tokens of their micro-batches, per second); no MFU on the CPU, whose peak is not known."""
+    import fitburst.train as loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
+    timed: list[int] = []
+    step = loop.optimizer_step
+
+    def clocked(model, optimizer, params, micro, **k):
+        loss = step(model, optimizer, params, micro, **k)
+        now[0] += 100.0 if not timed and now[0] == 0.0 else 1.0
+        timed.append(sum(int(b["attention_mask"].sum()) for b in micro))
+        return loss
+
+    monkeypatch.setattr(loop, "optimizer_step", clocked)
+    r = train(small(demo_spec, max_steps=4, log_every=2, grad_accum=2), demo_prepared, tmp_path, progress=False)
+    assert r.steps_per_sec == pytest.approx(1.0)
+    assert r.tokens_per_sec == pytest.approx(sum(timed[1:]) / 3) and r.tokens == sum(timed)
+    assert r.mfu is None
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "tokens_per_s" in rows[-1] and "mfu" not in rows[-1]
+
+
+def test_mfu_is_model_flops_over_the_devices_peak():
+    """PaLM's count over a timed step: 6 x parameters x tokens, plus 12 x layers x width x each length squared."""
+    from fitburst.hours import PEAK_TFLOPS, peak_tflops
+    from fitburst.memory import resolve_device
+    from fitburst.train import Pace, progress_fields
+
+    pace = Pace("cpu", peak_tflops=1e-6, params=1000, attn_width=8, t0=0.0)  # 1 MFLOP/s
+    pace.add([{"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1] * 5])}])
+    assert (pace.steps, pace.tokens, pace.flops) == (1, 8, 6 * 1000 * 8 + 12 * 8 * (3 * 3 + 5 * 5))
+    assert peak_tflops(resolve_device("H100")) == PEAK_TFLOPS["H100"] and peak_tflops(resolve_device("cpu")) is None
+    assert progress_fields({"train_loss": 1.5, "tokens_per_s": 1234.0, "mfu": 0.412}) == {
+        "loss": "1.500", "tok/s": "1,234", "mfu": "41.2%"}
+
+
+def test_a_micro_batch_stays_where_it_is_on_the_cpu():
+    """No pinned copy off CUDA: on the CPU the loop trains on the collated tensor itself."""
+    from fitburst.train import to_device
+
+    t = torch.arange(6)
+    assert to_device(t, "cpu") is t

@@ -27,8 +27,8 @@ to a CPU trace's ordered events to give the events a CUDA run would show.
 - :func:`allocator_warmup`: from_pretrained with a device map (always so when bitsandbytes quantizes on load)
   first allocates and frees one block the size of the weights it will load (transformers'
   ``caching_allocator_warmup``): one segment that the loading, and later the step, carve up.
-- :func:`optimizer_foreach`: AdamW runs its multi-tensor (foreach) path when every parameter is on CUDA; the trace
-  then runs that path itself.
+- :func:`adamw_impl`: how AdamW runs its step in fitburst's loop (fused on one CUDA GPU, foreach under FSDP on CUDA,
+  per tensor elsewhere); the trace then runs that path itself and the analytic estimate counts its temporaries.
 - :func:`offloaded_activations` (while tracing for a CUDA device with activation offloading): each tensor saved
   for backward is copied to host memory (allocations tagged ``host``, which :func:`drop_cpu_resident` leaves out)
   and copied back when its backward node runs, as TRL's ``OffloadActivations`` does, the device originals of the
@@ -77,8 +77,21 @@ def cublas_workspace_bytes(device: Device, biased: bool, recompute: bool) -> int
     return 2 * cublas_workspace_size(device) + (CUBLASLT_WORKSPACE * (2 if recompute else 1) if biased else 0)
 
 
-def optimizer_foreach(device: Device) -> bool:
-    return device.kind == "cuda"
+ADAMW_IMPLS = ("fused", "foreach", "for-loop")
+
+
+def adamw_impl(kind: str, world_size: int = 1, ran: str = "auto") -> str:
+    """How torch's AdamW runs fitburst's step on a device of ``kind`` over ``world_size`` processes: ``fused`` (one
+    kernel updates each parameter in place, no temporaries) on one CUDA GPU, where the loop asks for it; ``foreach``
+    (grouped temporaries, one as large as every parameter of a device/dtype group) on CUDA under FSDP, whose DTensor
+    parameters the loop leaves to torch's multi-tensor path; ``for-loop`` (per tensor, torch's default) on CPU and
+    MPS. ``ran``: the implementation a measured run used, where it is known and not this rule's (a replay of a run
+    measured before the loop fused AdamW)."""
+    if ran != "auto":
+        return ran
+    if kind == "cuda":
+        return "fused" if world_size == 1 else "foreach"
+    return "for-loop"
 
 
 MATH = 0  # sdp::SDPBackend::math, what torch._fused_sdp_choice answers for the math kernel

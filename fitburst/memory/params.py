@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fitburst.hardware import Device
 from fitburst.runconfig import TrainSettings
 
-from .cuda_kernels import cublas_workspace_bytes
+from .cuda_kernels import adamw_impl, cublas_workspace_bytes
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -152,11 +152,10 @@ def optimizer_bytes(
         return pbytes * sum(tensors), 0, 0
     if s.optimizer == "adamw":
         state = 2 * pbytes * sum(tensors)
-        # torch AdamW: foreach on CUDA (one sqrt buffer over all params), per tensor elsewhere
-        if device.kind == "cpu":
-            temp = 2 * pbytes * max(tensors, default=0)
-        else:
-            temp = pbytes * sum(tensors)
+        # torch AdamW as the loop runs it (cuda_kernels.adamw_impl): fused updates in place; foreach holds one
+        # sqrt buffer over all params; per tensor, two buffers of the largest tensor
+        impl = adamw_impl(device.kind, s.world_size, s.adamw)
+        temp = {"fused": 0, "foreach": pbytes * sum(tensors)}.get(impl, 2 * pbytes * max(tensors, default=0))
         return state, temp, 0
     state = 0
     for n in tensors:

@@ -305,12 +305,12 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str], fused_loss: bool = Fa
     return hs
 
 
-def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = False, step=None,
+def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for-loop", step=None,
                kbit_read_ahead: int = 0, autocast_of: str = "cpu", device: Device | None = None,
                traced_micro: int | None = TRACED_MICRO) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
-    ``foreach``: run the optimizer's multi-tensor path (what AdamW picks when every parameter is on CUDA).
+    ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`: fused, foreach, for-loop).
     ``step``: the step function (default: the training loop's :func:`fitburst.train.optimizer_step`; a benchmark
     whose measurements came from another loop passes that loop's step). ``kbit_read_ahead``: tensors a
     quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
@@ -344,7 +344,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
     if s.world_size > 1 and not sharded.in_fake_group():  # rank 0 of world_size, in a fake process group
         with sharded.fake_process_group(s.world_size):
-            return trace_step(spec, settings, seq_len=seq_len, foreach=foreach, step=step,
+            return trace_step(spec, settings, seq_len=seq_len, adamw=adamw, step=step,
                               kbit_read_ahead=kbit_read_ahead, autocast_of=autocast_of, device=device)
     t0 = time.perf_counter()
     step = step or optimizer_step
@@ -367,7 +367,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
-        opt = _optimizer(sp, params, foreach)
+        opt = _optimizer(sp, params, adamw)
         hooks = _phase_hooks(model, opt, rec, prefix, fused_loss=s.fused_loss)
         # the loop's AMP (autocast copies, fp16 GradScaler), with CPU autocast standing in for the device's. CPU
         # autocast lowers the same ops as CUDA's and MPS's on these models (linear, matmul, bmm, baddbmm, addmm,
@@ -440,16 +440,12 @@ def _loaded(model, rec, s: TrainSettings, kbit_read_ahead: int) -> int:
     return load_bytes
 
 
-def _optimizer(sp, params: list, foreach: bool):
-    """The loop's optimizer over ``params``; ``foreach``: its multi-tensor path, as AdamW runs on CUDA."""
+def _optimizer(sp, params: list, adamw: str):
+    """The loop's optimizer over ``params``; ``adamw``: how AdamW steps (fused, foreach, for-loop)."""
     from fitburst.train import make_optimizer
 
     tr = sp.training
-    opt = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
-    if foreach and "foreach" in opt.defaults:
-        for g in opt.param_groups:
-            g["foreach"] = True
-    return opt
+    return make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay, adamw)
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
@@ -509,7 +505,7 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     tensor peak plus the runtime floor; on MPS the tensor peak with the analytic estimate's MPS heap terms.
     ``method`` is "traced" (its error band in :mod:`fitburst.memory.calibration`). Each estimate is kept on disk
     (:mod:`fitburst.memory.trace_cache`); ``cache`` keeps traces by settings across calls in this process (a trace
-    depends on the device through its kind: the optimizer's foreach path, its autocast, MPS's SDPA; the SDPA
+    depends on the device through its kind: the optimizer's fused or foreach path, its autocast, MPS's SDPA; the SDPA
     kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
     from . import allocator, trace_cache
 
@@ -529,13 +525,13 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
     from . import allocator, cuda_kernels
 
     s = settings
-    foreach = device.kind == "cuda"
+    adamw = cuda_kernels.adamw_impl(device.kind, s.world_size, s.adamw)
     # whether this device would expand a grouped-query model's k/v (the trace records whether this model's were)
     expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype, gqa=True)
-    key = (json.dumps(asdict(s), sort_keys=True), seq_len, device.kind, expands, foreach and device.supports_bf16)
+    key = (json.dumps(asdict(s), sort_keys=True), seq_len, device.kind, expands, adamw, device.supports_bf16)
     trace = cache.get(key) if cache is not None else None
     if trace is None:
-        trace = trace_step(spec, s, seq_len=seq_len, foreach=foreach, autocast_of=device.kind, device=device)
+        trace = trace_step(spec, s, seq_len=seq_len, adamw=adamw, autocast_of=device.kind, device=device)
         if cache is not None:
             cache[key] = trace
     notes = [f"traced: {len(trace.events)} allocation events in {trace.seconds:.1f} s"]

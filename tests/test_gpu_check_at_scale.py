@@ -1,0 +1,88 @@
+"""benchmarks/gpu_check.py --at-scale --dry-run: every configuration of the at-scale check, on the CPU with tiny
+stand-ins of its models, through the same parent (priority order, deadline, CSV after each, at most 8 files back),
+children (model build, fitburst's loop with the readings, Hugging Face's Trainer) and replay as a GPU run. The
+children run in this process (a fresh interpreter per child would take minutes here)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitburst import hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def check():
+    import _at_scale
+    import gpu_check
+
+    return gpu_check, _at_scale
+
+
+def in_process(gpu_check):
+    """``_at_scale.child`` running gpu_check's child in this process: (exit status, last words)."""
+
+    def child(args: list[str], timeout: float) -> tuple[int, str]:
+        try:
+            return gpu_check.main(args), ""
+        except Exception as e:  # noqa: BLE001 - the parent records a child's failure, as with a process
+            return 1, repr(e)[:300]
+
+    return child
+
+
+@pytest.fixture(scope="module")
+def dry_run(check, tmp_path_factory):
+    gpu_check, at_scale = check
+    out, models = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("models")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(at_scale, "child", in_process(gpu_check))
+        # the fused loss as a CPU with no C++ compiler runs it (fitburst's chunked loss): inductor's compile of
+        # CCE's CPU path takes minutes here, and the check's code path is the same
+        mp.setattr(hardware, "cpu_compiler", lambda: False)
+        rc = gpu_check.main(["--dry-run", "--steps", "2", "--budget", "3600", "--out", str(out),
+                             "--models", str(models)])
+    with (out / "at_scale.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return rc, out, rows, json.loads((out / "at_scale.json").read_text())
+
+
+def test_every_configuration_runs_on_tiny_stand_ins(check, dry_run):
+    _, at_scale = check
+    rc, out, rows, meta = dry_run
+    status = {name: s["status"] for name, s in meta["configs"].items()}
+    assert rc == 0, meta["configs"]
+    assert list(status) == [c.name for c in at_scale.CASES]  # in priority order
+    assert {n for n, s in status.items() if s != "ok"} == {c.name for c in at_scale.CASES if c.cuda_only}
+    peaks = {r["config"]: r for r in rows if r["stage"] == "peak"}
+    assert set(peaks) == {n for n, s in status.items() if s == "ok"}
+    assert all(float(r["tokens_per_s"]) > 0 and r["sdpa_backend"] and r["adamw"] for r in peaks.values())
+    assert peaks["gemma1b-lora-2x2048-fused"]["loss_kernel"] == "chunked"
+    assert peaks["qwen7b-lora-2048"]["seq_len"] == str(2048 // at_scale.TINY)
+    speed = {r["config"] for r in rows if r["loop"] == "hf_trainer" and float(r["tokens_per_s"]) > 0}
+    assert speed == {c.name for c in at_scale.CASES if c.speed}
+    assert meta["versions"]["libraries"]["torch"] and len(list(out.iterdir())) <= 8
+
+
+def test_out_of_time_configurations_are_named_and_the_csv_still_written(check, tmp_path):
+    gpu_check, at_scale = check
+    rc = gpu_check.main(["--dry-run", "--budget", "0", "--out", str(tmp_path), "--models", str(tmp_path / "m")])
+    meta = json.loads((tmp_path / "at_scale.json").read_text())
+    assert rc == 0 and (tmp_path / "at_scale.csv").exists()
+    assert {s["status"] for s in meta["configs"].values()} == {"not run: out of time"}
+
+
+def test_the_replay_estimates_each_measured_configuration(check, dry_run, capsys):
+    gpu_check, _ = check
+    _, out, rows, _ = dry_run
+    assert gpu_check.main(["--replay", str(out / "at_scale.csv")]) == 0
+    printed = capsys.readouterr().out
+    for name in {r["config"] for r in rows if r["stage"] == "peak"}:
+        assert f"{name} " in printed and "traced" in printed

@@ -227,11 +227,11 @@ def cmd_train(args) -> int:
 def cmd_costs(args) -> int:
     """Rented-GPU spend of a month from MLflow: each burst's recorded cost, or its estimate where none was."""
     from fitburst.history import costs_table, month_bounds, month_bursts
-    from fitburst.tracking import tracking_uri
+    from fitburst.tracking import redact, tracking_uri
 
     uri = args.tracking_uri or tracking_uri()
     start, _ = month_bounds(args.month)
-    print(f"rented-GPU spend in {start:%Y-%m} (UTC), {uri}")
+    print(f"rented-GPU spend in {start:%Y-%m} (UTC), {redact(uri)}")  # a server's URI may carry a password
     print(costs_table(month_bursts(uri, args.experiment, args.month)))
     return 0
 

@@ -162,3 +162,17 @@ def test_costs_prints_spend_per_pipeline_and_per_day(spent, store, capsys):
     assert re.search(r"^demo\s+1\s+\$100\.00$", capsys.readouterr().out, re.M)
     with pytest.raises(SystemExit):
         main(["costs", "--month", "2026-13"])
+
+
+def test_costs_never_prints_the_tracking_servers_password(monkeypatch, capsys):
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", lambda tracking_uri: _NoRuns())
+    assert main(["costs", "--tracking-uri", "https://alice:s3cret-pw@mlflow.example"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret-pw" not in out and "alice:***@mlflow.example" in out
+
+
+class _NoRuns:
+    """An MLflow client of a store with no experiments (the test reads no server)."""
+
+    def search_experiments(self) -> list:
+        return []

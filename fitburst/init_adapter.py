@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fitburst.errors import UserError
 from fitburst.models import resolve_model_ref
-from fitburst.spec import PipelineSpec
+from fitburst.spec import MODEL_VERSION_URI, PipelineSpec
 from fitburst.tracking import CHAMPION
 
 
@@ -39,9 +38,6 @@ class InitSource:
     @property
     def fingerprint(self) -> str:
         return f"{self.uri}#{self.digest}" if self.digest else self.uri
-
-
-_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
 
 
 def resolve_init(spec: PipelineSpec, uri: str) -> InitSource | None:
@@ -70,7 +66,7 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    m = _URI.match(f"models:/{spec.tracking.register_as}@{CHAMPION}" if init == "champion" else init)
+    m = MODEL_VERSION_URI.match(f"models:/{spec.tracking.register_as}@{CHAMPION}" if init == "champion" else init)
     if m is None:
         raise InitMismatch(f"{spec.name}: method.init_from {init!r} is not models:/NAME/VERSION or "
                            "models:/NAME@ALIAS: write it so, or give an adapter folder")

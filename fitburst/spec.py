@@ -32,6 +32,8 @@ CHATML_TEMPLATE = (
 )
 DEFAULT_PIPELINES_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+# method.init_from as a registered version: models:/NAME/VERSION or models:/NAME@ALIAS
+MODEL_VERSION_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
 
 
 class Strict(BaseModel):
@@ -138,7 +140,12 @@ class MethodSpec(Strict):
     @classmethod
     def _init_source(cls, v: str) -> str:
         v = v.strip()
-        if v in ("none", "champion") or v.startswith("models:/") or v.startswith(("/", ".", "~")) or "/" in v:
+        if v.startswith("models:/"):
+            if MODEL_VERSION_URI.match(v):
+                return v
+            raise ValueError(f"{v!r} is not models:/NAME/VERSION or models:/NAME@ALIAS (e.g. models:/my-model/3, "
+                             "models:/my-model@champion): write it so")
+        if v in ("none", "champion") or v.startswith(("/", ".", "~")) or "/" in v:
             return v
         raise ValueError("init_from is none, champion, a models:/NAME/VERSION (or models:/NAME@ALIAS) URI, or the "
                          "path of an adapter folder")

@@ -176,3 +176,14 @@ class _NoRuns:
 
     def search_experiments(self) -> list:
         return []
+
+
+def test_a_malformed_models_uri_in_init_from_is_one_located_message_before_any_run(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (tmp_path / "pipelines.yaml").write_text(
+        "pipelines:\n  p:\n    model: {name: fitburst/tiny-demo}\n    data: {path: d.jsonl}\n"
+        "    training: {max_steps: 1}\n    method:\n      init_from: models:/my-model\n")
+    assert main(["run", "p", "-f", str(tmp_path / "pipelines.yaml"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "line 7: field 'method.init_from'" in err and "is not models:/NAME/VERSION or models:/NAME@ALIAS" in err
+    assert "Traceback" not in err

@@ -61,21 +61,13 @@ def model_revision(model: ModelSpec) -> str:
     return Path(hit).parent.name if isinstance(hit, str) else "unknown"
 
 
-def settings_hash(spec: PipelineSpec) -> str:
-    """The resolved data, method and training settings (defaults merged, overrides applied), not where the data
-    file lies (its content is the data hash's), where the run starts from (the init part) or how it is spread over
-    GPUs (a sharded run trains the same adapter)."""
-    d = spec.model_dump(mode="json", include={"data", "method", "training"},
-                        exclude={"data": {"path", "dataset"}, "method": {"init_from"},
-                                 "training": {"distributed", "fsdp"}})
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def fingerprint_parts(spec: PipelineSpec, data_hash: str, init_source: str | None = None) -> dict[str, str]:
     """What decides the adapter a run trains, part by part: the prepared data's content hash (the data cache's key:
     records, data settings, tokenizer), the settings, the base model and its revision, the training code, and the
-    adapter it starts from."""
-    return {"data": data_hash, "settings": settings_hash(spec), "model": spec.model.name,
+    adapter it starts from. The settings are :meth:`PipelineSpec.config_hash` without the data's location and the
+    starting adapter (their contents are parts of their own), so a moved data file or another GPU split is no
+    change."""
+    return {"data": data_hash, "settings": spec.config_hash(sources=False), "model": spec.model.name,
             "revision": model_revision(spec.model), "code": training_code_version(), "init": init_source or "none"}
 
 

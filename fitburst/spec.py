@@ -540,11 +540,16 @@ class PipelineSpec(Strict):
         local = local if local.is_absolute() else Path(self.base_dir) / local
         return local if ref.startswith((".", "/", "~")) or local.is_dir() else ref
 
-    def config_hash(self) -> str:
+    def config_hash(self, *, sources: bool = True) -> str:
         """A short hash of what decides the result (not tags, schedule or tracking; not how the run is spread over
-        GPUs either: a sharded checkpoint resumes at another world size, in the same run folder)."""
-        d = self.model_dump(include={"model", "data", "method", "training"},
-                            exclude={"training": {"distributed", "fsdp"}})
+        GPUs either: a sharded checkpoint resumes at another world size, in the same run folder).
+
+        ``sources=False`` leaves out where the data lies and the adapter the run starts from (``method.init_from``):
+        the run's fingerprint (:mod:`fitburst.history`) holds their contents as parts of their own."""
+        exclude: dict[str, set[str]] = {"training": {"distributed", "fsdp"}}
+        if not sources:
+            exclude.update(data={"path", "dataset"}, method={"init_from"})
+        d = self.model_dump(include={"model", "data", "method", "training"}, exclude=exclude)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_overrides(self, overrides: dict) -> PipelineSpec:

@@ -187,3 +187,19 @@ def test_a_malformed_models_uri_in_init_from_is_one_located_message_before_any_r
     err = capsys.readouterr().err
     assert "line 7: field 'method.init_from'" in err and "is not models:/NAME/VERSION or models:/NAME@ALIAS" in err
     assert "Traceback" not in err
+
+
+def test_the_fingerprint_changes_with_what_decides_the_adapter_and_nothing_else(demo_spec):
+    from fitburst.history import fingerprint, fingerprint_parts
+
+    def fp(overrides: dict, data_hash: str = "d1", init: str | None = None) -> str:
+        return fingerprint(fingerprint_parts(demo_spec.with_overrides(overrides), data_hash, init))
+
+    same = fp({})
+    assert fp({}) == same  # a rerun with the same settings
+    assert fp({"data.path": "/elsewhere/the-same-records.jsonl"}) == same  # where the file lies: its content counts
+    assert fp({"training.distributed": "fsdp", "training.fsdp.cpu_offload": True}) == same  # the GPU split
+    assert fp({}, data_hash="d2") != same  # one record changed
+    assert fp({"training.learning_rate": 1e-3}) != same and fp({"method.rank": 8}) != same
+    assert fp({"data.max_seq_len": 256}) != same and fp({"model.revision": "abc123"}) != same
+    assert fp({}, init="models:/m/2") != same  # another starting adapter

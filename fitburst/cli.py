@@ -237,12 +237,11 @@ def cmd_costs(args) -> int:
 
 
 def _month(value: str) -> str:
-    from datetime import datetime
+    """``--month``: YYYY-MM, both digits of the month (strptime alone takes 2026-1 too)."""
+    import re
 
-    try:
-        datetime.strptime(value, "%Y-%m")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a month is YYYY-MM (e.g. 2026-11), got {value!r}") from None
+    if not re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])", value):
+        raise argparse.ArgumentTypeError(f"a month is YYYY-MM (e.g. 2026-11), got {value!r}")
     return value
 
 

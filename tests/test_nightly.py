@@ -160,8 +160,10 @@ def test_costs_prints_spend_per_pipeline_and_per_day(spent, store, capsys):
     last = (spent - timedelta(days=1)).strftime("%Y-%m")
     assert main(["costs", "--month", last]) == 0
     assert re.search(r"^demo\s+1\s+\$100\.00$", capsys.readouterr().out, re.M)
-    with pytest.raises(SystemExit):
-        main(["costs", "--month", "2026-13"])
+    for bad in ("2026-13", "2026-1", "26-11", "2026-11-01"):
+        with pytest.raises(SystemExit):
+            main(["costs", "--month", bad])
+        assert f"a month is YYYY-MM (e.g. 2026-11), got '{bad}'" in capsys.readouterr().err
 
 
 def test_costs_never_prints_the_tracking_servers_password(monkeypatch, capsys):

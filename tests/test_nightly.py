@@ -92,7 +92,10 @@ def test_init_from_an_adapter_of_another_rank_is_refused_with_the_field_and_the_
     store.create_registered_model("fitburst-demo")
     store.create_model_version("fitburst-demo", f"runs:/{src.info.run_id}/adapter", run_id=src.info.run_id)
     store.set_registered_model_alias("fitburst-demo", "champion", "1")
-    rc = main(["run", "demo", "-f", str(pipelines_file), *FAST, "--set", "method.init_from=champion"])
+    run = ["run", "demo", "-f", str(pipelines_file), *FAST, "--set", "method.init_from=champion"]
+    assert main([*run, "--dry-run"]) == 2  # a dry run checks it too: it would fail the same way for real
+    assert "has rank 8: set method.rank: 8" in capsys.readouterr().err
+    rc = main(run)
     err = capsys.readouterr().err
     assert rc == 2
     assert ("method.rank is 16 but method.init_from 'champion' (models:/fitburst-demo/1) has rank 8: set "

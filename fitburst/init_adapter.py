@@ -16,7 +16,7 @@ from pathlib import Path
 from fitburst.errors import UserError
 from fitburst.models import resolve_model_ref
 from fitburst.spec import MODEL_VERSION_URI, PipelineSpec
-from fitburst.tracking import CHAMPION
+from fitburst.tracking import CHAMPION, redact
 
 
 class InitMismatch(UserError, ValueError):
@@ -77,7 +77,7 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
         if init == "champion":
             return None
         raise InitMismatch(f"{spec.name}: method.init_from {init!r}: no such registered model version in "
-                           f"{uri}: check the name and version (or alias), or set init_from: none") from None
+                           f"{redact(uri)}: check the name and version (or alias), or set init_from: none") from None
     params = dict(client.get_run(mv.run_id).data.params) if mv.run_id else {}
     return InitSource(f"models:/{name}/{mv.version}", run_id=mv.run_id, version=str(mv.version), model=name,
                       params=params)

@@ -208,3 +208,23 @@ def test_the_fingerprint_changes_with_what_decides_the_adapter_and_nothing_else(
     assert fp({"training.learning_rate": 1e-3}) != same and fp({"method.rank": 8}) != same
     assert fp({"data.max_seq_len": 256}) != same and fp({"model.revision": "abc123"}) != same
     assert fp({}, init="models:/m/2") != same  # another starting adapter
+
+
+def test_an_unknown_init_from_version_names_the_store_without_its_password(demo_spec, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from fitburst.init_adapter import InitMismatch, resolve_init
+
+    class NoVersions:
+        def __init__(self, tracking_uri: str) -> None:
+            pass
+
+        def get_model_version(self, name: str, version: str):
+            raise MlflowException(f"registered model {name} has no version {version}")
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", NoVersions)
+    spec = demo_spec.with_overrides({"method.init_from": "models:/m/7"})
+    with pytest.raises(InitMismatch) as e:
+        resolve_init(spec, "https://bob:pw-123@mlflow.example")
+    assert "no such registered model version in https://bob:***@mlflow.example" in str(e.value)
+    assert "pw-123" not in str(e.value)

@@ -160,6 +160,10 @@ def cmd_run(args) -> int:
         print(f"{args.pipeline}: {summary['message']}; nothing trained (--force trains anyway)")
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
+    if "tracking_uri" in summary:  # a server's URI may carry a password
+        from fitburst.tracking import redact
+
+        summary["tracking_uri"] = redact(str(summary["tracking_uri"]))
     print(json.dumps(summary, indent=2, default=str))
     if plan:
         print(plan)

@@ -228,3 +228,15 @@ def test_an_unknown_init_from_version_names_the_store_without_its_password(demo_
         resolve_init(spec, "https://bob:pw-123@mlflow.example")
     assert "no such registered model version in https://bob:***@mlflow.example" in str(e.value)
     assert "pw-123" not in str(e.value)
+
+
+def test_a_skipped_runs_summary_prints_the_tracking_uri_without_its_password(pipelines_file, monkeypatch, capsys):
+    def skipped(**_) -> dict:
+        return {"pipeline": "demo", "mlflow_run_id": "r2", "tracking_uri": "https://bob:pw-123@mlflow.example",
+                "trained": False, "message": "nothing changed since run r1 (2026-11-01 02:00 UTC)"}
+
+    monkeypatch.setattr("flows.finetune.finetune", skipped)
+    assert main(["run", "demo", "-f", str(pipelines_file)]) == 0
+    out = capsys.readouterr().out
+    assert "demo: nothing changed since run r1" in out and "https://bob:***@mlflow.example" in out
+    assert "pw-123" not in out

@@ -12,9 +12,13 @@ import json
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitburst import __version__
-from fitburst.spec import ModelSpec, PipelineSpec
+from fitburst.spec import BurstSpec, ModelSpec, PipelineSpec
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 FINGERPRINT_TAG = "fitburst.fingerprint"  # the whole fingerprint; fitburst.fingerprint.<part> each part
 TRAINED_TAG = "fitburst.trained"  # "true": the run trained (not a dry run, not a skipped one)
@@ -72,6 +76,7 @@ def fingerprint_parts(spec: PipelineSpec, data_hash: str, init_source: str | Non
 
 
 def fingerprint(parts: dict[str, str]) -> str:
+    """The whole fingerprint: one short hash of every part."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -93,7 +98,7 @@ class PastRun:
         return [k for k, v in parts.items() if self.parts.get(k) != v]
 
 
-def _experiment_ids(client, experiment: str | None) -> list[str]:
+def _experiment_ids(client: MlflowClient, experiment: str | None) -> list[str]:
     if experiment is None:
         return [e.experiment_id for e in client.search_experiments()]
     exp = client.get_experiment_by_name(experiment)
@@ -189,7 +194,7 @@ def month_spend(spec: PipelineSpec) -> Spend:
     return Spend(round(sum(b.usd for b in bursts if b.pipeline == spec.name), 4), round(sum(b.usd for b in bursts), 4))
 
 
-def monthly_budget_problems(burst, spent: Spend | None, est_total_usd: float | None) -> list[str]:
+def monthly_budget_problems(burst: BurstSpec, spent: Spend | None, est_total_usd: float | None) -> list[str]:
     """Why a burst estimated at ``est_total_usd`` breaks ``burst.max_monthly_usd`` / ``max_monthly_usd_all``
     given what was ``spent`` this month (empty when it does not, or no monthly cap is set)."""
     caps = [(cap, so_far, field, whose) for cap, so_far, field, whose in (

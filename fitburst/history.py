@@ -202,7 +202,9 @@ def monthly_budget_problems(burst: BurstSpec, spent: Spend | None, est_total_usd
         (burst.max_monthly_usd_all, spent.all if spent else 0.0, "max_monthly_usd_all", "every pipeline's"))
         if cap is not None]
     if caps and est_total_usd is None:
-        return ["a monthly budget is set but this run's cost cannot be estimated (no token count)"]
+        return ["a monthly budget is set but this run's cost cannot be estimated (the data's size is unknown "
+                "here, as in a dry run without the tokenizer): set training.max_steps, or unset "
+                "burst.max_monthly_usd / max_monthly_usd_all"]
     return [f"{whose} rented-GPU spend this month so far ${so_far:.2f} + this run's estimated ${est_total_usd:.2f} "
             f"is over burst.{field} ${cap:.2f}" for cap, so_far, field, whose in caps
             if est_total_usd is not None and so_far + est_total_usd > cap]

@@ -240,3 +240,12 @@ def test_a_skipped_runs_summary_prints_the_tracking_uri_without_its_password(pip
     out = capsys.readouterr().out
     assert "demo: nothing changed since run r1" in out and "https://bob:***@mlflow.example" in out
     assert "pw-123" not in out
+
+
+def test_a_monthly_budget_without_a_cost_estimate_says_the_fix(demo_spec):
+    from fitburst.history import Spend, monthly_budget_problems
+
+    burst = demo_spec.with_overrides({"burst.max_monthly_usd": 10}).burst
+    (why,) = monthly_budget_problems(burst, Spend(1.0, 1.0), None)
+    assert "cannot be estimated" in why and "set training.max_steps, or unset burst.max_monthly_usd" in why
+    assert monthly_budget_problems(demo_spec.burst, Spend(1.0, 1.0), None) == []  # no monthly cap: no problem

@@ -58,9 +58,7 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
         return None
     folder = spec.init_folder()
     if folder is not None:
-        files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.startswith("adapter"))
-        digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:12]
-        return InitSource(str(folder.resolve()), digest=digest,
+        return InitSource(str(folder.resolve()), digest=adapter_digest(folder),
                           config=json.loads((folder / "adapter_config.json").read_text()))
     from mlflow.exceptions import MlflowException  # mlflow: heavy, loaded only to read the registry
     from mlflow.tracking import MlflowClient
@@ -81,6 +79,18 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
     params = dict(client.get_run(mv.run_id).data.params) if mv.run_id else {}
     return InitSource(f"models:/{name}/{mv.version}", run_id=mv.run_id, version=str(mv.version), model=name,
                       params=params)
+
+
+def adapter_digest(folder: Path) -> str:
+    """A hash of an adapter folder's ``adapter*`` files, names and bytes, read in chunks (a large adapter is not
+    held in memory): a folder rewritten in place is another starting point."""
+    h = hashlib.sha256()
+    for f in sorted(f for f in folder.iterdir() if f.is_file() and f.name.startswith("adapter")):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:12]
 
 
 def mismatches(spec: PipelineSpec, src: InitSource) -> list[str]:

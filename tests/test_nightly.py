@@ -249,3 +249,16 @@ def test_a_monthly_budget_without_a_cost_estimate_says_the_fix(demo_spec):
     (why,) = monthly_budget_problems(burst, Spend(1.0, 1.0), None)
     assert "cannot be estimated" in why and "set training.max_steps, or unset burst.max_monthly_usd" in why
     assert monthly_budget_problems(demo_spec.burst, Spend(1.0, 1.0), None) == []  # no monthly cap: no problem
+
+
+def test_an_adapter_folder_rewritten_in_place_is_another_start(tmp_path):
+    from fitburst.init_adapter import adapter_digest
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 16}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20))
+    (tmp_path / "README.md").write_text("not part of the adapter")
+    first = adapter_digest(tmp_path)
+    (tmp_path / "README.md").write_text("edited")
+    assert adapter_digest(tmp_path) == first
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20) + b"\1")
+    assert adapter_digest(tmp_path) != first

@@ -230,13 +230,19 @@ def cmd_train(args) -> int:
 
 def cmd_costs(args) -> int:
     """Rented-GPU spend of a month from MLflow: each burst's recorded cost, or its estimate where none was."""
+    from fitburst.errors import UserError
     from fitburst.history import costs_table, month_bounds, month_bursts
     from fitburst.tracking import redact, tracking_uri
 
     uri = args.tracking_uri or tracking_uri()
     start, _ = month_bounds(args.month)
+    try:
+        bursts = month_bursts(uri, args.experiment, args.month)
+    except Exception as e:  # noqa: BLE001 - an unsupported URI, an unreachable server: one message, no traceback
+        raise UserError(f"cannot read the MLflow store {redact(uri)} ({type(e).__name__}: {redact(str(e))[:300]}): "
+                        "check --tracking-uri or MLFLOW_TRACKING_URI") from None
     print(f"rented-GPU spend in {start:%Y-%m} (UTC), {redact(uri)}")  # a server's URI may carry a password
-    print(costs_table(month_bursts(uri, args.experiment, args.month)))
+    print(costs_table(bursts))
     return 0
 
 

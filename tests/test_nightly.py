@@ -262,3 +262,11 @@ def test_an_adapter_folder_rewritten_in_place_is_another_start(tmp_path):
     assert adapter_digest(tmp_path) == first
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20) + b"\1")
     assert adapter_digest(tmp_path) != first
+
+
+def test_costs_from_a_store_it_cannot_read_is_one_message_without_the_password(capsys):
+    assert main(["costs", "--tracking-uri", "foo://bob:pw-123@mlflow.example"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot read the MLflow store foo://bob:***@mlflow.example" in err
+    assert "check --tracking-uri or MLFLOW_TRACKING_URI" in err
+    assert "pw-123" not in err and "Traceback" not in err

@@ -160,6 +160,10 @@ def cmd_run(args) -> int:
         print(f"{args.pipeline}: {summary['message']}; nothing trained (--force trains anyway)")
     plan = summary.pop("burst_plan", None)
     summary.pop("candidates", None)
+    if "tracking_uri" in summary:  # a server's URI may carry a password
+        from fitburst.tracking import redact
+
+        summary["tracking_uri"] = redact(str(summary["tracking_uri"]))
     print(json.dumps(summary, indent=2, default=str))
     if plan:
         print(plan)
@@ -226,23 +230,28 @@ def cmd_train(args) -> int:
 
 def cmd_costs(args) -> int:
     """Rented-GPU spend of a month from MLflow: each burst's recorded cost, or its estimate where none was."""
+    from fitburst.errors import UserError
     from fitburst.history import costs_table, month_bounds, month_bursts
-    from fitburst.tracking import tracking_uri
+    from fitburst.tracking import redact, tracking_uri
 
     uri = args.tracking_uri or tracking_uri()
     start, _ = month_bounds(args.month)
-    print(f"rented-GPU spend in {start:%Y-%m} (UTC), {uri}")
-    print(costs_table(month_bursts(uri, args.experiment, args.month)))
+    try:
+        bursts = month_bursts(uri, args.experiment, args.month)
+    except Exception as e:  # noqa: BLE001 - an unsupported URI, an unreachable server: one message, no traceback
+        raise UserError(f"cannot read the MLflow store {redact(uri)} ({type(e).__name__}: {redact(str(e))[:300]}): "
+                        "check --tracking-uri or MLFLOW_TRACKING_URI") from None
+    print(f"rented-GPU spend in {start:%Y-%m} (UTC), {redact(uri)}")  # a server's URI may carry a password
+    print(costs_table(bursts))
     return 0
 
 
 def _month(value: str) -> str:
-    from datetime import datetime
+    """``--month``: YYYY-MM, both digits of the month (strptime alone takes 2026-1 too)."""
+    import re
 
-    try:
-        datetime.strptime(value, "%Y-%m")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a month is YYYY-MM (e.g. 2026-11), got {value!r}") from None
+    if not re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])", value):
+        raise argparse.ArgumentTypeError(f"a month is YYYY-MM (e.g. 2026-11), got {value!r}")
     return value
 
 

@@ -12,9 +12,13 @@ import json
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitburst import __version__
-from fitburst.spec import ModelSpec, PipelineSpec
+from fitburst.spec import BurstSpec, ModelSpec, PipelineSpec
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 FINGERPRINT_TAG = "fitburst.fingerprint"  # the whole fingerprint; fitburst.fingerprint.<part> each part
 TRAINED_TAG = "fitburst.trained"  # "true": the run trained (not a dry run, not a skipped one)
@@ -61,25 +65,18 @@ def model_revision(model: ModelSpec) -> str:
     return Path(hit).parent.name if isinstance(hit, str) else "unknown"
 
 
-def settings_hash(spec: PipelineSpec) -> str:
-    """The resolved data, method and training settings (defaults merged, overrides applied), not where the data
-    file lies (its content is the data hash's), where the run starts from (the init part) or how it is spread over
-    GPUs (a sharded run trains the same adapter)."""
-    d = spec.model_dump(mode="json", include={"data", "method", "training"},
-                        exclude={"data": {"path", "dataset"}, "method": {"init_from"},
-                                 "training": {"distributed", "fsdp"}})
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def fingerprint_parts(spec: PipelineSpec, data_hash: str, init_source: str | None = None) -> dict[str, str]:
     """What decides the adapter a run trains, part by part: the prepared data's content hash (the data cache's key:
     records, data settings, tokenizer), the settings, the base model and its revision, the training code, and the
-    adapter it starts from."""
-    return {"data": data_hash, "settings": settings_hash(spec), "model": spec.model.name,
+    adapter it starts from. The settings are :meth:`PipelineSpec.config_hash` without the data's location and the
+    starting adapter (their contents are parts of their own), so a moved data file or another GPU split is no
+    change."""
+    return {"data": data_hash, "settings": spec.config_hash(sources=False), "model": spec.model.name,
             "revision": model_revision(spec.model), "code": training_code_version(), "init": init_source or "none"}
 
 
 def fingerprint(parts: dict[str, str]) -> str:
+    """The whole fingerprint: one short hash of every part."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -101,7 +98,7 @@ class PastRun:
         return [k for k, v in parts.items() if self.parts.get(k) != v]
 
 
-def _experiment_ids(client, experiment: str | None) -> list[str]:
+def _experiment_ids(client: MlflowClient, experiment: str | None) -> list[str]:
     if experiment is None:
         return [e.experiment_id for e in client.search_experiments()]
     exp = client.get_experiment_by_name(experiment)
@@ -197,7 +194,7 @@ def month_spend(spec: PipelineSpec) -> Spend:
     return Spend(round(sum(b.usd for b in bursts if b.pipeline == spec.name), 4), round(sum(b.usd for b in bursts), 4))
 
 
-def monthly_budget_problems(burst, spent: Spend | None, est_total_usd: float | None) -> list[str]:
+def monthly_budget_problems(burst: BurstSpec, spent: Spend | None, est_total_usd: float | None) -> list[str]:
     """Why a burst estimated at ``est_total_usd`` breaks ``burst.max_monthly_usd`` / ``max_monthly_usd_all``
     given what was ``spent`` this month (empty when it does not, or no monthly cap is set)."""
     caps = [(cap, so_far, field, whose) for cap, so_far, field, whose in (
@@ -205,7 +202,9 @@ def monthly_budget_problems(burst, spent: Spend | None, est_total_usd: float | N
         (burst.max_monthly_usd_all, spent.all if spent else 0.0, "max_monthly_usd_all", "every pipeline's"))
         if cap is not None]
     if caps and est_total_usd is None:
-        return ["a monthly budget is set but this run's cost cannot be estimated (no token count)"]
+        return ["a monthly budget is set but this run's cost cannot be estimated (the data's size is unknown "
+                "here, as in a dry run without the tokenizer): set training.max_steps, or unset "
+                "burst.max_monthly_usd / max_monthly_usd_all"]
     return [f"{whose} rented-GPU spend this month so far ${so_far:.2f} + this run's estimated ${est_total_usd:.2f} "
             f"is over burst.{field} ${cap:.2f}" for cap, so_far, field, whose in caps
             if est_total_usd is not None and so_far + est_total_usd > cap]

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fitburst.errors import UserError
 from fitburst.models import resolve_model_ref
-from fitburst.spec import PipelineSpec
-from fitburst.tracking import CHAMPION
+from fitburst.spec import MODEL_VERSION_URI, PipelineSpec
+from fitburst.tracking import CHAMPION, redact
 
 
 class InitMismatch(UserError, ValueError):
@@ -41,9 +40,6 @@ class InitSource:
         return f"{self.uri}#{self.digest}" if self.digest else self.uri
 
 
-_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
-
-
 def resolve_init(spec: PipelineSpec, uri: str) -> InitSource | None:
     """``spec.method.init_from`` resolved to one version or folder and checked against the pipeline (InitMismatch
     names every difference and its fix), before anything is downloaded; None for ``none``, and for ``champion``
@@ -62,15 +58,13 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
         return None
     folder = spec.init_folder()
     if folder is not None:
-        files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.startswith("adapter"))
-        digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:12]
-        return InitSource(str(folder.resolve()), digest=digest,
+        return InitSource(str(folder.resolve()), digest=adapter_digest(folder),
                           config=json.loads((folder / "adapter_config.json").read_text()))
     from mlflow.exceptions import MlflowException  # mlflow: heavy, loaded only to read the registry
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    m = _URI.match(f"models:/{spec.tracking.register_as}@{CHAMPION}" if init == "champion" else init)
+    m = MODEL_VERSION_URI.match(f"models:/{spec.tracking.register_as}@{CHAMPION}" if init == "champion" else init)
     if m is None:
         raise InitMismatch(f"{spec.name}: method.init_from {init!r} is not models:/NAME/VERSION or "
                            "models:/NAME@ALIAS: write it so, or give an adapter folder")
@@ -81,10 +75,22 @@ def _find(spec: PipelineSpec, uri: str) -> InitSource | None:
         if init == "champion":
             return None
         raise InitMismatch(f"{spec.name}: method.init_from {init!r}: no such registered model version in "
-                           f"{uri}: check the name and version (or alias), or set init_from: none") from None
+                           f"{redact(uri)}: check the name and version (or alias), or set init_from: none") from None
     params = dict(client.get_run(mv.run_id).data.params) if mv.run_id else {}
     return InitSource(f"models:/{name}/{mv.version}", run_id=mv.run_id, version=str(mv.version), model=name,
                       params=params)
+
+
+def adapter_digest(folder: Path) -> str:
+    """A hash of an adapter folder's ``adapter*`` files, names and bytes, read in chunks (a large adapter is not
+    held in memory): a folder rewritten in place is another starting point."""
+    h = hashlib.sha256()
+    for f in sorted(f for f in folder.iterdir() if f.is_file() and f.name.startswith("adapter")):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:12]
 
 
 def mismatches(spec: PipelineSpec, src: InitSource) -> list[str]:

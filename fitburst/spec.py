@@ -32,6 +32,8 @@ CHATML_TEMPLATE = (
 )
 DEFAULT_PIPELINES_FILE = os.environ.get("FITBURST_PIPELINES", "pipelines.yaml")
 ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+# method.init_from as a registered version: models:/NAME/VERSION or models:/NAME@ALIAS
+MODEL_VERSION_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w-]+))$")
 
 
 class Strict(BaseModel):
@@ -138,7 +140,12 @@ class MethodSpec(Strict):
     @classmethod
     def _init_source(cls, v: str) -> str:
         v = v.strip()
-        if v in ("none", "champion") or v.startswith("models:/") or v.startswith(("/", ".", "~")) or "/" in v:
+        if v.startswith("models:/"):
+            if MODEL_VERSION_URI.match(v):
+                return v
+            raise ValueError(f"{v!r} is not models:/NAME/VERSION or models:/NAME@ALIAS (e.g. models:/my-model/3, "
+                             "models:/my-model@champion): write it so")
+        if v in ("none", "champion") or v.startswith(("/", ".", "~")) or "/" in v:
             return v
         raise ValueError("init_from is none, champion, a models:/NAME/VERSION (or models:/NAME@ALIAS) URI, or the "
                          "path of an adapter folder")
@@ -533,11 +540,16 @@ class PipelineSpec(Strict):
         local = local if local.is_absolute() else Path(self.base_dir) / local
         return local if ref.startswith((".", "/", "~")) or local.is_dir() else ref
 
-    def config_hash(self) -> str:
+    def config_hash(self, *, sources: bool = True) -> str:
         """A short hash of what decides the result (not tags, schedule or tracking; not how the run is spread over
-        GPUs either: a sharded checkpoint resumes at another world size, in the same run folder)."""
-        d = self.model_dump(include={"model", "data", "method", "training"},
-                            exclude={"training": {"distributed", "fsdp"}})
+        GPUs either: a sharded checkpoint resumes at another world size, in the same run folder).
+
+        ``sources=False`` leaves out where the data lies and the adapter the run starts from (``method.init_from``):
+        the run's fingerprint (:mod:`fitburst.history`) holds their contents as parts of their own."""
+        exclude: dict[str, set[str]] = {"training": {"distributed", "fsdp"}}
+        if not sources:
+            exclude.update(data={"path", "dataset"}, method={"init_from"})
+        d = self.model_dump(include={"model", "data", "method", "training"}, exclude=exclude)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     def with_overrides(self, overrides: dict) -> PipelineSpec:

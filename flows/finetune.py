@@ -105,8 +105,8 @@ def finetune(pipeline: str = "demo", overrides: Overrides = None, pipelines_file
     gpu = ExitStack()  # the local-GPU slot, held from the preflight (it budgets against free memory) to the end
     try:
         tracker.log_spec(spec)
-        starts_from = spec.method.init_from != "none" and not dry_run
-        init = init_source(spec, tracker) if starts_from else None  # checked before any compute
+        # checked before any compute, a dry run's too (it would fail the same way for real)
+        init = init_source(spec, tracker, dry_run=dry_run) if spec.method.init_from != "none" else None
         prepared = data_prep(spec, tracker, dry_run=dry_run)
         if not dry_run:
             assert prepared is not None  # data_prep returns None only for a dry run

@@ -92,7 +92,10 @@ def test_init_from_an_adapter_of_another_rank_is_refused_with_the_field_and_the_
     store.create_registered_model("fitburst-demo")
     store.create_model_version("fitburst-demo", f"runs:/{src.info.run_id}/adapter", run_id=src.info.run_id)
     store.set_registered_model_alias("fitburst-demo", "champion", "1")
-    rc = main(["run", "demo", "-f", str(pipelines_file), *FAST, "--set", "method.init_from=champion"])
+    run = ["run", "demo", "-f", str(pipelines_file), *FAST, "--set", "method.init_from=champion"]
+    assert main([*run, "--dry-run"]) == 2  # a dry run checks it too: it would fail the same way for real
+    assert "has rank 8: set method.rank: 8" in capsys.readouterr().err
+    rc = main(run)
     err = capsys.readouterr().err
     assert rc == 2
     assert ("method.rank is 16 but method.init_from 'champion' (models:/fitburst-demo/1) has rank 8: set "
@@ -160,5 +163,110 @@ def test_costs_prints_spend_per_pipeline_and_per_day(spent, store, capsys):
     last = (spent - timedelta(days=1)).strftime("%Y-%m")
     assert main(["costs", "--month", last]) == 0
     assert re.search(r"^demo\s+1\s+\$100\.00$", capsys.readouterr().out, re.M)
-    with pytest.raises(SystemExit):
-        main(["costs", "--month", "2026-13"])
+    for bad in ("2026-13", "2026-1", "26-11", "2026-11-01"):
+        with pytest.raises(SystemExit):
+            main(["costs", "--month", bad])
+        assert f"a month is YYYY-MM (e.g. 2026-11), got '{bad}'" in capsys.readouterr().err
+
+
+def test_costs_never_prints_the_tracking_servers_password(monkeypatch, capsys):
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", lambda tracking_uri: _NoRuns())
+    assert main(["costs", "--tracking-uri", "https://alice:s3cret-pw@mlflow.example"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret-pw" not in out and "alice:***@mlflow.example" in out
+
+
+class _NoRuns:
+    """An MLflow client of a store with no experiments (the test reads no server)."""
+
+    def search_experiments(self) -> list:
+        return []
+
+
+def test_a_malformed_models_uri_in_init_from_is_one_located_message_before_any_run(tmp_path, capsys):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (tmp_path / "pipelines.yaml").write_text(
+        "pipelines:\n  p:\n    model: {name: fitburst/tiny-demo}\n    data: {path: d.jsonl}\n"
+        "    training: {max_steps: 1}\n    method:\n      init_from: models:/my-model\n")
+    assert main(["run", "p", "-f", str(tmp_path / "pipelines.yaml"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "line 7: field 'method.init_from'" in err and "is not models:/NAME/VERSION or models:/NAME@ALIAS" in err
+    assert "Traceback" not in err
+
+
+def test_the_fingerprint_changes_with_what_decides_the_adapter_and_nothing_else(demo_spec):
+    from fitburst.history import fingerprint, fingerprint_parts
+
+    def fp(overrides: dict, data_hash: str = "d1", init: str | None = None) -> str:
+        return fingerprint(fingerprint_parts(demo_spec.with_overrides(overrides), data_hash, init))
+
+    same = fp({})
+    assert fp({}) == same  # a rerun with the same settings
+    assert fp({"data.path": "/elsewhere/the-same-records.jsonl"}) == same  # where the file lies: its content counts
+    assert fp({"training.distributed": "fsdp", "training.fsdp.cpu_offload": True}) == same  # the GPU split
+    assert fp({}, data_hash="d2") != same  # one record changed
+    assert fp({"training.learning_rate": 1e-3}) != same and fp({"method.rank": 8}) != same
+    assert fp({"data.max_seq_len": 256}) != same and fp({"model.revision": "abc123"}) != same
+    assert fp({}, init="models:/m/2") != same  # another starting adapter
+
+
+def test_an_unknown_init_from_version_names_the_store_without_its_password(demo_spec, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    from fitburst.init_adapter import InitMismatch, resolve_init
+
+    class NoVersions:
+        def __init__(self, tracking_uri: str) -> None:
+            pass
+
+        def get_model_version(self, name: str, version: str):
+            raise MlflowException(f"registered model {name} has no version {version}")
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", NoVersions)
+    spec = demo_spec.with_overrides({"method.init_from": "models:/m/7"})
+    with pytest.raises(InitMismatch) as e:
+        resolve_init(spec, "https://bob:pw-123@mlflow.example")
+    assert "no such registered model version in https://bob:***@mlflow.example" in str(e.value)
+    assert "pw-123" not in str(e.value)
+
+
+def test_a_skipped_runs_summary_prints_the_tracking_uri_without_its_password(pipelines_file, monkeypatch, capsys):
+    def skipped(**_) -> dict:
+        return {"pipeline": "demo", "mlflow_run_id": "r2", "tracking_uri": "https://bob:pw-123@mlflow.example",
+                "trained": False, "message": "nothing changed since run r1 (2026-11-01 02:00 UTC)"}
+
+    monkeypatch.setattr("flows.finetune.finetune", skipped)
+    assert main(["run", "demo", "-f", str(pipelines_file)]) == 0
+    out = capsys.readouterr().out
+    assert "demo: nothing changed since run r1" in out and "https://bob:***@mlflow.example" in out
+    assert "pw-123" not in out
+
+
+def test_a_monthly_budget_without_a_cost_estimate_says_the_fix(demo_spec):
+    from fitburst.history import Spend, monthly_budget_problems
+
+    burst = demo_spec.with_overrides({"burst.max_monthly_usd": 10}).burst
+    (why,) = monthly_budget_problems(burst, Spend(1.0, 1.0), None)
+    assert "cannot be estimated" in why and "set training.max_steps, or unset burst.max_monthly_usd" in why
+    assert monthly_budget_problems(demo_spec.burst, Spend(1.0, 1.0), None) == []  # no monthly cap: no problem
+
+
+def test_an_adapter_folder_rewritten_in_place_is_another_start(tmp_path):
+    from fitburst.init_adapter import adapter_digest
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 16}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20))
+    (tmp_path / "README.md").write_text("not part of the adapter")
+    first = adapter_digest(tmp_path)
+    (tmp_path / "README.md").write_text("edited")
+    assert adapter_digest(tmp_path) == first
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * (3 << 20) + b"\1")
+    assert adapter_digest(tmp_path) != first
+
+
+def test_costs_from_a_store_it_cannot_read_is_one_message_without_the_password(capsys):
+    assert main(["costs", "--tracking-uri", "foo://bob:pw-123@mlflow.example"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot read the MLflow store foo://bob:***@mlflow.example" in err
+    assert "check --tracking-uri or MLFLOW_TRACKING_URI" in err
+    assert "pw-123" not in err and "Traceback" not in err

@@ -120,7 +120,7 @@ def _shape(spec: PipelineSpec) -> ModelShape | None:
         return None
 
 
-def would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | None, dev: Device,
+def setting_that_would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | None, dev: Device,
               longest: int) -> str:
     """The setting that would have fit: the longest sequence the estimate fits on this device at the last rung."""
     fit = max_seq_len_that_fits(shape, settings, dev, spec.preflight.safety_margin) if shape is not None else 0
@@ -184,7 +184,8 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             _record_history(record)
             if rung is None:
-                raise _exhausted(current, record, run_dir, would_fit(spec, settings, shape, dev, longest)) from None
+                fits = setting_that_would_fit(spec, settings, shape, dev, longest)
+                raise _exhausted(current, record, run_dir, fits) from None
             if rung.key == "optimizer_8bit" and ckpt is not None:
                 drop_optimizer_state(ckpt)
             settings = rung.take(settings, dev)

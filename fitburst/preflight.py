@@ -367,7 +367,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     device = gpus.device
     shape = spec_shape(spec)
     settings, tokens = run_settings(spec, device, seq_len), train_tokens(spec, n_train, mean_len)
-    if shape is not None and (why := bursts_anyway(spec, shape, settings, device, tokens)) is not None:
+    if shape is not None and (why := reason_to_burst_anyway(spec, shape, settings, device, tokens)) is not None:
         unchecked = replace(plan_checked(spec, shape, settings, device, seq_len, gpus, trace=False), unchecked=why,
                             exact=exact_estimate(spec, seq_len))
         report = conclude(spec, shape, device, unchecked, seq_len, tokens, gpus=gpus)
@@ -377,7 +377,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     return conclude(spec, shape, device, checked, seq_len, tokens, gpus=gpus)
 
 
-def bursts_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+def reason_to_burst_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
                   tokens: int | None) -> str | None:
     """Why the run bursts whatever the local plan's trace would say (None when the local plan can decide): the
     burst policy is ``always``, or even the run as configured, the fastest any local plan gets (every rung of the

@@ -310,7 +310,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, keep:
                     samples_per_step: int | None = None) -> Path:
     """Trainable weights, optimizer, scheduler, GradScaler and RNG states; written atomically, oldest pruned.
     ``samples``: the samples the run has consumed (where the data stream resumes, whatever the world size then);
-    ``samples_per_step``: its effective batch, all ranks' (a resume at another world size keeps it: :func:`keep_batch`).
+    ``samples_per_step``: its effective batch, all ranks' (a resume at another world size keeps it:
+    :func:`spec_keeping_effective_batch`).
 
     Several ranks (collective: every rank calls it): the weights and optimizer state as sharded by FSDP, through
     torch.distributed.checkpoint (:func:`fitburst.distributed.save_sharded`); the rest is rank 0's (the same on every
@@ -421,7 +422,7 @@ def checkpoint_samples(ckpt: Path, samples_per_step: int) -> int:
     return int(samples) if samples is not None else meta["step"] * samples_per_step
 
 
-def keep_batch(spec: PipelineSpec, meta: dict | None, w: World) -> PipelineSpec:
+def spec_keeping_effective_batch(spec: PipelineSpec, meta: dict | None, w: World) -> PipelineSpec:
     """The spec a run resuming from a checkpoint (its ``state.json``, ``meta``; None: a fresh run) trains with.
     Resumed at another world size than the checkpoint's, an optimizer step must take as many samples as it did
     (``samples_per_step``: ranks x ``micro_batch_size`` x ``grad_accum``), or the run would go on with another
@@ -661,7 +662,7 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     if w.sharded:  # rank 0's folder decides; each node reads its own ranks' part from its own disk
         name, meta = distributed.broadcast((ckpt.name if ckpt is not None else None, meta))
         ckpt = run_dir / "checkpoints" / name if name is not None else None
-    spec = keep_batch(spec, meta, w)  # before the model loads: a refusal costs nothing
+    spec = spec_keeping_effective_batch(spec, meta, w)  # before the model loads: a refusal costs nothing
     tr = spec.training
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16, sharded=w.sharded)
     torch.manual_seed(tr.seed)

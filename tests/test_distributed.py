@@ -261,22 +261,22 @@ def test_a_resume_at_another_world_size_keeps_the_effective_batch(tmp_path, pipe
 def test_a_resume_no_grad_accum_can_keep_is_refused_with_what_to_set(pipelines_file):
     from fitburst.distributed import World
     from fitburst.errors import UserError
-    from fitburst.train import keep_batch
+    from fitburst.train import spec_keeping_effective_batch as keep
 
     spec = spec_for(pipelines_file, "demo", training__micro_batch_size=4, training__grad_accum=2)
     four = {"step": 6, "samples": 96, "world_size": 4, "samples_per_step": 16}
     two, three = World(rank=0, size=2, local_size=2), World(rank=0, size=3, local_size=3)
-    assert keep_batch(spec, four, two).training.grad_accum == 2  # 2 x 4 x 2: already 16
-    assert keep_batch(spec, four, World()).training.grad_accum == 4  # one process: 1 x 4 x 4
-    assert keep_batch(spec, {**four, "world_size": 2}, two) is spec  # same world size: as the spec says
-    assert keep_batch(spec, {"step": 6, "samples": 48, "world_size": 1}, two).training.grad_accum == 1  # 8 per step
+    assert keep(spec, four, two).training.grad_accum == 2  # 2 x 4 x 2: already 16
+    assert keep(spec, four, World()).training.grad_accum == 4  # one process: 1 x 4 x 4
+    assert keep(spec, {**four, "world_size": 2}, two) is spec  # same world size: as the spec says
+    assert keep(spec, {"step": 6, "samples": 48, "world_size": 1}, two).training.grad_accum == 1  # 8 per step
     with pytest.raises(UserError, match=r"16 samples per optimizer step on 4 rank.*on 3 ranks.*resume on a number "
                                         r"of ranks that divides 16"):
-        keep_batch(spec, four, three)
+        keep(spec, four, three)
     six = spec_for(pipelines_file, "demo", training__micro_batch_size=6)
     with pytest.raises(UserError, match=r"training.micro_batch_size 6 takes no whole training.grad_accum to 16: set "
                                         r"training.micro_batch_size: 4 and training.grad_accum: 2"):
-        keep_batch(six, four, two)
+        keep(six, four, two)
 
 
 # --- QLoRA: 4-bit weights that shard, and the traps ------------------------------------------------------------

@@ -148,6 +148,27 @@ def test_device_totals(model_dir):
     assert t4.device_total_bytes == t4.reserved_peak_bytes + resolve_device("T4").outside_allocator
 
 
+def test_the_cuda_trace_replays_the_allocator_mode_torch_will_run(model_dir, monkeypatch):
+    """expandable_segments set with torch's current name (PYTORCH_ALLOC_CONF, which wins over the older
+    PYTORCH_CUDA_ALLOC_CONF) gives the traced figure of that mode, whatever the older name says."""
+    from fitburst.allocator_env import CUDA_CONF, TORCH_CONF
+
+    monkeypatch.setenv("FITBURST_TRACE_CACHE", "0")
+    spec, s, t4 = spec_for(model_dir), settings(dtype="fp16", seq_len=1024), resolve_device("T4")
+
+    def reserved(env: dict) -> int:
+        for k in (CUDA_CONF, TORCH_CONF):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, f"expandable_segments:{v}")
+        return traced_estimate(spec, s, t4, seq_len=s.seq_len).reserved_peak_bytes
+
+    by_mode = {mode: reserved({CUDA_CONF: mode}) for mode in ("True", "False")}
+    assert by_mode["True"] != by_mode["False"]
+    assert reserved({TORCH_CONF: "True", CUDA_CONF: "False"}) == by_mode["True"]
+    assert reserved({TORCH_CONF: "False", CUDA_CONF: "True"}) == by_mode["False"]
+
+
 # --- the recorder tags what the CUDA rules need -------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fitburst.allocator_env import allocator_mode
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
 from fitburst.runconfig import spec_with_settings
@@ -732,11 +733,11 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     (:mod:`fitburst.memory.trace_cache`); ``cache`` keeps traces by settings across calls in this process (a trace
     depends on the device through its kind: the optimizer's foreach path, its autocast, MPS's SDPA; the SDPA
     kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
-    from . import allocator, trace_cache
+    from . import trace_cache
 
     k = trace_cache.key(config_dict(spec.model.name), settings, seq_len, device, model=spec.model.name,
                         trust_remote_code=spec.model.trust_remote_code, max_grad_norm=spec.training.max_grad_norm,
-                        expandable_segments=allocator.expandable_from_env())
+                        expandable_segments=allocator_mode() == "expandable_segments")
     if (kept := trace_cache.load(k)) is not None:
         kept.notes.append("from the trace cache (same config, settings, device, libraries and tracing code)")
         return kept
@@ -774,7 +775,7 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         events, start = cuda_kernels.apply(trace, device, s, seq_len, device_map=True)
         peak, peak_phase, phases = live_peaks(events, start)
         components = peak_components(events, start)
-        replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
+        replay = allocator.replay(events, start=start, expandable=allocator_mode() == "expandable_segments")
         alloc, reserved = replay.peak_allocated, replay.peak_reserved
         total = reserved + device.outside_allocator
     else:

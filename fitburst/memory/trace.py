@@ -64,6 +64,7 @@ class StepTrace:
     load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
     kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
     kv_expanded: bool = False  # grouped-query k/v expanded before SDPA (fitburst.models.EXPANDED_KV)
+    vocab: int = 0  # the text model's vocabulary (config vocab_size)
 
     def live_peaks(self) -> tuple[int, str, dict[str, int]]:
         """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""
@@ -671,7 +672,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, foreach: bool = F
                      params={"total": total, "trainable": trainable, "loaded": loaded},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
-                     kv_expanded=text._attn_implementation == EXPANDED_KV)
+                     kv_expanded=text._attn_implementation == EXPANDED_KV,
+                     vocab=int(getattr(text, "vocab_size", 0) or 0))
 
 
 def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
@@ -795,4 +797,5 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0),
                 "loaded": trace.params.get("loaded", 0)},  # 0: a trace cached before it was counted
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size)
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size,
+        vocab=trace.vocab)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import csv
 import sys
 import tempfile
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fitburst.hardware import cuda_gpu
-from fitburst.memory.calibration import band_for, measured_gpu
+from fitburst.memory import Budget
+from fitburst.memory.calibration import GPU_BANDS, band_for, measured_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,6 +96,7 @@ def test_every_stored_h100_row_lies_inside_the_band_its_verdict_would_use(every_
     the row records: the band is the H100's measured one (the row lies inside what the runs span) and the row's
     reserved peak lies inside it."""
     import gpu_check
+    from test_bands import assert_envelopes_span
 
     from fitburst.data import prepare_pipeline
     from fitburst.spec import load_pipeline
@@ -110,11 +114,15 @@ def test_every_stored_h100_row_lies_inside_the_band_its_verdict_would_use(every_
                 device = cuda_gpu(r["gpu"], int(total[r["gpu"]]), int(r["context_bytes"]), (major, minor))
                 spec = load_pipeline(ROOT / "pipelines.yaml", "demo", {**table[r["config"]], "preflight.device": "cpu"})
                 estimates[r["config"]] = gpu_check.estimates(spec, prepare_pipeline(spec).stats["max"], device)
-    outside = {}
+    outside, seen = {}, defaultdict(list)
     for r in every_h100_row:
         e = estimates[r["config"]][r["est_method"]]
         assert e.band.measured and e.band.rows > 0 and not e.band.outside, (r["config"], e.band.outside)
         err = int(r["max_reserved"]) / e.reserved_peak_bytes - 1
         if not e.band.low <= err <= e.band.high:
             outside[(r["run"], r["config"], r["est_method"])] = (err, e.band.low, e.band.high)
+        budget = Budget(cuda_gpu(r["gpu"], int(total[r["gpu"]]), int(r["context_bytes"]), None))
+        key = next(k for k, b in GPU_BANDS.items() if b == e.band)
+        seen[key] += [budget.facts(e), budget.facts(replace(e, reserved_peak_bytes=int(r["max_reserved"])))]
     assert not outside, outside
+    assert_envelopes_span(seen, "H100")

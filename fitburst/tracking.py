@@ -276,6 +276,8 @@ class Tracker:
         self.set_tags({"device": rep["device"]["name"], "verdict": rep["verdict"],
                        "memory.band": band.describe() if band else "",
                        "memory.band_measured": str(bool(band and band.measured)).lower(),
+                       # what of the run lies outside the GPU's measured runs ("" : inside, or nothing measured)
+                       "memory.band_outside": band.outside if band else "",
                        "planned.loss": rep["loss"],
                        "planned.activation_offloading": str(rep["activation_offloading"]).lower(),
                        # the GPUs the plan trains on: the memory.* figures below are one GPU's, *_total all of them

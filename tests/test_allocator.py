@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from fitburst.memory.allocator import CachingAllocator, expandable_from_env, replay, round_size, segment_size
+from fitburst.memory.allocator import CachingAllocator, replay, round_size, segment_size
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -103,13 +103,6 @@ def test_placement_decides_ties_between_equal_free_blocks():
         h = a.malloc(5 * MiB)  # equal best fits: the lower address wins
         assert a.blocks[h].addr == min(first, second)
         assert (a.blocks[h].addr == first) == (placement == "ascending")
-
-
-def test_expandable_mode_follows_the_alloc_conf(monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
-    assert expandable_from_env()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert not expandable_from_env()
 
 
 def test_empty_cache_returns_only_wholly_free_segments():

@@ -148,6 +148,27 @@ def test_device_totals(model_dir):
     assert t4.device_total_bytes == t4.reserved_peak_bytes + resolve_device("T4").outside_allocator
 
 
+def test_the_cuda_trace_replays_the_allocator_mode_torch_will_run(model_dir, monkeypatch):
+    """expandable_segments set with torch's current name (PYTORCH_ALLOC_CONF, which wins over the older
+    PYTORCH_CUDA_ALLOC_CONF) gives the traced figure of that mode, whatever the older name says."""
+    from fitburst.allocator_env import CUDA_CONF, TORCH_CONF
+
+    monkeypatch.setenv("FITBURST_TRACE_CACHE", "0")
+    spec, s, t4 = spec_for(model_dir), settings(dtype="fp16", seq_len=1024), resolve_device("T4")
+
+    def reserved(env: dict) -> int:
+        for k in (CUDA_CONF, TORCH_CONF):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, f"expandable_segments:{v}")
+        return traced_estimate(spec, s, t4, seq_len=s.seq_len).reserved_peak_bytes
+
+    by_mode = {mode: reserved({CUDA_CONF: mode}) for mode in ("True", "False")}
+    assert by_mode["True"] != by_mode["False"]
+    assert reserved({TORCH_CONF: "True", CUDA_CONF: "False"}) == by_mode["True"]
+    assert reserved({TORCH_CONF: "False", CUDA_CONF: "True"}) == by_mode["False"]
+
+
 # --- the recorder tags what the CUDA rules need -------------------------------------------------------------
 
 
@@ -585,14 +606,15 @@ GRID = [dict(attention="eager"), dict(batch=2, seq_len=128, grad_checkpointing=T
         # k-bit under autocast with LoRA dropout: lora_A keeps a 16-bit cast of the dropout output, not the fp32 one
         dict(method="qlora", dtype="bf16", dropout=0.05, targets="all-linear")]
 # traced / analytic - 1 on this grid, traced through the loop's AMP step: -1.48 % .. +0.22 % (the analytic terms
-# for mixed precision set from traces of these configs; the k-bit dropout config was -9.9 % before its term was
-# corrected, bf16 all-linear +1.87 % before each adapter's own 16-bit input copy); calibration's analytic-vs-traced
-# band (-2 % .. +2 %)
+# for mixed precision were set from traces of these configs). The test's tolerance is its own, not the band's (whose
+# upper edge, +19 %, comes from held-out configurations): -2 % .. +1 %, which the errors the grid was written to
+# catch leave (the k-bit dropout config's -9.9 % before its term was corrected, bf16 all-linear's +1.87 % before
+# each adapter's own 16-bit input copy).
+GRID_TOLERANCE = (-0.02, 0.01)
 
 
-def test_analytic_estimate_is_within_its_band_of_the_trace(tmp_path):
+def test_analytic_estimate_is_within_its_tolerance_of_the_trace_on_the_grid(tmp_path):
     from fitburst.memory import estimate, load_shape
-    from fitburst.memory.calibration import band_for
 
     dev = resolve_device("cpu:8GiB")
     errs = []
@@ -606,16 +628,15 @@ def test_analytic_estimate_is_within_its_band_of_the_trace(tmp_path):
         traced = trace_step(spec_for(d), s, seq_len=s.seq_len).live_peaks()[0]
         analytic = estimate(load_shape(str(d)), s, dev, calibrate=False).allocated_peak_bytes
         errs.append(analytic / traced - 1)
-    band = band_for("analytic-vs-traced", "cpu")  # traced / analytic - 1 (measured on the estimate's scale)
-    assert band.low <= min(1 / (1 + e) - 1 for e in errs) and max(1 / (1 + e) - 1 for e in errs) <= band.high, errs
+    errs = [1 / (1 + e) - 1 for e in errs]  # traced / analytic - 1
+    assert GRID_TOLERANCE[0] <= min(errs) and max(errs) <= GRID_TOLERANCE[1], errs
 
 
 def test_analytic_estimate_follows_cuda_autocast_on_a_layernorm_gelu_new_model(tmp_path):
     """phi (LayerNorm, gelu_new) on a T4: CUDA autocast runs layer_norm and gelu_new's pow in fp32, so the step keeps
-    fp32 copies a CPU step does not; the analytic estimate for the T4 stays within its CPU grid's band of the CUDA
-    trace (before the analytic model knew of it: +6 % .. +19 % here, and the trace itself 40 % lower)."""
+    fp32 copies a CPU step does not; the analytic estimate for the T4 stays within 3 % of the CUDA trace (-1.9 %
+    and -1.5 % now; before the analytic model knew of it: +6 % .. +19 % here, and the trace itself 40 % lower)."""
     from fitburst.memory import estimate, load_shape
-    from fitburst.memory.calibration import band_for
 
     cfg = config_dict("microsoft/phi-1_5")  # the bundled config, scaled down
     d = tmp_path / "phi"
@@ -624,28 +645,26 @@ def test_analytic_estimate_follows_cuda_autocast_on_a_layernorm_gelu_new_model(t
                                                "num_hidden_layers": 4, "num_attention_heads": 8,
                                                "num_key_value_heads": 8}))
     dev = resolve_device("T4")
-    band = band_for("analytic-vs-traced", "cpu")
     for targets in (["q_proj", "v_proj"], "all-linear"):
         s = TrainSettings(method="lora", rank=8, batch=4, seq_len=2048, dtype="fp16", attention="sdpa",
                           targets=targets, dropout=0.0, keep_logits=False)
         traced = traced_estimate(spec_for(d), s, dev, seq_len=s.seq_len).allocated_peak_bytes
         analytic = estimate(load_shape(str(d)), s, dev, calibrate=False).allocated_peak_bytes
-        assert band.low <= traced / analytic - 1 <= band.high, (targets, traced / analytic - 1)
+        assert abs(traced / analytic - 1) <= 0.03, (targets, traced / analytic - 1)
 
 
 def test_analytic_estimate_follows_eager_attention_through_backward(tmp_path):
     """Long sequences with eager attention, where the scores dominate: the block's MLP tensors are freed before its
     attention's backward runs, the softmax backward's temporaries differ per kernel (CPU; CUDA's grad * output
-    temporary; CUDA's fp16 half-to-float path) and the float mask is gone after the forward. Analytic within its
-    band of the trace on CPU, a T4 and an L4 (before: traced / analytic - 1 from -27 % to +17 % here)."""
+    temporary; CUDA's fp16 half-to-float path) and the float mask is gone after the forward. Analytic within 3 %
+    of the trace on CPU, a T4 and an L4 (-0.4 % .. +0.4 % now; before: traced / analytic - 1 from -27 % to +17 %
+    here)."""
     from fitburst.memory import estimate, load_shape
-    from fitburst.memory.calibration import band_for
 
     d = tmp_path / "long"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**CFG, "num_attention_heads": 8, "num_key_value_heads": 4,
                                                "head_dim": 16, "max_position_embeddings": 4096}))
-    band = band_for("analytic-vs-traced", "cpu")
     errs = {}
     for dev_name, dtype, method, ckpt in (("cpu:8GiB", "fp32", "lora", False), ("cpu:8GiB", "fp16", "lora", False),
                                           ("T4", "fp16", "lora", True), ("T4", "fp16", "qlora", False),
@@ -657,7 +676,7 @@ def test_analytic_estimate_follows_eager_attention_through_backward(tmp_path):
         traced = traced_estimate(spec_for(d), s, dev, seq_len=s.seq_len).allocated_peak_bytes
         analytic = estimate(load_shape(str(d)), s, dev, calibrate=False).allocated_peak_bytes
         errs[(dev_name, dtype, method)] = traced / analytic - 1
-    assert all(band.low <= e <= band.high for e in errs.values()), errs
+    assert all(abs(e) <= 0.03 for e in errs.values()), errs
 
 
 def test_analytic_estimate_follows_mps_sdpa(tmp_path):

@@ -30,14 +30,6 @@ ROUND_LARGE = 2 * MB  # kRoundLarge
 PLACEMENT = "descending"
 
 
-def expandable_from_env() -> bool:
-    """Whether PYTORCH_CUDA_ALLOC_CONF (as the training process will see it) turns expandable segments on."""
-    import os
-
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    return "expandable_segments:true" in conf
-
-
 def round_size(size: int) -> int:
     return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
 

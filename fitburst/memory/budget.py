@@ -12,7 +12,7 @@ from fitburst.hardware import Device
 from fitburst.runconfig import TrainSettings
 from fitburst.spec import SAFETY_MARGIN
 
-from .calibration import band_for
+from .calibration import RunFacts, band_for
 from .estimator import Estimate
 from .fsdp_terms import host_bytes
 
@@ -39,7 +39,7 @@ class Budget:
     def judge(self, e: Estimate) -> Estimate:
         """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing); a
         sharded run also with its nodes and the host RAM each needs (:func:`host_bytes`), which must fit too."""
-        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name, e.world_size)
+        e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name, e.world_size, self.facts(e))
         e.safety_margin = self.headroom
         if e.world_size > 1:
             per_node = min(e.world_size, self.gpus_per_node)
@@ -57,8 +57,18 @@ class Budget:
         if self.scout:
             lowest = int(e.reserved_peak_bytes * (1 + band_for(f"{e.method}-vs-traced", kind, kbit, None,
                                                                 e.world_size).low))
-            return band_for("traced", kind, kbit, self.device.name, e.world_size).upper(lowest)
-        return (e.band or band_for(e.method, kind, kbit, self.device.name, e.world_size)).upper(e.reserved_peak_bytes)
+            return band_for("traced", kind, kbit, self.device.name, e.world_size, self.facts(e)).upper(lowest)
+        band = e.band or band_for(e.method, kind, kbit, self.device.name, e.world_size, self.facts(e))
+        return band.upper(e.reserved_peak_bytes)
+
+    def facts(self, e: Estimate) -> RunFacts:
+        """What of ``e``'s run decides whether a GPU's measured band covers it."""
+        s = e.settings
+        quant = s.get("quant", "none")
+        dq = "+dq" if s.get("double_quant") and quant in ("nf4", "fp4") else ""
+        return RunFacts(params=e.params.get("base", e.params.get("total")), vocab=e.vocab or None,
+                        card=e.reserved_peak_bytes / self.device.total_bytes if self.device.total_bytes else None,
+                        attention=s.get("attention"), quant=quant + dq, world_size=e.world_size)
 
     def margin(self, e: Estimate) -> int:
         """Bytes left under the limit at the band's upper edge (negative: by how much it misses)."""

@@ -3,8 +3,11 @@
 Error bands (per estimator, device family and, where runs were measured on it, GPU model; constants below): the
 verdict plans for the band's upper edge (the most the run may really need) and ``preflight.safety_margin`` is extra
 headroom on top. A band is relative to the estimate's reserved figure (what decides an OOM): ``measured / estimate
-- 1`` lies in ``[low, high]`` on the ``rows`` measured runs named in ``source``; a GPU nothing was measured on gets
-a wider band marked ``measured=False`` ("not measured on this GPU" in the report).
+- 1`` lies in ``[low, high]`` on the ``rows`` measured runs named in ``source``. A GPU's measured band holds only
+inside what its runs span (:class:`Envelope`: parameters, vocabulary, fraction of the card, attention, quantization,
+sharding); a run outside it, or on a GPU nothing was measured on, gets a wider band marked ``measured=False``, and
+the band says why. How each figure was measured, and which rows were fit, looked at or held out: docs/preflight.md,
+"Error bands".
 
 Corrections (``fitburst calibrate``, read by the estimator): a small JSON file at
 ``$FITBURST_CACHE/calibration.json`` (default ``~/.cache/fitburst``): a multiplicative factor per device family
@@ -16,8 +19,9 @@ Pure Python (json, os): importing it stays light.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -27,7 +31,8 @@ class ErrorBand:
     high: float  # ... and this fraction above it (>= 0)
     source: str  # where the figures come from, in words
     rows: int = 0  # measured runs behind the figures (0: none on this device)
-    measured: bool = True  # False: nothing was measured on this GPU or device kind; a wider band, reasoned below
+    measured: bool = True  # False: nothing was measured on this GPU or device kind, or for runs like this one
+    outside: str = ""  # why a measured GPU's band does not apply: what of the run lies outside its runs
 
     def upper(self, nbytes: int) -> int:
         """The band's upper edge for an estimated ``nbytes``: what the run may really need."""
@@ -40,116 +45,89 @@ class ErrorBand:
         return f"{self.low:+.1%} / {self.high:+.1%}{what}: {self.source}"
 
 
-# Each band says how far the real peak may lie from the estimate, as ``measured / estimate - 1`` of the reserved
-# figure (what decides an out-of-memory error). The benchmarks print ``estimate / measured - 1``; _measured()
-# converts ([l, h] becomes [1/(1+h) - 1, 1/(1+l) - 1]).
-#
-# Which rows a figure comes from. The benchmarks mark every row:
-#   fit       a term of the model was set from the row;
-#   looked-at the row's error was seen while a rule of the model was chosen or changed (no longer held out);
-#   held-out  scored after the model was settled, never used to choose anything.
-# A band quotes held-out rows where there are any; where there are none it says its figures are in-sample.
-#
-# Run-to-run floor. The T4 archive (../shared/memory/t4_dev.csv) holds the same configuration measured in two
-# sessions twice (TinyLlama nf4, batch 2 x 1024, eager and SDPA): reserved + context differs by 1.12 % and
-# 1.45 % between them (allocated by 2-3 MiB). No estimate can be closer to a single run than that, so every band
-# against a CUDA measurement is at least -1.45 % .. +1.45 % (RUN_TO_RUN).
-#
-# CUDA, measured GPU: a Tesla T4 (sm_75, torch 2.10-2.14), the archive's 29 rows, replayed by
-# benchmarks/preflight_accuracy.py --parts t4 (traced step + CUDA kernel rules + caching-allocator replay):
-# - traced, 16-bit LoRA: 6 TinyLlama rows, held-out (no rule was chosen on them): 0.00 % .. +0.26 % (the 4 SmolLM2
-#   fit rows beside them: -0.09 % .. 0.00 %); at the run-to-run floor: T4_16.
-# - traced, 4-bit QLoRA: 19 rows, none held out: the 4 SmolLM2 ones are fit rows (the allocator's placement, the
-#   loader's read-ahead and the cache emptying of k-bit preparation were chosen on them): -5.09 % .. -0.36 %; the
-#   15 TinyLlama ones are looked-at (the loader's read-ahead was chosen after seeing them; three were read while
-#   building the loader's warm-up rule): -4.89 % .. +4.23 %. The band covers all 19: T4_4BIT.
-# - analytic: all 29 rows, looked-at (no term fitted to them, but the analytic terms were re-scored against them
-#   while being changed): -18.5 % .. +11.0 %, median |error| 7.0 %: T4_ANALYTIC.
-# CUDA, measured GPU: an H100 80GB HBM3 (sm_90, torch 2.11 + CUDA 13.0, bitsandbytes 0.50.2), fitburst's own loop
-# (benchmarks/gpu_check.py: 10 configurations of demo Llamas of hidden 128 to 2048, LoRA / QLoRA nf4 / full, bf16 and
-# fp32, checkpointing, 8-bit AdamW, 128 to 4096 tokens), replayed by gpu_check.py --replay; errors of the reserved
-# figure (the one the verdict plans with; budget and device total carry the context and CUDA_RUNTIME, measured too):
-# - 5 fit rows (the cuBLAS workspace by capability and CUDA_RUNTIME were checked on them): traced -1.69 % .. +4.33 %
-#   (the +4.33 %: QLoRA with checkpointing at 2048 tokens, one 20 MiB page of the expandable segment), analytic
-#   -17.9 % .. -2.1 %;
-# - 5 held-out rows, scored once: traced -1.60 % .. 0.00 % (allocated -0.13 % .. 0.00 %), analytic -7.5 % .. +2.9 %.
-# The two runs measured the five fit configurations alike (one process, then a process each): the same bytes.
-# On sm_90 torch 2.11's SDPA ran cuDNN attention, not FlashAttention-2; its backward workspace matched the flash
-# rule's buffers at these shapes, which the held-out rows confirm only for them.
-# CUDA, any other GPU (RTX 4090, A6000, A100, L4, H200 ...): nothing measured. What differs from the T4 and H100 and is
-# modelled but unchecked: the attention kernel (FlashAttention-2 on Ampere and newer, for 16-bit compute), the
-# cuBLAS workspaces (by compute capability), bitsandbytes' 4-bit kernels per architecture, and the CUDA context,
-# assumed per card (fitburst/hardware.py; a few hundred MiB, ~1 % of a 24 GB card).
-# The caching allocator is the same code on every card, but its fragmentation follows the order and sizes of
-# allocations, which other kernels change: the T4's 4-bit rows show how far that alone moves reserved memory
-# (~5 %). So an unmeasured GPU gets its T4 band widened by UNMEASURED_GPU_LOW below and UNMEASURED_GPU_HIGH above.
-#
-# CPU: benchmarks/preflight_accuracy.py --parts a: real optimizer steps of the project's own loop on small
-# random models, measured as live tensor bytes by probe.TensorTracker (a dispatch-level count: it does not see
-# memory inside kernels, the allocator's overhead or the process's RSS). Same configuration, same bytes: no
-# run-to-run spread, so no floor. Checked against the operating system (benchmarks/tracker_vs_os.py, 10
-# configurations, glibc returning blocks over 128 KiB at once): a warm step's resident growth is within -1.1 % ..
-# +2.1 % of the tracker's; the first step needs 17-40 MiB more than its tensors (library code, thread pools, kernel
-# set-up), which the CPU reserved figure's floor (estimator.RESERVED_FLOOR, 32 MiB) stands for.
-# - traced: 27 steps of CPU_CASES, 9 architectures; the trace has no fitted terms on CPU, but the rows were looked
-#   at while the trace's mixed-precision path was built: 0.00 % .. +0.59 %. Held-out: 12 configurations drawn by
-#   seed 27 (--fresh 27; 8 architectures, 4 of them new: mistral, qwen3, stablelm, smollm3), scored once:
-#   0.00 % .. +0.40 %, median 0.00 %. The band covers both (39 steps).
-# - analytic: 11 steps of CPU_CASES (the --quick set, 7 architectures, the ones the analytic path models),
-#   looked-at (its mixed-precision terms were set from traces, not from these rows, and re-scored against them):
-#   -0.1 % .. +4.8 %. Held-out, seed 27: the 6 configurations the analytic path models: -15.9 % .. +1.7 %, median
-#   0.3 %; the -15.9 % is full fine-tuning with 8-bit AdamW of a model with tied embeddings (qwen3; qwen2 the same
-#   way, -14.7 %, looked at afterwards), which the analytic estimate under-counts. The band covers both (17 steps).
-# MPS: nothing measured: the widest band measured anywhere (analytic on the T4), marked not measured.
-#
-# "analytic-vs-traced" is not a measurement: how far the instant analytic figure lies from the trace of the same
-# run, which the planner's search uses to decide which plans are worth tracing (it traces a plan when the band's
-# low edge fits; the trace then decides; only the low edge is used). CPU: the grid of small llama / qwen2
-# configurations in tests/test_trace.py (its mixed-precision terms were read from traces of that grid: in-sample),
-# -1.5 % .. +0.2 %; held-out, the 6 configurations of seed 27 the analytic path models (allocated): -1.65 % ..
-# +18.95 %, the high one the tied-embedding full fine-tune with 8-bit AdamW above: -2 % .. +19 %.
-# CUDA: benchmarks/analytic_vs_traced.py, reserved, 150 full-size configurations of 10 models
-# on T4 / L4 / A100 (seeds 1 and 2; three of them were read to find the k-bit and MLP terms): -8.1 % .. +9.5 %.
-# Held-out, seed 5 (40 configurations, scored once): reserved -5.3 % .. +3.4 % on the 16 of held-out models,
-# -5.4 % .. +5.3 % on the 24 of the models the reserved term was fitted on; allocated -2.6 % .. +1.0 %.
-# MPS: benchmarks/analytic_vs_traced.py --mps, 70 configurations (seeds 3 and 4): -3.1 % .. +0.1 %, kept at
-# -4 % .. +2 %.
+@dataclass(frozen=True)
+class RunFacts:
+    """What of a run decides whether a measured band covers it; None: not known (not checked)."""
+
+    params: int | None = None  # the base model's parameters
+    vocab: int | None = None
+    card: float | None = None  # the estimated reserved figure as a fraction of the card's memory
+    attention: str | None = None  # eager | sdpa | flash
+    quant: str | None = None  # none | int8 | nf4 | fp4, "+dq" with double quantization
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a measured band's runs span: a run outside any of it is not one the band was measured on."""
+
+    params: tuple[int, int]
+    vocab: tuple[int, int]
+    card: float  # the largest reserved figure (measured or estimated) of the runs, as a fraction of the card
+    attention: tuple[str, ...]
+    quant: tuple[str, ...]
+    world_size: int = 1
+
+    def outside(self, run: RunFacts) -> list[str]:
+        """What of ``run`` lies outside, in words ([]: inside)."""
+        why = []
+        if run.params is not None and not self.params[0] <= run.params <= self.params[1]:
+            why.append(f"{_count(run.params)} parameters (runs: {_count(self.params[0])} .. {_count(self.params[1])})")
+        if run.vocab is not None and not self.vocab[0] <= run.vocab <= self.vocab[1]:
+            span = f"{self.vocab[0]:,}" + (f" .. {self.vocab[1]:,}" if self.vocab[1] != self.vocab[0] else "")
+            why.append(f"a vocabulary of {run.vocab:,} (runs: {span})")
+        if run.card is not None and run.card > self.card:
+            why.append(f"{run.card:.1%} of the card (runs: at most {self.card:.1%})")
+        for name, value, seen in (("attention", run.attention, self.attention), ("quantization", run.quant,
+                                                                                 self.quant)):
+            if value is not None and value not in seen:
+                why.append(f"{name} {value} (runs: {', '.join(seen)})")
+        if run.world_size > self.world_size:
+            why.append(f"sharded over {run.world_size} GPUs (runs: one GPU)")
+        return why
+
+
+def _count(n: int) -> str:
+    return next(f"{n / d:.3g} {u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, "")) if n >= d or d == 1)
+
 
 RUN_TO_RUN = 0.0145  # the largest difference between two sessions' measurements of one configuration (T4 rows)
-UNMEASURED_GPU_LOW = 0.03
+UNMEASURED_GPU_LOW = 0.03  # an unmeasured GPU's band: its T4 band widened by these (docs/preflight.md)
 UNMEASURED_GPU_HIGH = 0.05
 MEASURED_GPUS = ("T4", "H100")  # gpu_key()s with measured CUDA rows
 
 
+def _outward(low: float, high: float) -> tuple[float, float]:
+    """[low, high] at four decimals, rounded away from the middle (a row on an edge stays inside)."""
+    return math.floor(round(low * 1e4, 6)) / 1e4, math.ceil(round(high * 1e4, 6)) / 1e4
+
+
 def _measured(low: float, high: float, source: str, rows: int, floor: float = RUN_TO_RUN) -> ErrorBand:
-    """A band from ``estimate / measured - 1`` in [low, high], as ``measured / estimate - 1``, at least
-    ``floor`` wide on either side."""
-    return ErrorBand(round(min(1 / (1 + high) - 1, -floor), 4), round(max(1 / (1 + low) - 1, floor), 4), source,
-                     rows)
+    """A band from ``estimate / measured - 1`` in [low, high] (what the benchmarks print), as ``measured / estimate
+    - 1``, at least ``floor`` wide on either side."""
+    return ErrorBand(*_outward(min(1 / (1 + high) - 1, -floor), max(1 / (1 + low) - 1, floor)), source, rows)
 
 
-def _unmeasured_gpu(band: ErrorBand) -> ErrorBand:
-    """``band`` (measured on a T4) as it applies to a GPU nothing was measured on."""
+def _unmeasured_gpu(band: ErrorBand, why: str = "not measured on this GPU") -> ErrorBand:
+    """``band`` (measured on a T4) as it applies where nothing was measured: ``why``."""
     return ErrorBand(round(band.low - UNMEASURED_GPU_LOW, 4), round(band.high + UNMEASURED_GPU_HIGH, 4),
-                     f"not measured on this GPU: {band.source}, widened by -{UNMEASURED_GPU_LOW:.0%} / "
+                     f"{why}: {band.source}, widened by -{UNMEASURED_GPU_LOW:.0%} / "
                      f"+{UNMEASURED_GPU_HIGH:.0%} for another card's kernels, workspaces and context", 0,
                      measured=False)
 
 
-T4_ANALYTIC = _measured(-0.185, 0.110, "analytic estimate vs a Tesla T4's reserved + context (29 runs of "
+# CUDA, a Tesla T4 (../shared/memory/t4_dev.csv, 29 rows, replayed by benchmarks/preflight_accuracy.py --parts t4)
+T4_ANALYTIC = _measured(-0.1853, 0.110, "analytic estimate vs a Tesla T4's reserved + context (29 runs of "
                                        "TinyLlama-1.1B and SmolLM2-135M, looked-at)", 29)
 T4_16 = _measured(0.0, 0.0026, "traced estimate vs a Tesla T4's reserved + context, 16-bit LoRA (6 held-out runs "
                                "of TinyLlama-1.1B)", 6)
-# 4-bit on the T4 for models beyond the archive's two: held-out T4 runs of other models, replayed by
-# benchmarks/_t4.py, put reserved + context at -12 % .. +15 % of the traced figure (the rows were measured and scored
-# by the project's lead and are not in this repository); the in-sample band above (-4.9 % .. +5.4 %) would
-# promise more than that. The band takes the wider of the two readings of that range.
-T4_4BIT_OTHER_MODELS = (-0.12, 0.15)
-T4_4BIT = ErrorBand(round(min(-0.0509, T4_4BIT_OTHER_MODELS[0], 1 / (1 + T4_4BIT_OTHER_MODELS[1]) - 1), 4),
-                    round(max(1 / (1 - 0.0509) - 1, T4_4BIT_OTHER_MODELS[1]), 4),
-                    "traced estimate vs a Tesla T4's reserved + context, 4-bit QLoRA: 19 in-sample runs of "
-                    "TinyLlama-1.1B and SmolLM2-135M and held-out runs of other models (-12 % .. +15 %, "
-                    "benchmarks/_t4.py)", 19)
+T4_4BIT = _measured(-0.0509, 0.0424, "traced estimate vs a Tesla T4's reserved + context, 4-bit QLoRA nf4 (19 "
+                                     "in-sample runs of TinyLlama-1.1B and SmolLM2-135M: 4 fit, 15 looked-at)", 19)
+# 4-bit for other models: held-out T4 runs of other models were reported at -12 % .. +15 % of the traced figure; their
+# rows are not in this repository, so they widen only the band of runs outside the measured ones (never a measured band)
+T4_4BIT_REPORTED = ErrorBand(-0.1304, 0.15, "traced estimate, 4-bit QLoRA: T4 runs of other models reported at "
+                                            "-12 % .. +15 % (their rows are not in this repository)", 0,
+                             measured=False)
 _MPS = ErrorBand(T4_ANALYTIC.low, T4_ANALYTIC.high, "not measured on MPS: the widest band measured on any device "
                                                   "(the analytic estimate on a T4)", 0, measured=False)
 _VS_TRACE = ErrorBand(-0.02, 0.19, "analytic vs traced estimate, grid of small llama/qwen2 configurations "
@@ -158,7 +136,7 @@ _VS_TRACE = ErrorBand(-0.02, 0.19, "analytic vs traced estimate, grid of small l
 
 def _gpu_rows(low: float, high: float, source: str, rows: int) -> ErrorBand:
     """A band read as ``measured / estimate - 1`` in [low, high] on a GPU's rows, at least the run-to-run floor."""
-    return ErrorBand(round(min(low, -RUN_TO_RUN), 4), round(max(high, RUN_TO_RUN), 4), source, rows)
+    return ErrorBand(*_outward(min(low, -RUN_TO_RUN), max(high, RUN_TO_RUN)), source, rows)
 
 
 _H100 = "an H100 80GB's reserved memory, fitburst's own loop (benchmarks/gpu_check.py"
@@ -167,21 +145,39 @@ GPU_BANDS: dict[tuple[str, str, str], ErrorBand] = {
     ("traced", "cuda", "T4"): T4_16,
     ("traced", "cuda-kbit", "T4"): T4_4BIT,
     ("analytic", "cuda", "H100"): _gpu_rows(-0.179, 0.029, f"analytic estimate vs {_H100}: 5 fit, 5 held-out)", 10),
-    ("traced", "cuda", "H100"): _gpu_rows(-0.016, 0.0, f"traced estimate vs {_H100}, 16-bit and fp32: 3 fit, 4 "
+    ("traced", "cuda", "H100"): _gpu_rows(-0.0161, 0.0, f"traced estimate vs {_H100}, 16-bit and fp32: 3 fit, 4 "
                                                         "held-out)", 7),
     ("traced", "cuda-kbit", "H100"): _gpu_rows(-0.0169, 0.0433, f"traced estimate vs {_H100}, QLoRA nf4: 2 fit, 1 "
                                                                 "held-out)", 3),
 }
-BANDS: dict[tuple[str, str], ErrorBand] = {  # per device family; on CUDA: a GPU with no measured runs
-    ("analytic", "cuda"): _unmeasured_gpu(T4_ANALYTIC),
+# What each measured band's runs span, the card's fraction rounded up at two significant digits (tests/test_bands.py
+# and tests/test_gpu_evidence.py replay every row: each lies inside, and no envelope is wider). T4: TinyLlama-1.1B and
+# SmolLM2-135M, eager and SDPA, nf4 without double quantization. H100: demo Llamas (826-token vocabulary), SDPA.
+_T4_RUNS = Envelope(params=(134_515_008, 1_100_048_384), vocab=(32_000, 49_152), card=0.76,
+                    attention=("eager", "sdpa"), quant=("none", "nf4"))
+_H100_RUNS = Envelope(params=(499_584, 203_036_672), vocab=(826, 826), card=0.028, attention=("sdpa",),
+                      quant=("none", "nf4", "nf4+dq"))
+ENVELOPES: dict[tuple[str, str, str], Envelope] = {
+    ("analytic", "cuda", "T4"): _T4_RUNS,
+    ("traced", "cuda", "T4"): replace(_T4_RUNS, card=0.52, quant=("none",)),
+    ("traced", "cuda-kbit", "T4"): replace(_T4_RUNS, quant=("nf4",)),
+    ("analytic", "cuda", "H100"): _H100_RUNS,
+    ("traced", "cuda", "H100"): replace(_H100_RUNS, card=0.026, quant=("none",)),
+    ("traced", "cuda-kbit", "H100"): replace(_H100_RUNS, params=(101_526_528, 101_526_528), card=0.014,
+                                             quant=("nf4", "nf4+dq")),
+}
+# what a CUDA run no measured band covers gets: these T4 bands widened by _unmeasured_gpu
+_UNMEASURED_FROM = {("analytic", "cuda"): T4_ANALYTIC, ("traced", "cuda"): T4_16,
+                    ("traced", "cuda-kbit"): T4_4BIT_REPORTED}
+BANDS: dict[tuple[str, str], ErrorBand] = {  # per device family; on CUDA: no measured runs like this one
+    **{k: _unmeasured_gpu(b) for k, b in _UNMEASURED_FROM.items()},
     ("analytic", "cpu"): _measured(-0.159, 0.048, "analytic estimate vs live tensor bytes of real CPU steps of the "
                                                   "training loop (11 looked-at, 6 held-out)", 17, floor=0.0),
     ("analytic", "mps"): _MPS,
-    ("traced", "cuda"): _unmeasured_gpu(T4_16),
-    ("traced", "cuda-kbit"): _unmeasured_gpu(T4_4BIT),
     ("traced", "cpu"): _measured(0.0, 0.0059, "traced estimate vs live tensor bytes of real CPU steps of the "
                                               "training loop (27 looked-at, 12 held-out)", 39, floor=0.0),
     ("traced", "mps"): _MPS,
+    # not measurements: how far the instant figure lies from the trace of the same run (the planner's scout)
     ("analytic-vs-traced", "cuda"): ErrorBand(-0.081, 0.095, "analytic vs traced estimate, reserved, 150 full-size "
                                                              "configurations of 10 models on T4 / L4 / A100 "
                                                              "(benchmarks/analytic_vs_traced.py)", 0),
@@ -191,16 +187,8 @@ BANDS: dict[tuple[str, str], ErrorBand] = {  # per device family; on CUDA: a GPU
                                                           "(benchmarks/analytic_vs_traced.py --mps)", 0),
 }
 
-# "sliced-vs-traced": the quick estimate of an architecture the analytic path does not model (fitburst.memory.sliced:
-# its two- and three-block models traced and scaled to the depth) against the full trace of the same run,
-# benchmarks/sliced_vs_traced.py (four unmodelled and two modelled architectures, CPU / T4 / A100, LoRA / QLoRA /
-# full), printed as sliced / traced - 1, reserved (benchmarks/results/sliced_vs_traced_seed*.txt). CPU: 0.00 % on all
-# 9 rows of the three seeds (every block adds the same tensor bytes). CUDA: seed 1 (7 rows) in-sample, the slice
-# sizes and the allocator-overhead rule were chosen on it: -1.27 % .. +2.58 %; seed 2 (10) looked-at, it showed a
-# phase overtaking another with depth (an optimizer step's temporaries; each phase now has its own line):
-# -3.05 % .. +2.47 % (-9.98 % before); seed 3 (10) held-out, scored once: -8.10 % .. +3.08 %, median -0.24 %, the
-# -8.10 % a Qwen2.5-0.5B LoRA at 2 x 512 on a T4. The band covers all three (27 CUDA rows); a sliced estimate's
-# band is the traced band widened by it.
+# the sliced estimate against the full trace of the same run, sliced / traced - 1, reserved
+# (benchmarks/results/sliced_vs_traced_seed*.txt); a sliced estimate's band is the traced band widened by it
 SLICED_ROWS = {"cpu": 9, "cuda": 27}
 SLICED_CPU = (0.0, 0.0)
 SLICED_CUDA = (-0.081, 0.0308)
@@ -213,28 +201,17 @@ BANDS.update({
     ("sliced-vs-traced", "mps"): _measured(*SLICED_CUDA, _SLICED_SOURCE.format(n=SLICED_ROWS["cuda"]) + ", CUDA's "
                                            "band: nothing compared on MPS", 0, floor=0.0),
 })
-# FSDP (a run sharded over several GPUs), per GPU: benchmarks/distributed.py, 14 configurations of 4 architectures
-# (llama, qwen2 with tied embeddings, T5, Mixtral; LoRA, QLoRA, full; 2 and 4 ranks; all looked-at: the sharded trace
-# and the analytic terms were settled while reading them), each rank of a real gloo run measured by torch's
-# MemTracker. Traced (rank 0 of N, fake process group): 0.0 % .. +0.4 % on every LoRA and QLoRA row and one full
-# fine-tune; the other full fine-tunes -27 % .. -6 %, because gloo reduce-scatters the gradients through a copy of its
-# input (its `split` outputs appear only in the real runs; when the copy is freed varies by rank and run): memory a
-# CPU run over gloo really needs, which NCCL on GPUs does not allocate. The CPU band covers them all. Analytic per
-# GPU: -6.7 % .. +12.8 % of the measured peaks. Analytic vs traced (per-GPU, allocated): -21.5 % .. +9.9 % on the 17
-# traced rows (3 at world size 8) and -6.7 % .. -2.1 % on Llama-3.2-1B at full size (tests/test_sharded.py); the
-# analytic figure leaves out FSDP's padding of each shard to a multiple of N rows (+9.9 %: a tiny MoE whose 4 experts
-# are stacked on dim 0, at 8 ranks). On CUDA nothing sharded was measured: FSDP runs its all-gathers and
-# reduce-scatters on streams of their own, whose freed blocks the caching allocator keeps for those streams, which
-# the allocator replay (one stream) does not model; the one-GPU band is widened by UNMEASURED_SHARDED_HIGH above.
+# FSDP, per GPU: benchmarks/results/distributed-accuracy.txt and distributed.csv (estimate / measured - 1 of each
+# rank's live tensor bytes in real gloo runs, gloo's reduce-scatter copy left out); on CUDA nothing sharded was
+# measured: the one-GPU unmeasured band widened by UNMEASURED_SHARDED_HIGH for FSDP's collective streams
 UNMEASURED_SHARDED_HIGH = 0.05
-_SHARDED_VS_TRACE = (-0.22, 0.10)
+_SHARDED_VS_TRACE = (-0.224, 0.099)  # traced / analytic - 1 on distributed.csv's 17 rows and tests/test_sharded.py
 SHARDED_BANDS: dict[tuple[str, str], ErrorBand] = {
-    ("traced", "cpu"): _measured(-0.267, 0.004, "traced estimate (rank 0 of N) vs each rank's live tensor bytes in "
-                                                "real gloo runs, FSDP (14 configurations, 4 architectures, 2 and 4 "
-                                                "ranks; full fine-tunes low by gloo's reduce-scatter copy)", 14,
-                                 floor=0.0),
-    ("analytic", "cpu"): _measured(-0.0665, 0.128, "analytic per-GPU estimate vs each rank's live tensor bytes in "
-                                                   "real gloo runs, FSDP (14 configurations, 4 architectures)", 14,
+    ("traced", "cpu"): _measured(0.0, 0.004, "traced estimate (rank 0 of N) vs each rank's live tensor bytes in real "
+                                             "gloo runs, FSDP (14 configurations, 4 architectures, 2 and 4 ranks; "
+                                             "gloo's reduce-scatter copy left out)", 14, floor=0.0),
+    ("analytic", "cpu"): _measured(0.039, 0.2874, "analytic per-GPU estimate vs each rank's live tensor bytes in real "
+                                                  "gloo runs, FSDP (14 configurations, 4 architectures)", 14,
                                    floor=0.0),
     ("analytic-vs-traced", "cpu"): ErrorBand(*_SHARDED_VS_TRACE, "analytic vs traced per-GPU estimate, FSDP at 2, 4 "
                                              "and 8 ranks (benchmarks/distributed.py, tests/test_sharded.py)", 0),
@@ -249,9 +226,9 @@ SHARDED_BANDS: dict[tuple[str, str], ErrorBand] = {
 
 def _sharded_gpu(band: ErrorBand) -> ErrorBand:
     """A one-GPU CUDA ``band`` as it applies per GPU to a run sharded with FSDP (nothing sharded measured on GPUs)."""
-    return ErrorBand(band.low, round(band.high + UNMEASURED_SHARDED_HIGH, 4),
-                     f"{band.source}; FSDP's collective streams not modelled, widened by "
-                     f"+{UNMEASURED_SHARDED_HIGH:.0%}", 0, measured=False)
+    return replace(band, high=round(band.high + UNMEASURED_SHARDED_HIGH, 4), rows=0, measured=False,
+                   source=f"{band.source}; FSDP's collective streams not modelled, widened by "
+                          f"+{UNMEASURED_SHARDED_HIGH:.0%}")
 
 
 def measured_gpu(name: str | None) -> str | None:
@@ -262,23 +239,32 @@ def measured_gpu(name: str | None) -> str | None:
     return next((g for g in MEASURED_GPUS if key == g or key.endswith(f"-{g}") or key.startswith(f"{g}-")), None)
 
 
-def band_for(method: str, kind: str, kbit: bool = False, gpu: str | None = None, world_size: int = 1) -> ErrorBand:
+def band_for(method: str, kind: str, kbit: bool = False, gpu: str | None = None, world_size: int = 1,
+             run: RunFacts | None = None) -> ErrorBand:
     """The band of estimates made by ``method`` (analytic | traced | sliced | analytic-vs-traced | sliced-vs-traced)
     on a ``kind`` (cuda | mps | cpu) device; ``kbit`` (quantized base weights) picks a k-bit band where one exists;
-    ``gpu`` (a device name) picks that GPU's measured band where it has one, else the wider band of an unmeasured
-    GPU; a run sharded over ``world_size`` > 1 GPUs its FSDP band (:data:`SHARDED_BANDS`)."""
+    ``gpu`` (a device name) picks that GPU's measured band where it has one and ``run`` (what is known of the run;
+    None: only ``world_size``) lies inside what its runs span (:data:`ENVELOPES`), else the wider band of an
+    unmeasured GPU that says why; a run sharded over ``world_size`` > 1 GPUs its FSDP band (:data:`SHARDED_BANDS`)."""
     if method == "sliced":  # the slicing's band on top of the full trace's
-        t, v = band_for("traced", kind, kbit, gpu, world_size), band_for("sliced-vs-traced", kind, kbit)
+        t, v = band_for("traced", kind, kbit, gpu, world_size, run), band_for("sliced-vs-traced", kind, kbit)
         return ErrorBand(round((1 + t.low) * (1 + v.low) - 1, 4), round((1 + t.high) * (1 + v.high) - 1, 4),
-                         f"{v.source}, on top of the traced band ({t.source})", t.rows, t.measured)
+                         f"{v.source}, on top of the traced band ({t.source})", t.rows, t.measured, t.outside)
     if world_size > 1:
         if (method, kind) in SHARDED_BANDS:
             return SHARDED_BANDS[(method, kind)]
         if kind == "cuda":
-            return _sharded_gpu(band_for(method, kind, kbit, gpu))
+            return _sharded_gpu(band_for(method, kind, kbit, gpu, 1, replace(run or RunFacts(), world_size=world_size)))
     family = f"{kind}-kbit" if kbit and (method, f"{kind}-kbit") in BANDS else kind
-    g = measured_gpu(gpu) if kind == "cuda" else None
-    return GPU_BANDS.get((method, family, g or ""), BANDS[(method, family)])
+    g = (measured_gpu(gpu) if kind == "cuda" else None) or ""
+    if (method, family, g) not in GPU_BANDS:
+        return BANDS[(method, family)]
+    why = ENVELOPES[(method, family, g)].outside(run or RunFacts(world_size=world_size))
+    if not why:
+        return GPU_BANDS[(method, family, g)]
+    outside = "; ".join(why)
+    return replace(_unmeasured_gpu(_UNMEASURED_FROM[(method, family)], f"not measured for this run on the {g}, "
+                                   f"outside what its runs span ({outside})"), outside=outside)
 
 
 FILE_NAME = "calibration.json"

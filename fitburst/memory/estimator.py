@@ -79,6 +79,7 @@ class Estimate:
     world_size: int = 1
     nodes: int = 1
     host_bytes: int = 0
+    vocab: int = 0  # the model's vocabulary (0: not known); with the rest, what decides which band applies
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -484,6 +485,7 @@ def _summed(shape: ModelShape, s: TrainSettings, device: Device, phases: Phases,
         calibration_factor=factor,
         reserved_calibration_factor=rfactor,
         world_size=s.world_size,
+        vocab=shape.vocab,
     )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
+from fitburst.allocator_env import allocator_mode
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
 from fitburst.runconfig import TrainSettings, spec_with_settings
@@ -403,7 +404,8 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for
                      params={"total": total, "trainable": trainable, "loaded": loaded},
                      seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
-                     kv_expanded=text._attn_implementation == EXPANDED_KV)
+                     kv_expanded=text._attn_implementation == EXPANDED_KV,
+                     vocab=int(getattr(text, "vocab_size", 0) or 0))
 
 
 def _device_sdpa(device: Device | None) -> contextlib.AbstractContextManager:
@@ -507,11 +509,11 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     (:mod:`fitburst.memory.trace_cache`); ``cache`` keeps traces by settings across calls in this process (a trace
     depends on the device through its kind: the optimizer's fused or foreach path, its autocast, MPS's SDPA; the SDPA
     kernels a CUDA device picks and whether the loader expands grouped-query k/v there)."""
-    from . import allocator, trace_cache
+    from . import trace_cache
 
     k = trace_cache.key(config_dict(spec.model.name), settings, seq_len, device, model=spec.model.name,
                         trust_remote_code=spec.model.trust_remote_code, max_grad_norm=spec.training.max_grad_norm,
-                        expandable_segments=allocator.expandable_from_env())
+                        expandable_segments=allocator_mode() == "expandable_segments")
     if (kept := trace_cache.load(k)) is not None:
         kept.notes.append("from the trace cache (same config, settings, device, libraries and tracing code)")
         return kept
@@ -549,7 +551,7 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         events, start = cuda_kernels.apply(trace, device, s, seq_len, device_map=True)
         peak, peak_phase, phases = live_peaks(events, start)
         components = peak_components(events, start)
-        replay = allocator.replay(events, start=start, expandable=allocator.expandable_from_env())
+        replay = allocator.replay(events, start=start, expandable=allocator_mode() == "expandable_segments")
         alloc, reserved = replay.peak_allocated, replay.peak_reserved
         total = reserved + device.outside_allocator
     else:
@@ -569,4 +571,5 @@ def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: 
         params={"total": trace.params["total"], "trainable": trace.params["trainable"],
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0),
                 "loaded": trace.params.get("loaded", 0)},  # 0: a trace cached before it was counted
-        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size)
+        phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size,
+        vocab=trace.vocab)

@@ -30,6 +30,7 @@ class StepTrace:
     load_bytes: int = 0  # what from_pretrained's caching_allocator_warmup reserves (:func:`warmup_bytes`)
     kv_heads: int = 0  # key/value heads (fewer than ``heads``: grouped-query attention)
     kv_expanded: bool = False  # grouped-query k/v expanded before SDPA (fitburst.models.EXPANDED_KV)
+    vocab: int = 0  # the text model's vocabulary (config vocab_size)
 
     def live_peaks(self) -> tuple[int, str, dict[str, int]]:
         """(peak live bytes in the measured step, its phase, peak per phase of the measured step)."""

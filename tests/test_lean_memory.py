@@ -83,10 +83,8 @@ def test_offloading_on_a_cpu_or_mps_device_is_refused_with_its_line(tmp_path):
 def test_both_estimates_drop_the_loss_term_with_the_fused_loss(model_dir, no_compiler):
     """The trace of the chunked loss (which runs on fake tensors as it is: two chunks here) and of each CUDA
     kernel's rule (CCE on the A100, Liger on the T4): the peak loses a large part of the full-vocabulary term
-    (fp32 logits of the micro-batch), and the analytic estimate stays within its band of the trace."""
-    from fitburst.memory.calibration import band_for
-
-    band = band_for("analytic-vs-traced", "cpu")
+    (fp32 logits of the micro-batch), and the analytic estimate stays at the trace: -1.3 % .. -1.5 % measured on the
+    three devices, so 3 % on either side; a fused-loss term counted whole or left out moves it by more."""
     shape = load_shape(str(model_dir))
     seq = 1024
     logits = 4 * 2 * seq * CFG["vocab_size"]
@@ -98,7 +96,7 @@ def test_both_estimates_drop_the_loss_term_with_the_fused_loss(model_dir, no_com
         a_std, a_fused = (estimate(shape, x, dev, calibrate=False) for x in (std, fused))
         assert t_std.allocated_peak_bytes - t_fused.allocated_peak_bytes > saved * logits / 2, dev_name
         assert a_std.allocated_peak_bytes - a_fused.allocated_peak_bytes > saved * logits / 2, dev_name
-        assert band.low <= t_fused.allocated_peak_bytes / a_fused.allocated_peak_bytes - 1 <= band.high, dev_name
+        assert -0.03 <= t_fused.allocated_peak_bytes / a_fused.allocated_peak_bytes - 1 <= 0.03, dev_name
 
 
 def _real_step_parts(model_dir, s):
@@ -143,13 +141,12 @@ def test_traced_chunked_loss_equals_a_real_cpu_step(model_dir, no_compiler):
 def test_traced_compiled_cce_step_is_a_real_cpu_steps_peak(model_dir, method):
     """CCE's torch_compile path (the CPU's fused loss) is traced by its rule's stand-in: the trace's peak of a whole
     step is the real step's (the torch profiler's allocator counts on top of the tensors held before the steps,
-    since the compiled function refuses the tracker's dispatch mode) within the traced CPU band. A trained head
+    since the compiled function refuses the tracker's dispatch mode) within 1 %. A trained head
     peaks in the loss's backward, after the hidden states given to it were freed."""
     pytest.importorskip("cut_cross_entropy")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fitburst.memory.calibration import band_for
     from fitburst.probe import TensorTracker
     from fitburst.train import optimizer_step
 
@@ -172,15 +169,12 @@ def test_traced_compiled_cce_step_is_a_real_cpu_steps_peak(model_dir, method):
             cur += e.nbytes()
             peak = max(peak, cur)
     measured = held.cur + peak
-    band = band_for("traced", "cpu")
-    assert band.low <= measured / traced.allocated_peak_bytes - 1 <= band.high, (measured, traced.phases)
+    assert abs(measured / traced.allocated_peak_bytes - 1) < 0.01, (measured, traced.phases)  # -0.07 %, -0.04 %
 
 
 def test_offloading_moves_saved_activations_off_a_cuda_device_in_both_estimates(tmp_path):
     """Both estimates take the saved activations off the device, with and without checkpointing (where only the
     kept layer inputs travel)."""
-    from fitburst.memory.calibration import band_for
-
     model_dir = tmp_path / "six"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({**CFG, "num_hidden_layers": 6}))
@@ -197,9 +191,8 @@ def test_offloading_moves_saved_activations_off_a_cuda_device_in_both_estimates(
         assert a_on.phases[held] < a_off.phases[held], ckpt
         assert t_on.allocated_peak_bytes < t_off.allocated_peak_bytes, ckpt
         # the trace keeps TRL's forward stash (the last 5 tensors); the analytic figure a whole layer's: it stays
-        # above the trace, by less than its band's width
-        band = band_for("analytic-vs-traced", "cpu")
-        assert 0 <= a_on.allocated_peak_bytes / t_on.allocated_peak_bytes - 1 <= band.high - band.low, ckpt
+        # above the trace (measured +11.5 % without checkpointing, +1.7 % with)
+        assert 0 <= a_on.allocated_peak_bytes / t_on.allocated_peak_bytes - 1 <= 0.15, ckpt
 
 
 def test_planner_takes_the_fused_loss_before_checkpointing(model_dir):

@@ -12,7 +12,6 @@ import pytest
 
 from fitburst.hardware import Gpus, resolve_device, resolve_gpus
 from fitburst.memory import TrainSettings, estimate, load_shape
-from fitburst.memory.calibration import band_for
 from fitburst.memory.planner import plan_fit, plan_gpus, world_sizes
 from fitburst.memory.trace import trace_step
 
@@ -133,14 +132,14 @@ def test_keeping_blocks_gathered_costs_memory_in_the_trace_and_the_analytic_esti
     dict(method="lora", rank=16, dtype="bf16"), dict(method="full", dtype="bf16"),
     dict(method="qlora", rank=16, dtype="bf16", grad_checkpointing=True)])
 def test_per_gpu_analytic_estimate_is_within_its_band_of_the_sharded_trace(kw):
-    """Llama-3.2-1B at 512 tokens over 4 ranks, at full size (fake tensors)."""
+    """Llama-3.2-1B at 512 tokens over 4 ranks, at full size (fake tensors): the per-GPU analytic figure stays at or
+    above the trace, the trace at most 10 % below it (measured: LoRA -3.9 %, full -2.1 %, QLoRA -6.7 %)."""
     ref = "meta-llama/Llama-3.2-1B"
     s = TrainSettings(batch=1, seq_len=512, world_size=4, **kw)
     dev = resolve_device("cpu:64GiB")
     traced = trace_step(spec_for(ref), s, seq_len=512).live_peaks()[0]
     analytic = estimate(load_shape(ref), s, dev, calibrate=False).allocated_peak_bytes
-    band = band_for("analytic-vs-traced", "cpu", s.kbit, None, 4)
-    assert band.low <= traced / analytic - 1 <= band.high, (traced, analytic)
+    assert -0.10 <= traced / analytic - 1 <= 0.0, (traced, analytic)
 
 
 def test_world_sizes_follow_training_distributed():

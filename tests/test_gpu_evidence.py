@@ -113,7 +113,9 @@ def test_every_stored_h100_row_lies_inside_the_band_its_verdict_would_use(every_
                 major, minor = (int(x) for x in r["capability"].split("."))
                 device = cuda_gpu(r["gpu"], int(total[r["gpu"]]), int(r["context_bytes"]), (major, minor))
                 spec = load_pipeline(ROOT / "pipelines.yaml", "demo", {**table[r["config"]], "preflight.device": "cpu"})
-                estimates[r["config"]] = gpu_check.estimates(spec, prepare_pipeline(spec).stats["max"], device)
+                # the stored runs stepped AdamW as the loop then did (foreach), where the CSV does not say
+                estimates[r["config"]] = gpu_check.estimates(spec, prepare_pipeline(spec).stats["max"], device,
+                                                             adamw=r.get("adamw") or "foreach")
     outside, seen = {}, defaultdict(list)
     for r in every_h100_row:
         e = estimates[r["config"]][r["est_method"]]

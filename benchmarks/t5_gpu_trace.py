@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fitburst.memory import TrainSettings, autocast_policy, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory import RunSettings, autocast_policy, estimate, load_shape, resolve_device  # noqa: E402
 from fitburst.memory.trace import traced_estimate  # noqa: E402
 from fitburst.spec import PipelineSpec  # noqa: E402
 
@@ -66,8 +66,8 @@ def main() -> None:
         for name, dtype in DEVICES:
             device = resolve_device(name)
             for b, seq in SHAPES:
-                s = TrainSettings(method="lora", rank=8, batch=b, seq_len=seq, dtype=dtype, attention="sdpa",
-                                  dropout=0.0, targets=["q", "v"], keep_logits=False)
+                s = RunSettings(method="lora", rank=8, micro_batch_size=b, seq_len=seq, precision=dtype,
+                                attention="sdpa", dropout=0.0, target_modules=["q", "v"], keep_logits=False)
                 gpu = traced_estimate(spec, s, device, seq_len=seq).allocated_peak_bytes
                 with loss_under_cpu_autocast():
                     cpu = traced_estimate(spec, s, device, seq_len=seq).allocated_peak_bytes

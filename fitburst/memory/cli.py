@@ -10,7 +10,18 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from fitburst.hardware import Device, GiB, resolve_device
-from fitburst.settings import ATTENTIONS, DTYPES, LOSSES, METHODS, OPTIMIZERS, QUANTS, VISION, settings_from_spec
+from fitburst.rules import problems
+from fitburst.settings import (
+    ATTENTIONS,
+    DTYPES,
+    LOSSES,
+    METHODS,
+    OPTIMIZERS,
+    QUANTS,
+    VISION,
+    RunSettings,
+    settings_from_spec,
+)
 from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
@@ -123,9 +134,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         except UnmodelledArchitecture as e:  # the trace builds it with transformers: it estimates and plans
             shape, why = None, f"model_type {e.model_type!r} is not one the analytic estimate models"
         device = resolve_device(args.device)
-        if args.activation_offloading and device.kind != "cuda":
-            raise ValueError(f"--activation-offloading (training.activation_offloading) moves saved activations off a "
-                             f"CUDA GPU; {device.name} is {device.kind}")
+        offload = [p for p in problems(RunSettings(activation_offloading=args.activation_offloading), device)
+                   if p.rule == "activation_offloading_off_cuda"]  # the rule table's row, before the spec is built
+        if offload:
+            raise ValueError(f"--activation-offloading: {offload[0]}")
         if args.gpus < 1 or args.nodes < 1:
             raise ValueError("--gpus and --nodes: 1 or more")
         if (args.offload or args.keep_gathered) and args.gpus * args.nodes == 1:

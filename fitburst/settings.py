@@ -45,6 +45,9 @@ class RunSettings:
     method: str = "lora"  # full | lora | qlora (LoRA on a quantized base; a quantized "lora" becomes "qlora")
     quant: str = "none"  # none | int8 | nf4 | fp4
     double_quant: bool = True
+    # k-bit: fp32 copies of the frozen embeddings and head, as peft's k-bit preparation makes them (the default here:
+    # what runs stored before the field existed did); pipelines.yaml's method.frozen_fp32 defaults to false
+    frozen_fp32: bool = True
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
@@ -122,6 +125,13 @@ class RunSettings:
         return self.loss == "fused"
 
     @property
+    def frozen_16bit(self) -> bool:
+        """k-bit preparation leaves the frozen embeddings and head in the 16-bit compute dtype
+        (:func:`fitburst.models.prepare_kbit`): k-bit weights, 16-bit precision, one device (FSDP's mixed precision
+        gathers every weight in 16 bits anyway)."""
+        return self.kbit and not self.frozen_fp32 and self.precision != "fp32" and not self.sharded
+
+    @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum
 
@@ -137,6 +147,7 @@ class RunSettings:
         q = f" {self.quant}{dq}" if self.kbit else ""
         ck = (" ckpt" if self.gradient_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        ck += " frozen16" if self.frozen_16bit else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.activation_offloading else "")
         shape = f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
@@ -158,7 +169,8 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
     return RunSettings(
-        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
+        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, frozen_fp32=m.frozen_fp32,
+        rank=m.rank, alpha=m.alpha,
         dropout=m.dropout, target_modules=m.target_modules, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum,
         seq_len=seq_len or spec.data.max_seq_len, gradient_checkpointing=t.gradient_checkpointing,
@@ -177,7 +189,8 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
     stays auto for SDPA (the loader picks the device's SDPA variant); a lowered image resolution becomes
     ``data.image_max_pixels``."""
     method = spec.method.model_copy(update={
-        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "rank": s.rank, "alpha": s.alpha,
+        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "frozen_fp32": s.frozen_fp32,
+        "rank": s.rank, "alpha": s.alpha,
         "dropout": s.dropout, "target_modules": s.target_modules})
     attention = "auto" if spec.training.attention == "auto" and s.attention == "sdpa" else s.attention
     training = spec.training.model_copy(update={

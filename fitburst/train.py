@@ -39,7 +39,7 @@ from fitburst.hardware import resolve_device
 from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
-from fitburst.models import load_pipeline_model, model_family, tokenizer_for
+from fitburst.models import load_pipeline_model, model_family, prepare_kbit, tokenizer_for
 from fitburst.spec import PipelineSpec, resolve_quant
 
 log = logging.getLogger(__name__)
@@ -132,11 +132,9 @@ def prepare_for_training(model, spec: PipelineSpec):
     method, tr = spec.method, spec.training
     model.config.use_cache = False
     if method.quant != "none":
-        from peft import prepare_model_for_kbit_training  # heavy: loaded only when training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=tr.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        # FSDP's mixed precision gathers every weight in 16 bits: a sharded run keeps peft's preparation as it is
+        model = prepare_kbit(model, gradient_checkpointing=tr.gradient_checkpointing,
+                             frozen_fp32=method.frozen_fp32 or tr.distributed == "fsdp")
     elif tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":

@@ -76,6 +76,9 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # (CUDA): saved tensors cross PCIe twice per step; TRL overlaps the copies on a side stream, but without prefetch
 # PyTorch's offloading "causes a major performance degradation" (AWS SageMaker model-parallel docs), and nothing
 # here measured it on a GPU: ranked right after checkpointing (1.35), before the rungs that change the weights.
+# Frozen embeddings and head in 16 bits (k-bit): the same matmuls in the same dtype (under autocast the head ran in
+# 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
+# as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
 
 LADDER: tuple[Rung, ...] = (
     Rung("attention", 0.9, True,
@@ -90,6 +93,11 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    Rung("frozen_16bit", 1.0, True,
+         lambda s, d: s.kbit and s.frozen_fp32 and s.precision != "fp32" and not s.sharded,
+         lambda s, d: replace(s, frozen_fp32=False),
+         lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
+                      "values: they were loaded in 16 bits)"),
     # not for a sharded run: the fused loss reads the output head's weight outside forward, where FSDP holds a
     # shard, and bitsandbytes' 8-bit optimizers do not step FSDP's sharded parameters (both refused by training)
     Rung("fused_loss", 1.01, True,

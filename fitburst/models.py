@@ -255,6 +255,30 @@ def _to_fp32(module, args, output):
     return output.float()
 
 
+def tile_mlps(model, shape: ModelShape | None) -> int:
+    """Each decoder block's gated MLP run by liger-kernel's ``apply_tiled_mlp`` (pure torch: an autograd function
+    that runs the MLP's own forward, LoRA adapters included, over ceil(seq / hidden) sequence shards without
+    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A ValueError
+    where ``shape`` (the model's architecture, :attr:`ModelShape.tiled_mlp_refusal`) has no gated MLP."""
+    if shape is None:
+        raise ValueError("the tiled MLP needs an architecture the estimate models (its gated MLP's layer names)")
+    if (why := shape.tiled_mlp_refusal) is not None:
+        raise ValueError(f"the tiled MLP runs over a gated MLP: {why}")
+    from liger_kernel.ops import apply_tiled_mlp  # heavy, optional: the lean extra
+
+    names = {lin.name for lin in shape.mlp_linears()}
+    mlps = [m for n, m in model.named_modules()
+            if names <= {c for c, _ in m.named_children()} and not any(v in n for v in ("visual", "vision"))]
+    for mlp in mlps:
+        mlp.forward = _tiled(apply_tiled_mlp, mlp, mlp.forward)
+    return len(mlps)
+
+
+def _tiled(apply_tiled_mlp, mlp, forward):
+    """``mlp``'s ``forward`` over sequence shards (Liger's default count: ceil(seq / hidden))."""
+    return lambda x: apply_tiled_mlp(lambda _module, shard: forward(shard), mlp, x)
+
+
 def _disable_bnb_cpu_repack(model) -> None:
     """bitsandbytes on CPUs with avx512_bf16 repacks 4-bit weights after an eval forward, which breaks later
     training steps (see shared stack notes); turn that path off on every 4-bit layer."""

@@ -198,6 +198,9 @@ class TrainingSpec(Strict):
         "torch.compile path elsewhere); auto: standard unless the preflight needs the memory (preflight.allow)")
     activation_offloading: bool = Field(default=False, description="CUDA only: keep the activations saved for "
                                         "backward in pinned host memory (TRL's offloading context)")
+    tiled_mlp: bool = Field(default=False, description="run each block's gated MLP over sequence shards, its forward "
+                            "recomputed in backward (liger-kernel's apply_tiled_mlp): backward never holds a whole "
+                            "layer's MLP intermediates at full length; slower (one more MLP forward per step)")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -239,6 +242,7 @@ class AllowSpec(Strict):
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
     fused_loss: bool = True  # training.loss: auto -> fused (a fused linear cross-entropy)
     activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
+    tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
     frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
 
 
@@ -721,8 +725,26 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     if spec.data.image_max_pixels is not None and spec.training.packing:
         out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
                                              "pipeline with data.image_max_pixels (a vision-language one)"))
+    if spec.training.tiled_mlp and (why := _tiled_mlp_refusal(spec.model)) is not None:
+        out.append((("training", "tiled_mlp"), f"the tiled MLP shards a gated MLP (gate, up, down) and {why}: set "
+                                               "training.tiled_mlp: false"))
     out += [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
     return out
+
+
+def _tiled_mlp_refusal(model: ModelSpec) -> str | None:
+    """Why a tiled MLP cannot run on a model whose config.json is here (a local folder or a bundled config; a hub
+    model's or an unreadable one's is not fetched here: the trainer refuses it before loading, as
+    ``fitburst.models.tile_mlps`` does)."""
+    from fitburst.memory.shapes import ModelConfigError, bundled_config, load_shape
+
+    p = Path(model.name).expanduser()
+    if not ((p / "config.json").is_file() or bundled_config(model.name, model.revision) is not None):
+        return None
+    try:
+        return load_shape(str(p) if p.is_dir() else model.name, model.revision).tiled_mlp_refusal
+    except ModelConfigError:  # an unreadable or unmodelled config: _model_folder_problems or the trainer says why
+        return None
 
 
 def _model_folder_problems(model: ModelSpec) -> list[str]:

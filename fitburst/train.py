@@ -163,6 +163,13 @@ def prepare_for_training(model, spec: PipelineSpec):
             target_modules=targets if targets == "all-linear" else list(targets)))
     else:
         family.freeze(model, method)
+    if tr.tiled_mlp:
+        from fitburst.models import spec_shape, tile_mlps
+
+        try:
+            tile_mlps(model, spec_shape(spec))
+        except ValueError as e:
+            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp: {e}: set it false") from None
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
 from fitburst.settings import RunSettings
 
+from .shapes import ModelShape
+
 Check = Callable[[RunSettings, Device], bool]
 Step = Callable[[RunSettings, Device], RunSettings]
 Explain = Callable[[RunSettings, Device], str]
@@ -32,9 +34,13 @@ class Rung:
     applies: Check
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
+    # what the model must be for the change to run (None: any model); asked without a model, such a rung is not taken
+    model: Callable[[ModelShape], bool] | None = None
 
-    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
-        return (allow or {}).get(self.key, True) and self.applies(s, device)
+    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                shape: ModelShape | None = None) -> bool:
+        fits_model = self.model is None or (shape is not None and self.model(shape))
+        return (allow or {}).get(self.key, True) and fits_model and self.applies(s, device)
 
 
 def smaller_batch(s: RunSettings) -> RunSettings:
@@ -80,6 +86,8 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
 # as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
 
+TILED_MLP_COST = 1.2
+
 LADDER: tuple[Rung, ...] = (
     Rung("attention", 0.9, True,
          lambda s, d: s.attention == "eager",
@@ -118,6 +126,12 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, gradient_checkpointing=True),
          lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
                       "(~30 % slower)"),
+    Rung("tiled_mlp", TILED_MLP_COST, True,
+         lambda s, d: not s.tiled_mlp and importlib.util.find_spec("liger_kernel") is not None,
+         lambda s, d: replace(s, tiled_mlp=True),
+         lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
+                      "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",
+         model=lambda shape: shape.tiled_mlp_refusal is None),
     Rung("activation_offloading", 1.35, True,
          lambda s, d: d.kind == "cuda" and not s.activation_offloading,
          lambda s, d: replace(s, activation_offloading=True),
@@ -145,6 +159,7 @@ EVAL_HALVING_COST = 1.001
 
 
 def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
-              *, midrun: bool = False) -> Rung | None:
-    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run)."""
-    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow)), None)
+              *, midrun: bool = False, shape: ModelShape | None = None) -> Rung | None:
+    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run); a rung that
+    depends on the model only with its ``shape``."""
+    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow, shape)), None)

@@ -183,7 +183,7 @@ def test_the_rung_takes_a_gated_mlp_only_and_round_trips_the_spec(model_dir):
 
 
 def test_the_planner_takes_the_tiled_mlp_before_checkpointing_when_it_fits(model_dir):
-    """A long sequence that misses by less than the MLP intermediates: the plan tiles the MLP (cost 1.2) and does not
+    """A long sequence that misses by less than the MLP intermediates: the plan tiles the MLP (cost 1.3) and does not
     checkpoint (1.33); with tiling not allowed it checkpoints."""
     shape = load_shape(str(model_dir))
     dev = resolve_device("A6000")

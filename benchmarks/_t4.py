@@ -14,7 +14,7 @@ from unittest import mock
 
 from _shared import shared_file
 
-from fitburst.memory import TrainSettings, allocator, cuda_kernels, resolve_device
+from fitburst.memory import RunSettings, allocator, cuda_kernels, resolve_device
 from fitburst.memory.trace import live_peaks, trace_step
 from fitburst.spec import PipelineSpec
 
@@ -70,14 +70,15 @@ def spec_of(r: dict) -> PipelineSpec:
         training=dict(max_grad_norm=None)))  # the harness's step: no clipping
 
 
-def settings_of(r: dict) -> TrainSettings:
+def settings_of(r: dict) -> RunSettings:
     quant = r["quant"]
-    return TrainSettings(
+    return RunSettings(
         method="qlora" if quant != "none" else "lora", quant=quant, double_quant=False,
         rank=int(r["lora_rank"]), alpha=float(r["lora_alpha"]), dropout=float(r["lora_dropout"]),
-        targets=r["lora_targets"].split(";"), batch=int(r["batch_size"]), seq_len=int(r["seq_len"]),
-        grad_checkpointing=r["grad_checkpoint"] == "true", optimizer="adamw", adamw="foreach",  # torch's CUDA default
-        dtype=r["precision"],
+        target_modules=r["lora_targets"].split(";"), micro_batch_size=int(r["batch_size"]), seq_len=int(r["seq_len"]),
+        gradient_checkpointing=r["grad_checkpoint"] == "true", optimizer="adamw",
+        adamw="foreach",  # torch's CUDA default
+        precision=r["precision"],
         attention="eager" if r["attention"] == "eager" else "sdpa", padded=False,
         keep_logits=True)  # the harness's output lives to the end of its step (the analytic estimate's switch)
 

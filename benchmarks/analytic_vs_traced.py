@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory import RunSettings, estimate, load_shape, resolve_device  # noqa: E402
 from fitburst.memory.estimator import RESERVED_FACTOR, RESERVED_FLOOR, RESERVED_PER_LOGITS  # noqa: E402
 from fitburst.memory.trace import TraceUnsupported, traced_estimate  # noqa: E402
 from fitburst.spec import PipelineSpec  # noqa: E402
@@ -43,7 +43,7 @@ MiB = 1 << 20
 LOOKED_AT_SEEDS = {1, 2, 3, 4, 5}
 
 
-def grid(n: int, seed: int, mps: bool = False) -> list[tuple[str, str, TrainSettings]]:
+def grid(n: int, seed: int, mps: bool = False) -> list[tuple[str, str, RunSettings]]:
     rnd = random.Random(seed)
     out = []
     for i in range(n):
@@ -52,11 +52,12 @@ def grid(n: int, seed: int, mps: bool = False) -> list[tuple[str, str, TrainSett
         quant, b = rnd.choice(["none", "nf4"]), rnd.choice([1, 2, 4])
         if mps:
             dev, quant = "mps:64GiB", "none"
-        out.append((model, dev, TrainSettings(
+        out.append((model, dev, RunSettings(
             method="qlora" if quant == "nf4" else "lora", quant=quant, double_quant=rnd.choice([True, False]),
-            rank=rnd.choice([8, 16, 32]), targets=rnd.choice([["q_proj", "v_proj"], "all-linear"]), batch=b,
-            seq_len=rnd.choice([256, 512, 1024, 2048]), grad_checkpointing=rnd.choice([True, False]),
-            dtype="fp16" if dev == "T4" else "bf16", attention=rnd.choice(["eager", "sdpa"]), keep_logits=False,
+            rank=rnd.choice([8, 16, 32]), target_modules=rnd.choice([["q_proj", "v_proj"],
+                                                                     "all-linear"]), micro_batch_size=b,
+            seq_len=rnd.choice([256, 512, 1024, 2048]), gradient_checkpointing=rnd.choice([True, False]),
+            precision="fp16" if dev == "T4" else "bf16", attention=rnd.choice(["eager", "sdpa"]), keep_logits=False,
             dropout=rnd.choice([0.0, 0.05]), padded=rnd.choice([False, True]) if b > 1 else False)))
     return out
 
@@ -89,10 +90,10 @@ def main() -> None:
             continue
         shape = load_shape(model)
         a = estimate(shape, s, device, calibrate=False)
-        rows.append(dict(model=model, role="fit" if model in FIT else seen, ckpt=s.grad_checkpointing,
+        rows.append(dict(model=model, role="fit" if model in FIT else seen, ckpt=s.gradient_checkpointing,
                          t_alloc=t.allocated_peak_bytes, t_res=t.reserved_peak_bytes,
                          a_alloc=a.allocated_peak_bytes, a_res=a.reserved_peak_bytes,
-                         logits=4 * s.batch * s.seq_len * shape.vocab))
+                         logits=4 * s.micro_batch_size * s.seq_len * shape.vocab))
         r = rows[-1]
         print(f"| {model.split('/')[1]} | {r['role']} | {dev} | {s.describe()} | {r['t_alloc'] / MiB:,.0f} / "
               f"{r['t_res'] / MiB:,.0f} | {r['a_alloc'] / MiB:,.0f} / {r['a_res'] / MiB:,.0f} | "

@@ -36,28 +36,31 @@ TOKENS = 20_000_000
 
 # (architecture, settings); padded=False: the measured batches hold no padding (tests/fsdp_child.py)
 CASES: list[tuple[str, dict]] = [
-    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="fp32", dropout=0.0, world_size=2)),
-    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="bf16", world_size=4)),
-    ("llama", dict(method="qlora", rank=8, batch=1, seq_len=64, dtype="bf16", dropout=0.0, world_size=2)),
-    ("llama", dict(method="qlora", rank=8, batch=1, seq_len=64, dtype="bf16", dropout=0.0, world_size=4)),
-    ("llama", dict(method="full", batch=1, seq_len=64, dtype="fp32", world_size=2)),
-    ("llama", dict(method="full", batch=1, seq_len=64, dtype="bf16", world_size=4)),
-    ("qwen2", dict(method="lora", rank=8, batch=2, seq_len=48, dtype="bf16", world_size=2, padded=False)),
-    ("qwen2", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="fp32", world_size=4,
+    ("llama", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="fp32", dropout=0.0, world_size=2)),
+    ("llama", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", world_size=4)),
+    ("llama", dict(method="qlora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", dropout=0.0,
+                   world_size=2)),
+    ("llama", dict(method="qlora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", dropout=0.0,
+                   world_size=4)),
+    ("llama", dict(method="full", micro_batch_size=1, seq_len=64, precision="fp32", world_size=2)),
+    ("llama", dict(method="full", micro_batch_size=1, seq_len=64, precision="bf16", world_size=4)),
+    ("qwen2", dict(method="lora", rank=8, micro_batch_size=2, seq_len=48, precision="bf16", world_size=2,
+                   padded=False)),
+    ("qwen2", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="fp32", world_size=4,
                    reshard_after_forward=False)),
-    ("qwen2", dict(method="full", batch=1, seq_len=64, dtype="bf16", world_size=2)),
-    ("t5", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", world_size=2, padded=False)),
-    ("t5", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="bf16", world_size=4, padded=False)),
-    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="bf16", dropout=0.0, world_size=2,
+    ("qwen2", dict(method="full", micro_batch_size=1, seq_len=64, precision="bf16", world_size=2)),
+    ("t5", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="fp32", world_size=2, padded=False)),
+    ("t5", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="bf16", world_size=4, padded=False)),
+    ("mixtral", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="bf16", dropout=0.0, world_size=2,
                      padded=False)),
-    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", dropout=0.0, world_size=4,
+    ("mixtral", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="fp32", dropout=0.0, world_size=4,
                      padded=False)),
-    ("mixtral", dict(method="full", batch=2, seq_len=32, dtype="fp32", world_size=4, padded=False)),
+    ("mixtral", dict(method="full", micro_batch_size=2, seq_len=32, precision="fp32", world_size=4, padded=False)),
 ]
 TRACED_ONLY = [  # world size 8
-    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="bf16", world_size=8)),
-    ("qwen2", dict(method="full", batch=1, seq_len=64, dtype="bf16", world_size=8)),
-    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", dropout=0.0, world_size=8,
+    ("llama", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", world_size=8)),
+    ("qwen2", dict(method="full", micro_batch_size=1, seq_len=64, precision="bf16", world_size=8)),
+    ("mixtral", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="fp32", dropout=0.0, world_size=8,
                      padded=False)),
 ]
 QWEN2 = dict(model_type="qwen2", hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
@@ -68,7 +71,7 @@ def accuracy(out: Path) -> list[dict]:
     import test_sharded as t
 
     from fitburst.hardware import resolve_device
-    from fitburst.memory import TrainSettings, estimate
+    from fitburst.memory import RunSettings, estimate
     from fitburst.memory.shapes import ModelShape
     from fitburst.memory.trace import trace_step
 
@@ -77,7 +80,7 @@ def accuracy(out: Path) -> list[dict]:
     dev = resolve_device("cpu:64GiB")
     rows = []
     for arch, kw in CASES + TRACED_ONLY:
-        s = TrainSettings(**kw)
+        s = RunSettings(**kw)
         folder = t.model_folder(root, arch, weights=s.kbit)
         traced = trace_step(t.spec_for(folder), s, seq_len=s.seq_len).live_peaks()[0]
         analytic = estimate(ModelShape.from_config(t.CFGS[arch], name=arch), s, dev, calibrate=False)
@@ -113,12 +116,13 @@ def _pct(x) -> str:
 
 def speed() -> None:
     from fitburst.memory.trace import trace_step
-    from fitburst.runconfig import TrainSettings
+    from fitburst.settings import RunSettings
     from fitburst.spec import PipelineSpec
 
     spec = PipelineSpec.model_validate(dict(name="t", model=dict(name="meta-llama/Meta-Llama-3-70B"),
                                             data=dict(path="x.jsonl")))
-    s = TrainSettings(method="qlora", rank=16, batch=1, seq_len=2048, grad_checkpointing=True, dtype="bf16",
+    s = RunSettings(method="qlora", rank=16, micro_batch_size=1, seq_len=2048, gradient_checkpointing=True,
+                    precision="bf16",
                       world_size=8)
     cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     t = trace_step(spec, s, seq_len=2048)

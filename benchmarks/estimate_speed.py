@@ -15,7 +15,8 @@ import sys
 
 CODE = (
     "import time; t=time.process_time(); import fitburst.memory as m; "
-    "m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), m.resolve_device('RTX4090')); "
+    "m.plan_fit(m.load_shape('Llama-3.1-70B'), m.RunSettings(micro_batch_size=4, seq_len=4096), "
+    "m.resolve_device('RTX4090')); "
     "print(time.process_time()-t)"
 )
 TARGET_S = 1.0

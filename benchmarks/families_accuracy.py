@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory import RunSettings, estimate, load_shape, resolve_device  # noqa: E402
 
 ARCHS = {
     "mixtral": dict(model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
@@ -115,10 +115,11 @@ CASES = [
 ]
 
 
-def settings_of(c: dict) -> TrainSettings:
-    return TrainSettings(method=c["method"], rank=c.get("rank", 8), dropout=0.0, targets=c.get("targets", QV),
-                         batch=c["batch"], seq_len=c["seq_len"], grad_checkpointing=c.get("grad_checkpointing", False),
-                         dtype=c["dtype"], attention="sdpa", keep_logits=False, images=c.get("images", 0),
+def settings_of(c: dict) -> RunSettings:
+    return RunSettings(method=c["method"], rank=c.get("rank", 8), dropout=0.0, target_modules=c.get("targets", QV),
+                         micro_batch_size=c["batch"], seq_len=c["seq_len"],
+                         gradient_checkpointing=c.get("grad_checkpointing", False),
+                         precision=c["dtype"], attention="sdpa", keep_logits=False, images=c.get("images", 0),
                          image_tokens=c.get("image_tokens", 0), vision=c.get("vision", "frozen"))
 
 

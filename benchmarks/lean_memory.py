@@ -83,7 +83,7 @@ def measured(cfg: dict, method: str, seq: int, kernel: str, seed: int = 0) -> di
 
     from fitburst.data import collate
     from fitburst.probe import TensorTracker
-    from fitburst.runconfig import spec_with_settings
+    from fitburst.settings import spec_with_settings
     from fitburst.spec import PipelineSpec
     from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
@@ -133,9 +133,9 @@ def measured(cfg: dict, method: str, seq: int, kernel: str, seed: int = 0) -> di
 
 
 def _settings(method: str, seq: int, kernel: str):
-    from fitburst.memory import TrainSettings
+    from fitburst.memory import RunSettings
 
-    return TrainSettings(method=method, batch=1, seq_len=seq, dtype="fp32", dropout=0.0, keep_logits=False,
+    return RunSettings(method=method, micro_batch_size=1, seq_len=seq, precision="fp32", dropout=0.0, keep_logits=False,
                          loss="standard" if kernel == "standard" else "fused")
 
 
@@ -193,17 +193,17 @@ def part1(kernels: list[str], rows: list[tuple[str, str, int]], models: dict = M
 
 
 RUNS = (  # the issue's four runs: model config, device, settings
-    ("qwen2.5-7b", "RTX4090", dict(method="lora", rank=16, batch=4, seq_len=2048)),
-    ("llama-3.1-8b", "A6000", dict(method="lora", rank=16, batch=1, seq_len=8192)),
-    ("qwen2.5-1.5b", "T4", dict(method="full", batch=1, seq_len=2048, dtype="fp16")),
-    ("gemma-3-1b", "M2-Max-32GB", dict(method="lora", rank=16, batch=4, seq_len=2048)),
+    ("qwen2.5-7b", "RTX4090", dict(method="lora", rank=16, micro_batch_size=4, seq_len=2048)),
+    ("llama-3.1-8b", "A6000", dict(method="lora", rank=16, micro_batch_size=1, seq_len=8192)),
+    ("qwen2.5-1.5b", "T4", dict(method="full", micro_batch_size=1, seq_len=2048, precision="fp16")),
+    ("gemma-3-1b", "M2-Max-32GB", dict(method="lora", rank=16, micro_batch_size=4, seq_len=2048)),
 )
 
 
 def part2() -> None:
     """The loss term is the estimate's own component breakdown at its peak (``logits_loss``: the logits and the
     loss's tensors, or the fused kernel's rule), as a share of the allocated peak it is part of."""
-    from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
+    from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
     from fitburst.memory.ladder import LADDER
 
     print("| run | device | plan | allocated peak GiB | device total GiB | slowdown | peak phase | loss term GiB | "
@@ -212,14 +212,15 @@ def part2() -> None:
     for model, dev_name, kw in RUNS:
         shape = load_shape(str(ROOT / "fitburst" / "configs" / f"{model}.json"))
         dev = resolve_device(dev_name)
-        s = TrainSettings(keep_logits=False, **kw)
+        s = RunSettings(keep_logits=False, **kw)
         for label, loss, allow in (("before", "standard", {"activation_offloading": False, "fused_loss": False}),
                                    ("after", "auto", {})):
             plan = plan_fit(shape, replace(s, loss=loss), dev, allow=allow)
             e = estimate(shape, plan.settings, dev)
             keys = [c.split(":")[0].split(" (")[0] for c in plan.changes] if plan.fits else ["nothing fits"]
             ps = plan.settings
-            halvings = round(math.log2(s.batch / ps.batch)) if ps.batch < s.batch else 0
+            b, pb = s.micro_batch_size, ps.micro_batch_size
+            halvings = round(math.log2(b / pb)) if pb < b else 0
             cost = math.prod(r.cost for r in LADDER if _taken(r.key, s, ps)) * 1.12 ** halvings
             term = e.components.get("logits_loss", 0)
             print(f"| {model} {label} | {dev_name} | {'; '.join(keys) or 'as configured'} | "
@@ -229,12 +230,12 @@ def part2() -> None:
 
 def _taken(key: str, before, after) -> bool:
     return {"fused_loss": after.loss == "fused" and before.loss != "fused",
-            "activation_offloading": after.offload and not before.offload,
-            "gradient_checkpointing": after.grad_checkpointing and not before.grad_checkpointing,
+            "activation_offloading": after.activation_offloading and not before.activation_offloading,
+            "gradient_checkpointing": after.gradient_checkpointing and not before.gradient_checkpointing,
             "optimizer_8bit": after.optimizer != before.optimizer,
             "quantize": after.quant != before.quant,
             "dropout": after.dropout != before.dropout,
-            "reduce_batch": after.batch != before.batch,
+            "reduce_batch": after.micro_batch_size != before.micro_batch_size,
             "attention": after.attention != before.attention}.get(key, False)
 
 

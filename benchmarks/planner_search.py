@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import time
 
-from fitburst.memory import TrainSettings, load_shape, plan_fit, resolve_device
+from fitburst.memory import RunSettings, load_shape, plan_fit, resolve_device
 from fitburst.preflight import exact_estimate
 from fitburst.spec import PipelineSpec
 
 QV = ["q_proj", "v_proj"]  # the targets these figures were taken with (the default was q_proj, v_proj then)
 CASES = [
-    ("Qwen/Qwen2.5-7B-Instruct", TrainSettings(method="lora", rank=16, batch=4, seq_len=2048, targets=QV), "A6000"),
+    ("Qwen/Qwen2.5-7B-Instruct", RunSettings(method="lora", rank=16, micro_batch_size=4, seq_len=2048,
+                                             target_modules=QV), "A6000"),
     # a T4 has no bf16: fp16 there (what fitburst's precision resolution picks)
     ("Qwen/Qwen2.5-7B-Instruct",
-     TrainSettings(method="qlora", quant="nf4", rank=16, batch=4, seq_len=1024, dtype="fp16", targets=QV), "T4"),
+     RunSettings(method="qlora", quant="nf4", rank=16, micro_batch_size=4, seq_len=1024, precision="fp16",
+                 target_modules=QV), "T4"),
     ("Qwen/Qwen2.5-1.5B-Instruct",
-     TrainSettings(method="lora", rank=16, batch=8, seq_len=1024, dtype="fp16", targets=QV), "T4"),
+     RunSettings(method="lora", rank=16, micro_batch_size=8, seq_len=1024, precision="fp16", target_modules=QV), "T4"),
     ("TinyLlama/TinyLlama-1.1B-Chat-v1.0",
-     TrainSettings(method="qlora", quant="nf4", rank=32, batch=8, seq_len=1024, dtype="fp16", targets=QV), "T4"),
+     RunSettings(method="qlora", quant="nf4", rank=32, micro_batch_size=8, seq_len=1024, precision="fp16",
+                 target_modules=QV), "T4"),
 ]
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fitburst.memory import ModelConfigError, TrainSettings, estimate, load_shape, resolve_device  # noqa: E402
+from fitburst.memory import ModelConfigError, RunSettings, estimate, load_shape, resolve_device  # noqa: E402
 from fitburst.memory.budget import Budget  # noqa: E402
 
 QV = ["q_proj", "v_proj"]
@@ -148,21 +148,21 @@ FITCHECK_MISSING = "fitcheck-llm: not installed (pip install fitcheck-llm into F
 LORA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def fitcheck_request(shape, name: str, s: TrainSettings, gpu: str | None) -> dict:
+def fitcheck_request(shape, name: str, s: RunSettings, gpu: str | None) -> dict:
     """One row for benchmarks/_fitcheck.py: the model's config.json inline, our settings in fitcheck's terms."""
-    targets = LORA_ALL if s.targets == "all-linear" else list(s.targets)
+    targets = LORA_ALL if s.target_modules == "all-linear" else list(s.target_modules)
     training = dict(
-        precision=s.dtype,
+        precision=s.precision,
         quantization=s.quant if s.method == "qlora" else "none",
         double_quant=bool(s.double_quant) if s.method == "qlora" else False,
         # fitburst's SGD keeps momentum (make_optimizer: momentum=0.9)
         optimizer={"sgd": "sgd-momentum", "adamw8bit": "adam8bit"}.get(s.optimizer, s.optimizer),
         optimizer_dtype="fp32",
-        batch_size=s.batch,
+        batch_size=s.micro_batch_size,
         seq_len=s.seq_len,
         lora_rank=None if s.method == "full" else s.rank,
         lora_targets=targets if s.method != "full" else LORA_ALL,
-        grad_checkpoint=s.grad_checkpointing,
+        grad_checkpoint=s.gradient_checkpointing,
         flash_attn=s.attention == "sdpa",  # SDPA's flash / memory-efficient kernels keep no S x S matrix
     )
     return dict(
@@ -246,19 +246,19 @@ def fresh_cases(seed: int, n: int) -> list[dict]:
     return out
 
 
-def settings_of(c: dict) -> TrainSettings:
-    return TrainSettings(
+def settings_of(c: dict) -> RunSettings:
+    return RunSettings(
         method=c["method"],
         quant=c.get("quant", "none"),
         double_quant=c.get("double_quant", True),
         rank=c.get("rank", 8),
         dropout=c.get("dropout", 0.0),
-        targets=c.get("targets", QV),
-        batch=c["batch"],
+        target_modules=c.get("targets", QV),
+        micro_batch_size=c["batch"],
         seq_len=c["seq_len"],
-        grad_checkpointing=c.get("grad_checkpointing", False),
+        gradient_checkpointing=c.get("grad_checkpointing", False),
         optimizer=c.get("optimizer", "adamw"),
-        dtype=c["dtype"],
+        precision=c["dtype"],
         attention=c.get("attention", "sdpa"),
         keep_logits=False,  # fitburst's loop drops the model output right after taking the loss
     )
@@ -366,7 +366,7 @@ def trace_time_7b() -> float:
 
     spec = PipelineSpec.model_validate(dict(name="7b", model=dict(name="Qwen/Qwen2.5-7B"), data=dict(path="x.jsonl")))
     t0 = time.perf_counter()
-    trace_step(spec, TrainSettings(seq_len=1024, keep_logits=False, targets=QV), seq_len=1024)
+    trace_step(spec, RunSettings(seq_len=1024, keep_logits=False, target_modules=QV), seq_len=1024)
     return time.perf_counter() - t0
 
 
@@ -452,17 +452,17 @@ def part_b() -> list[dict]:
         quant, dq = "none", False
         if method.startswith("qlora"):
             quant, dq, method = "nf4", method.endswith("-dq"), "qlora"
-        s = TrainSettings(
+        s = RunSettings(
             method=method,
             quant=quant,
             double_quant=dq,
             rank=int(r["lora_rank"] or 8),
-            targets=[TARGETS[t] for t in r["lora_targets"].split(",")] if r["lora_targets"] else QV,
-            batch=int(r["batch"]),
+            target_modules=[TARGETS[t] for t in r["lora_targets"].split(",")] if r["lora_targets"] else QV,
+            micro_batch_size=int(r["batch"]),
             seq_len=int(r["seq_len"]),
-            grad_checkpointing=r["grad_ckpt"] == "yes",
+            gradient_checkpointing=r["grad_ckpt"] == "yes",
             optimizer="adamw",
-            dtype="bf16",
+            precision="bf16",
             pure_bf16=True,  # LitGPT's bf16-true and torchtune's dtype bf16 hold bf16 weights: no autocast
             attention="sdpa",
             dropout=0.05 if r["id"].startswith("L") else 0.0,

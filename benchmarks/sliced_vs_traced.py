@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fitburst.memory import TrainSettings, resolve_device  # noqa: E402
+from fitburst.memory import RunSettings, resolve_device  # noqa: E402
 from fitburst.memory.sliced import sliced_estimate  # noqa: E402
 from fitburst.memory.trace import TraceUnsupported, traced_estimate  # noqa: E402
 from fitburst.spec import PipelineSpec  # noqa: E402
@@ -45,7 +45,7 @@ MODELLED = ["meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]
 MiB = 1 << 20
 
 
-def grid(n: int, seed: int, folders: dict[str, str]) -> list[tuple[str, str, str, TrainSettings]]:
+def grid(n: int, seed: int, folders: dict[str, str]) -> list[tuple[str, str, str, RunSettings]]:
     rnd = random.Random(seed)
     names = list(folders) + MODELLED
     out = []
@@ -54,10 +54,10 @@ def grid(n: int, seed: int, folders: dict[str, str]) -> list[tuple[str, str, str
         dev = rnd.choice(["cpu:64GiB", "T4", "A100-40GB"])
         method = rnd.choice(["lora", "lora", "full"] + (["qlora"] if dev != "cpu:64GiB" else []))
         dtype = "fp32" if dev.startswith("cpu") else "fp16" if dev == "T4" else "bf16"
-        out.append((name, folders.get(name, name), dev, TrainSettings(
-            method=method, quant="nf4" if method == "qlora" else "none", rank=16, targets="all-linear",
-            batch=rnd.choice([1, 2]), grad_accum=2, seq_len=rnd.choice([256, 512]),
-            grad_checkpointing=rnd.choice([True, False]), dtype=dtype, attention="sdpa", dropout=0.0)))
+        out.append((name, folders.get(name, name), dev, RunSettings(
+            method=method, quant="nf4" if method == "qlora" else "none", rank=16, target_modules="all-linear",
+            micro_batch_size=rnd.choice([1, 2]), grad_accum=2, seq_len=rnd.choice([256, 512]),
+            gradient_checkpointing=rnd.choice([True, False]), precision=dtype, attention="sdpa", dropout=0.0)))
     return out
 
 
@@ -90,7 +90,8 @@ def main() -> None:
             continue
         err = cut.reserved_peak_bytes / full.reserved_peak_bytes - 1
         errs.append(err)
-        print(f"{name:28} {dev:10} {s.method:6} {s.batch:<2} {s.seq_len:<4} {str(s.grad_checkpointing):5} "
+        print(f"{name:28} {dev:10} {s.method:6} {s.micro_batch_size:<2} {s.seq_len:<4} "
+              f"{str(s.gradient_checkpointing):5} "
               f"{full.reserved_peak_bytes / MiB:11.1f} {cut.reserved_peak_bytes / MiB:11.1f} {err:+8.2%} "
               f"{t1 - t0:8.1f} {t2 - t1:8.1f}")
     if errs:

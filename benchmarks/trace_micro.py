@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fitburst.memory import TrainSettings, resolve_device, trace  # noqa: E402
+from fitburst.memory import RunSettings, resolve_device, trace  # noqa: E402
 from fitburst.spec import PipelineSpec  # noqa: E402
 
 MODELS = ["Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M", "google/gemma-3-270m", "meta-llama/Llama-3.2-1B",
@@ -26,22 +26,22 @@ MODELS = ["Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M", "google/gemma-3-270
 MiB = 1 << 20
 
 
-def grid(n: int, seed: int) -> list[tuple[str, str, TrainSettings]]:
+def grid(n: int, seed: int) -> list[tuple[str, str, RunSettings]]:
     rnd = random.Random(seed)
     out = []
     for _ in range(n):
         dev = rnd.choice(["cpu:64GiB", "T4", "A100-40GB"])
         method = rnd.choice(["lora", "qlora", "full"] if dev != "cpu:64GiB" else ["lora", "full"])
         dtype = "fp32" if dev.startswith("cpu") else "fp16" if dev == "T4" else "bf16"
-        out.append((rnd.choice(MODELS), dev, TrainSettings(
-            method=method, quant="nf4" if method == "qlora" else "none", rank=16, targets="all-linear",
-            batch=rnd.choice([1, 2]), grad_accum=rnd.choice([3, 4, 8]), seq_len=rnd.choice([128, 256, 512]),
-            grad_checkpointing=rnd.choice([True, False]), dtype=dtype, attention="sdpa", keep_logits=False,
+        out.append((rnd.choice(MODELS), dev, RunSettings(
+            method=method, quant="nf4" if method == "qlora" else "none", rank=16, target_modules="all-linear",
+            micro_batch_size=rnd.choice([1, 2]), grad_accum=rnd.choice([3, 4, 8]), seq_len=rnd.choice([128, 256, 512]),
+            gradient_checkpointing=rnd.choice([True, False]), precision=dtype, attention="sdpa", keep_logits=False,
             dropout=0.0, optimizer=rnd.choice(["adamw", "adamw8bit"]) if dev != "cpu:64GiB" else "adamw")))
     return out
 
 
-def traced(model: str, dev: str, s: TrainSettings, micro: int | None) -> tuple[int, int, float]:
+def traced(model: str, dev: str, s: RunSettings, micro: int | None) -> tuple[int, int, float]:
     spec = PipelineSpec.model_validate({"name": "x", "model": {"name": model}, "data": {"path": "x.jsonl"}})
     step = trace.trace_step
     trace.trace_step = lambda *a, **k: step(*a, **k, traced_micro=micro)  # type: ignore[assignment]
@@ -69,8 +69,8 @@ def main() -> None:
             print(f"{model:28} {dev:10} skipped: {e}")
             continue
         worst = max(worst, abs(ca / fa - 1), abs(cr / fr - 1))
-        print(f"{model:28} {dev:10} {s.method:6} {f'{s.batch} x {s.grad_accum}':8} {s.seq_len:<5} "
-              f"{str(s.grad_checkpointing):5} {fa / MiB:11.2f} {ca / MiB:11.2f} {fr / MiB:13.2f} {cr / MiB:11.2f} "
+        print(f"{model:28} {dev:10} {s.method:6} {f'{s.micro_batch_size} x {s.grad_accum}':8} {s.seq_len:<5} "
+              f"{str(s.gradient_checkpointing):5} {fa / MiB:11.2f} {ca / MiB:11.2f} {fr / MiB:13.2f} {cr / MiB:11.2f} "
               f"{ft:7.1f} {ct:8.1f}")
     print(f"worst relative difference (allocated or reserved): {worst:.4%}")
 

@@ -35,7 +35,7 @@ from fitburst.families import collate as family_collate
 from fitburst.families.vision_language import RecordImages, load_image_processor
 from fitburst.hardware import Device
 from fitburst.models import model_family, resolve_model_ref, tokenizer_for
-from fitburst.runconfig import TrainSettings, settings_from_spec
+from fitburst.settings import RunSettings, settings_from_spec
 from fitburst.spec import DataSpec, PipelineSpec, resolve_env
 
 log = logging.getLogger(__name__)
@@ -648,8 +648,8 @@ def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[l
     return out, skipped
 
 
-def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> TrainSettings:
-    """:func:`fitburst.runconfig.settings_from_spec` with the data's images per record (vision-language) and, for a
+def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> RunSettings:
+    """:func:`fitburst.settings.settings_from_spec` with the data's images per record (vision-language) and, for a
     family the fused loss cannot train (:attr:`fitburst.families.Family.fused_loss_refusal`), ``loss: auto`` read as
     the standard loss: the settings the preflight plans and the OOM step-down walks from."""
     images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fitburst.memory import Device, ModelShape, TrainSettings
+from fitburst.memory import Device, ModelShape, RunSettings
 
 # Provisioning, setup (pip install) and the base-model download on a fresh node, charged to every cloud run.
 CLOUD_OVERHEAD_HOURS = 0.25
@@ -100,7 +100,7 @@ def scaling(comm_bytes: int, compute_s: float, device: Device, world_size: int, 
                         f"most {MAX_SCALING:.0%}")
 
 
-def fsdp_traffic(gathered: int, trained_numel: int, settings: TrainSettings) -> int:
+def fsdp_traffic(gathered: int, trained_numel: int, settings: RunSettings) -> int:
     """Bytes each rank's collectives move per micro-batch before the (N-1)/N of a ring: every gathered weight once
     in forward and again in backward (once when kept gathered), and the gradients reduced in fp32."""
     return gathered * (2 if settings.reshard_after_forward else 1) + 4 * trained_numel
@@ -171,13 +171,13 @@ def throughput(device: Device, measured_tokens_per_s: float | None = None) -> Th
     return Throughput(f"table: CPU {CPU_TFLOPS:g} TFLOP/s sustained", tflops=CPU_TFLOPS)
 
 
-def flops_per_token(shape: ModelShape | int, settings: TrainSettings) -> float:
+def flops_per_token(shape: ModelShape | int, settings: RunSettings) -> float:
     """Training FLOPs per token: 2N forward, 2N activation grads, +2N weight grads for full fine-tuning,
     +2N recompute with gradient checkpointing; dequantizing a 4/8-bit base costs about 25 % more. ``shape``: the
     model's shape, or its parameter count N (a traced model the analytic estimate does not model)."""
     n = shape if isinstance(shape, int) else shape.param_count()
     mult = 6.0 if settings.method == "full" else 4.0
-    if settings.grad_checkpointing:
+    if settings.gradient_checkpointing:
         mult += 2.0
     return mult * n * (1.25 if settings.kbit else 1.0)
 
@@ -193,7 +193,7 @@ def train_tokens(spec, n_train: int | None = None, mean_len: float | None = None
     return None
 
 
-def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Throughput, tokens: int | None, *,
+def estimate_hours(shape: ModelShape | int, settings: RunSettings, speed: Throughput, tokens: int | None, *,
                    cloud: bool = False, device: Device | None = None, nodes: int = 1) -> Hours | None:
     """Wall-clock hours for ``tokens`` at ``speed`` per GPU (plus provisioning on a cloud node); None without
     tokens. A run sharded over ``settings.world_size`` GPUs of ``device`` (on ``nodes`` nodes) splits the tokens
@@ -205,7 +205,7 @@ def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Thro
     n = settings.world_size
     source = speed.source
     if n > 1:
-        micro = settings.batch * settings.seq_len
+        micro = settings.micro_batch_size * settings.seq_len
         eff = scaling(_traffic(shape, settings), micro / rate, device or _any_gpu(), n, nodes)
         rate *= n * eff.efficiency
         source += f"; {eff.source}"
@@ -214,7 +214,7 @@ def estimate_hours(shape: ModelShape | int, settings: TrainSettings, speed: Thro
     return Hours(seconds / 3600 + overhead, source + (f" + {overhead:g} h provisioning" if cloud else ""))
 
 
-def _traffic(shape: ModelShape | int, settings: TrainSettings) -> int:
+def _traffic(shape: ModelShape | int, settings: RunSettings) -> int:
     """:func:`fsdp_traffic` of a run: from the model's shape, or without one (a traced architecture) from its
     parameter count, each weight gathered at 2 bytes (the trained ones' gradients reduced)."""
     from fitburst.memory.fsdp_terms import gathered_bytes

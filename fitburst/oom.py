@@ -32,7 +32,7 @@ from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import spec_shape
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
 from fitburst.ranks import Ranks, RanksFailed
-from fitburst.runconfig import TrainSettings, spec_with_settings
+from fitburst.settings import RunSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError, TrainResult, drop_optimizer_state, latest_checkpoint, train
 
@@ -77,7 +77,7 @@ class StepDown:
     measured_peak_bytes: int | None
     requested_bytes: int | None
     error: str
-    settings: dict  # the settings that ran out of memory (TrainSettings as JSON)
+    settings: dict  # the settings that ran out of memory (RunSettings as JSON)
     device_name: str = ""
     estimated_bytes: int | None = None  # the uncalibrated estimate of the figure the measured peak compares with
     rung: str | None = None  # the ladder's key (fitburst.memory.ladder), None when no rung was left
@@ -103,7 +103,7 @@ def _record_history(entry: StepDown) -> None:
         f.write(json.dumps(entry.to_dict()) + "\n")
 
 
-def _estimated(settings: TrainSettings, shape: ModelShape | None, dev: Device) -> int | None:
+def _estimated(settings: RunSettings, shape: ModelShape | None, dev: Device) -> int | None:
     """The analytic estimate (no calibration factor) of the figure a measured peak on ``dev`` compares with, for
     the settings that ran out of memory: what ``fitburst calibrate`` sets against the peak. None for an
     architecture only the trace knows."""
@@ -120,7 +120,7 @@ def _shape(spec: PipelineSpec) -> ModelShape | None:
         return None
 
 
-def setting_that_would_fit(spec: PipelineSpec, settings: TrainSettings, shape: ModelShape | None, dev: Device,
+def setting_that_would_fit(spec: PipelineSpec, settings: RunSettings, shape: ModelShape | None, dev: Device,
               longest: int) -> str:
     """The setting that would have fit: the longest sequence the estimate fits on this device at the last rung."""
     fit = max_seq_len_that_fits(shape, settings, dev, spec.preflight.safety_margin) if shape is not None else 0
@@ -151,7 +151,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     longest = int(prepared.stats["max"])
     state = load_stepdowns(run_dir)
     if state["settings"]:
-        settings = TrainSettings(**state["settings"])
+        settings = RunSettings.from_dict(state["settings"])
     else:  # none taken, or taken by an earlier fitburst that kept the changed fields
         settings = run_settings(spec.with_overrides(state["fields"]), dev, longest)
     current = spec_with_settings(spec, settings) if state["settings"] or state["fields"] else spec

@@ -1,6 +1,6 @@
 """Preflight: will this run fit on this device, and where should it run? Decided before any weights load.
 
-A pipeline becomes the memory model's :class:`TrainSettings` (sequence length from the prepared data's longest
+A pipeline becomes the memory model's :class:`RunSettings` (sequence length from the prepared data's longest
 sample, since batches pad to their longest); the planner finds the fastest configuration that fits the local
 device (:func:`fitburst.memory.plan_fit`), the local device is timed (:mod:`fitburst.hours`), and
 :func:`decide` places the run: local, burst (cloud candidates from :func:`fitburst.cloud.rank_candidates`) or
@@ -27,7 +27,7 @@ from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
 from fitburst.memory.planner import plan_gpus, world_sizes
 from fitburst.models import resolve_model_ref, spec_shape
 from fitburst.probe import probe
-from fitburst.runconfig import TrainSettings, spec_with_settings
+from fitburst.settings import RunSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ class PreflightReport:
             "candidates": [c.to_dict() for c in self.candidates],
             "estimate_method": self.estimate.method, "trace": self.trace_line(),
             "loss": loss_kernel_of(self.plan.settings, self.device),
-            "activation_offloading": self.plan.settings.offload, "lean": describe_lean(self.plan.settings, self.device),
+            "activation_offloading": self.plan.settings.activation_offloading,
+            "lean": describe_lean(self.plan.settings, self.device),
             "analytic_estimate": self.analytic.to_dict() if self.analytic else None,
             "analytic_needed_bytes": self.analytic.band.upper(self.analytic.reserved_peak_bytes)
             if self.analytic and self.analytic.band else None}
@@ -222,7 +223,7 @@ def local_counts(spec: PipelineSpec, gpus: Gpus) -> list[int]:
     return counts
 
 
-def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: TrainSettings, device: Device,
+def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: RunSettings, device: Device,
                  seq_len: int, gpus: Gpus | None = None, *, trace: bool = True) -> Checked:
     """:func:`fitburst.memory.planner.plan_gpus` over the GPU counts ``gpus`` allows (:func:`local_counts`; one
     ``device`` when not given) with the traced estimate behind it; where the trace cannot run (TraceUnsupported:
@@ -377,7 +378,7 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     return conclude(spec, shape, device, checked, seq_len, tokens, gpus=gpus)
 
 
-def reason_to_burst_anyway(spec: PipelineSpec, shape: ModelShape, settings: TrainSettings, device: Device,
+def reason_to_burst_anyway(spec: PipelineSpec, shape: ModelShape, settings: RunSettings, device: Device,
                   tokens: int | None) -> str | None:
     """Why the run bursts whatever the local plan's trace would say (None when the local plan can decide): the
     burst policy is ``always``, or even the run as configured, the fastest any local plan gets (every rung of the

@@ -112,7 +112,7 @@ class DataSpec(Strict):
 
 def resolve_quant(method: str, quant: str | None) -> str:
     """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
-    spec and :class:`fitburst.runconfig.TrainSettings` share)."""
+    spec and :class:`fitburst.settings.RunSettings` share)."""
     return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
 
 

@@ -837,7 +837,7 @@ def offload_host_bytes(spec: PipelineSpec, w: World) -> int | None:
     architecture it does not model."""
     from fitburst.memory.params import optimizer_bytes, param_counts, weight_bytes
     from fitburst.models import spec_shape
-    from fitburst.runconfig import settings_from_spec
+    from fitburst.settings import settings_from_spec
 
     shape = spec_shape(spec)
     if shape is None:

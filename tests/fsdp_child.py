@@ -9,7 +9,7 @@ the input, made on the calling thread (so MemTracker sees it) and freed by gloo'
 (a full fine-tune's peak moved by up to 6 % from run to run). NCCL, which the trace stands for, reduce-scatters in
 place. ``peak_with_gloo`` is a fourth step measured with that copy counted, as gloo runs it.
 
-argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), TrainSettings as JSON.
+argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), RunSettings as JSON.
 """
 
 import json
@@ -23,7 +23,7 @@ from fitburst.device import make_amp, torch_dtype, weight_dtype
 from fitburst.distributed import shard
 from fitburst.memory.trace import _batch
 from fitburst.models import auto_model_class, quantization_config
-from fitburst.runconfig import TrainSettings, spec_with_settings
+from fitburst.settings import RunSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
 
@@ -63,7 +63,7 @@ def measured(model, opt, step) -> tuple[int, float]:
 
 
 def main() -> None:
-    folder, s = sys.argv[1], TrainSettings(**json.loads(sys.argv[2]))
+    folder, s = sys.argv[1], RunSettings(**json.loads(sys.argv[2]))
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     from transformers import AutoConfig
@@ -71,23 +71,25 @@ def main() -> None:
     config = AutoConfig.from_pretrained(folder)
     cls = auto_model_class(config)
     if s.kbit:
-        model = cls.from_pretrained(folder, dtype=torch_dtype(s.dtype), device_map="cpu", attn_implementation="sdpa",
+        model = cls.from_pretrained(folder, dtype=torch_dtype(s.precision), device_map="cpu",
+                                    attn_implementation="sdpa",
                                     quantization_config=quantization_config(s.quant, s.double_quant,
-                                                                            torch_dtype(s.dtype), sharded=True))
+                                                                            torch_dtype(s.precision), sharded=True))
     else:
-        model = cls.from_config(config, dtype=weight_dtype(s.dtype, s.method, s.pure_bf16), attn_implementation="sdpa")
+        model = cls.from_config(config, dtype=weight_dtype(s.precision, s.method, s.pure_bf16),
+                                attn_implementation="sdpa")
     spec = spec_with_settings(PipelineSpec.model_validate(
         {"name": "fsdp", "model": {"name": folder}, "data": {"path": "unused.jsonl"}}), s)
     model = prepare_for_training(model, spec)
-    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
+    shard(model, s.precision, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(s.optimizer, params, 1e-3, 0.0)
-    amp = make_amp(s.dtype, "cpu", pure_bf16=s.pure_bf16)
-    padded = s.batch > 1 if s.padded is None else s.padded
+    amp = make_amp(s.precision, "cpu", pure_bf16=s.pure_bf16)
+    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
 
     def step() -> float:
-        micro = [_batch(s.batch, s.seq_len, padded) for _ in range(s.grad_accum)]
+        micro = [_batch(s.micro_batch_size, s.seq_len, padded) for _ in range(s.grad_accum)]
         return optimizer_step(model, opt, params, micro, device="cpu", max_grad_norm=1.0, amp=amp)
 
     gloo_counted = [False]

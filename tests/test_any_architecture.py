@@ -83,11 +83,11 @@ def test_an_unmodelled_architecture_is_planned_by_tracing_with_a_bounded_count(t
     assert planned is not None and d["plan"]
     assert any("planned by the exact estimate alone" in n and "at most 6" in n for n in d["notes"])
     # the chosen plan, traced on its own, fits the same budget
-    flags = ["--batch", str(planned["batch"]), "--grad-accum", str(planned["grad_accum"]),
-             "--dtype", planned["dtype"], "--optimizer", planned["optimizer"],
+    flags = ["--batch", str(planned["micro_batch_size"]), "--grad-accum", str(planned["grad_accum"]),
+             "--dtype", planned["precision"], "--optimizer", planned["optimizer"],
              "--method", planned["method"], "--quant", planned["quant"], "--dropout", str(planned["dropout"]),
              "--loss", planned["loss"]]
-    flags += ["--grad-checkpointing"] if planned["grad_checkpointing"] else []
+    flags += ["--grad-checkpointing"] if planned["gradient_checkpointing"] else []
     flags += ["--double-quant"] if planned["double_quant"] else []
     rc, again = _estimate(capsys, "--model", ref, "--targets", "query_key_value", "--seq-len", "256", *flags,
                           "--device", "cpu:0.3GiB", "--exact")

@@ -13,7 +13,7 @@ from fitburst.memory.architectures import ARCHITECTURES, Architecture
 from fitburst.memory.estimator import estimate
 from fitburst.memory.params import resolve_targets
 from fitburst.memory.shapes import CONFIG_DIR, ModelShape
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 MEMORY = Path(__file__).resolve().parents[1] / "fitburst" / "memory"
 
@@ -30,8 +30,8 @@ def test_a_new_architecture_is_one_registry_entry(monkeypatch):
     assert resolve_targets(shape, ["wq", "wv"]) == {"wq", "wv"}
     llama = ModelShape.from_config({**cfg, "model_type": "llama"}, name="llama")
     dev = resolve_device("A100-80GB")
-    mine = estimate(shape, TrainSettings(targets=["wq"]), dev, calibrate=False)
-    theirs = estimate(llama, TrainSettings(targets=["q_proj"]), dev, calibrate=False)
+    mine = estimate(shape, RunSettings(target_modules=["wq"]), dev, calibrate=False)
+    theirs = estimate(llama, RunSettings(target_modules=["q_proj"]), dev, calibrate=False)
     # q, k and v biases and the two qk-norms of every block
     assert mine.params["base"] - theirs.params["base"] == shape.layers * (
         shape.q_dim + 2 * shape.kv_dim + 2 * shape.head_dim)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fitburst.memory import Budget, TrainSettings, estimate, load_shape, plan_fit, resolve_device
+from fitburst.memory import Budget, RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.calibration import BANDS, ENVELOPES, GPU_BANDS, band_for, measured_gpu
 
 T4_CSV = Path(__file__).resolve().parent / "fixtures" / "t4_dev.csv"
@@ -70,7 +70,7 @@ def test_an_unmeasured_gpu_gets_a_wider_band_that_says_so(name):
 def test_the_verdict_and_the_estimate_cli_say_when_the_gpu_was_not_measured(capsys):
     from fitburst.memory.cli import main
 
-    s = TrainSettings(method="lora", batch=1, seq_len=512)
+    s = RunSettings(method="lora", micro_batch_size=1, seq_len=512)
     tiny = load_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")  # one of the T4 archive's two models
     on_t4, on_4090 = plan_fit(tiny, s, resolve_device("T4")), plan_fit(tiny, s, resolve_device("RTX4090"))
     assert on_t4.estimate.band.measured and on_t4.estimate.band.rows == 29
@@ -88,7 +88,7 @@ def test_a_run_outside_what_the_gpus_runs_span_gets_the_unmeasured_band_and_says
     at under 3 % of the card, so its measured band does not apply; the verdict takes the unmeasured one and says so."""
     from fitburst.memory.cli import main
 
-    s = TrainSettings(method="full", batch=1, seq_len=512, world_size=2)
+    s = RunSettings(method="full", micro_batch_size=1, seq_len=512, world_size=2)
     h100 = plan_fit(load_shape("qwen2.5-7b"), s, resolve_device("H100")).estimate
     unmeasured = band_for("analytic", "cuda", False, "A100", 2)
     assert not h100.band.measured and (h100.band.low, h100.band.high) == (unmeasured.low, unmeasured.high)
@@ -99,7 +99,7 @@ def test_a_run_outside_what_the_gpus_runs_span_gets_the_unmeasured_band_and_says
     out = " ".join(capsys.readouterr().out.split())
     assert "not measured for this run on the H100, outside what its runs span" in out and "sharded over 2 GPUs" in out
     # one GPU, a real-size model: outside too; the T4's archive models on the T4: inside
-    one = plan_fit(load_shape("qwen2.5-7b"), TrainSettings(method="qlora", seq_len=512), resolve_device("H100"))
+    one = plan_fit(load_shape("qwen2.5-7b"), RunSettings(method="qlora", seq_len=512), resolve_device("H100"))
     assert not one.estimate.band.measured and "sharded" not in one.estimate.band.outside
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
 
 # (tags, metrics): measured / estimated ratios known by construction
 RUNS = [
@@ -70,7 +70,7 @@ def test_fit_writes_per_family_and_per_gpu_constants(store, tmp_path, capsys):
 def test_estimate_applies_the_constants_and_nothing_changes_without_a_file(store, tmp_path, monkeypatch):
     from fitburst.calibrate import main
 
-    shape, s = load_shape("qwen2.5-0.5b"), TrainSettings(seq_len=256)
+    shape, s = load_shape("qwen2.5-0.5b"), RunSettings(seq_len=256)
     a100, cpu, l4 = resolve_device("A100-80GB"), resolve_device("cpu:64GiB"), resolve_device("L4")
     raw = {d.name: estimate(shape, s, d, calibrate=False) for d in (a100, cpu, l4)}
     for d in (a100, cpu, l4):  # no file yet: identical
@@ -114,8 +114,8 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
 
     def log_runs(n: int) -> None:
         for i in range(n):
-            raw = estimate(shape, TrainSettings(seq_len=256 * (i + 1)), a100, calibrate=False)
-            e = estimate(shape, TrainSettings(seq_len=256 * (i + 1)), a100)  # with whatever file exists now
+            raw = estimate(shape, RunSettings(seq_len=256 * (i + 1)), a100, calibrate=False)
+            e = estimate(shape, RunSettings(seq_len=256 * (i + 1)), a100)  # with whatever file exists now
             run = client.create_run(exp, tags={"device": "cuda", "path": "cloud", "cloud.gpu": "A100-80GB"})
             metrics = {"memory.estimated_comparable_bytes": e.allocated_peak_bytes,
                        "memory.estimated_reserved_bytes": e.reserved_peak_bytes,
@@ -133,8 +133,8 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
         g = json.loads((tmp_path / "cache" / "calibration.json").read_text())["gpus"]["A100-80GB"]
         factors.append((g["factor"], g["reserved_factor"]))
     assert factors == [pytest.approx((1.15, 1.25), abs=1e-3)] * 3  # converged at the first fit, and stays
-    e = estimate(shape, TrainSettings(seq_len=256), a100)
-    raw = estimate(shape, TrainSettings(seq_len=256), a100, calibrate=False)
+    e = estimate(shape, RunSettings(seq_len=256), a100)
+    raw = estimate(shape, RunSettings(seq_len=256), a100, calibrate=False)
     assert e.reserved_peak_bytes == pytest.approx(1.25 * raw.reserved_peak_bytes, rel=1e-3)
     assert e.allocated_peak_bytes == pytest.approx(1.15 * raw.allocated_peak_bytes, rel=1e-3)
     # runs made with the fitted file: measured / logged estimate is ~1.0 (what the old rule fitted, undoing the

@@ -21,7 +21,7 @@ from fitburst.hardware import canonical_gpu
 from fitburst.hours import estimate_hours, throughput
 from fitburst.memory import resolve_device
 from fitburst.memory.shapes import load_shape
-from fitburst.runconfig import TrainSettings, settings_from_spec
+from fitburst.settings import RunSettings, settings_from_spec
 from fitburst.spec import SpecError, load_all, load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,8 @@ def seven_b(**over):
     # a LoRA the user wants kept in bf16 (no 4-bit base): fits a 48 GB card, not a 16 GB one
     spec = load_pipeline(PIPELINES, "qwen7b-lora", {"burst.providers": ["runpod", "lambda", "azure"],
                                                     "preflight.allow.quantize": False, **over})
-    settings = TrainSettings(**{**settings_from_spec(spec).__dict__, "batch": 1, "grad_checkpointing": True})
+    settings = RunSettings(**{**settings_from_spec(spec).__dict__, "micro_batch_size": 1,
+                              "gradient_checkpointing": True})
     return spec, load_shape(spec.model.name), settings
 
 
@@ -113,7 +114,7 @@ def test_7b_lora_fits_48gb_not_16gb_and_ranks_runpod_a6000_first():
     assert cands[0].est_total_usd == pytest.approx(cands[0].hourly_usd * cands[0].est_hours, rel=0.02)
     assert [c.usable for c in cands] == [True, True, False]
     d = cands[0].to_dict()
-    assert d["usable"] and d["estimate"]["fits"] and d["settings"]["dtype"] == "bf16"
+    assert d["usable"] and d["estimate"]["fits"] and d["settings"]["precision"] == "bf16"
 
 
 def test_small_qlora_fits_a_t4_and_a_short_run_is_cheapest_there():
@@ -121,7 +122,7 @@ def test_small_qlora_fits_a_t4_and_a_short_run_is_cheapest_there():
     cands = rank_candidates(spec, shape, settings, tokens=200_000, offer_list=_offers(spec))
     assert all(c.fits for c in cands)
     assert (cands[0].gpu, cands[0].provider) == ("T4", "azure")
-    assert cands[0].settings.dtype == "fp16"
+    assert cands[0].settings.precision == "fp16"
 
 
 def test_a_long_run_prefers_the_faster_gpu_even_at_a_higher_hourly_price():

@@ -48,7 +48,7 @@ def offline(request: dict, timeout: int = 120) -> dict:
 # --- SkyPilot's optimizer and dry run on a seeded catalog ---------------------------------------------------
 
 def test_optimizer_picks_runpod_a6000_for_7b_lora_and_dry_run_launch_completes():
-    out = offline({"pipeline": "qwen7b-lora", "settings": {"batch": 1, "grad_checkpointing": True},
+    out = offline({"pipeline": "qwen7b-lora", "settings": {"micro_batch_size": 1, "gradient_checkpointing": True},
                    "tokens": 3_000_000, "dryrun": True,
                    "overrides": {"burst.gpus": ["A6000", "T4"], "preflight.allow.quantize": False,
                                  "burst.providers": ["runpod", "lambda", "azure"]}})
@@ -64,7 +64,7 @@ def test_optimizer_picks_azure_t4_for_a_short_small_qlora():
     out = offline({"pipeline": "qwen1.5b-qlora", "tokens": 200_000,
                    "overrides": {"burst.gpus": ["T4", "A6000"], "burst.providers": ["azure", "lambda"]}})
     assert out["best"]["cloud"] == "Azure" and out["best"]["accelerators"] == {"T4": 1}
-    assert out["candidates"][0]["settings"]["dtype"] == "fp16"
+    assert out["candidates"][0]["settings"]["precision"] == "fp16"
 
 
 # --- the generated task --------------------------------------------------------------------------------

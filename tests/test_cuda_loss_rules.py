@@ -467,14 +467,14 @@ def test_the_estimate_counts_the_cast_of_a_qlora_models_fp32_hidden_states(monke
     (CCE keeps it for backward, Liger uses it in forward); a LoRA run's 16-bit hidden states need no cast."""
     from fitburst.hardware import resolve_device
     from fitburst.memory import estimator, load_shape
-    from fitburst.runconfig import TrainSettings
+    from fitburst.settings import RunSettings
 
     shape = load_shape("Qwen/Qwen2.5-7B")
     dtype = "bf16" if kernel == "cce" else "fp16"
     dev = resolve_device(device)
     n = 2 * 1024
     for quant, copy in (("nf4", 2 * n * shape.hidden), ("none", 0)):
-        s = TrainSettings(method="lora", quant=quant, dtype=dtype, batch=2, seq_len=1024, loss="fused")
+        s = RunSettings(method="lora", quant=quant, precision=dtype, micro_batch_size=2, seq_len=1024, loss="fused")
         with_cast = estimator.estimate(shape, s, dev, calibrate=False).phases["loss"]
         with monkeypatch.context() as m:
             m.setattr(estimator, "hidden_cast", lambda *a, **k: LossTerms(0, 0, 0))

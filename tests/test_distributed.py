@@ -130,7 +130,7 @@ def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, p
 
 
 def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
-    from fitburst.runconfig import TrainSettings, settings_from_spec, spec_with_settings
+    from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 
     spec = spec_for(pipelines_file, "demo", training__distributed="fsdp", training__fsdp__reshard_after_forward=False)
     s = settings_from_spec(spec)
@@ -140,7 +140,7 @@ def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
     assert back.training.distributed == "fsdp" and back.training.fsdp == spec.training.fsdp
     assert spec.config_hash() == spec_for(pipelines_file, "demo").config_hash()  # the same run folder, any sharding
     with pytest.raises(ValueError, match="int8 weights cannot be sharded"):
-        TrainSettings(method="qlora", quant="int8", distributed="fsdp")
+        RunSettings(method="qlora", quant="int8", distributed="fsdp")
 
 
 # --- N ranks x b train as one process x N*b ----------------------------------------------------------------

@@ -21,19 +21,21 @@ GOLDEN = Path(__file__).resolve().parent / "fixtures" / "estimate_golden.json.gz
 # settings beside the method's defaults; each varies what one branch of the estimate reads
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
-    "ckpt": {"grad_checkpointing": True},
-    "ckpt-batch4-padded-eval": {"grad_checkpointing": True, "batch": 4, "seq_len": 256, "eval_batch": 2},
+    "ckpt": {"gradient_checkpointing": True},
+    "ckpt-batch4-padded-eval": {"gradient_checkpointing": True, "micro_batch_size": 4, "seq_len": 256, "eval_batch": 2},
     "fused": {"loss": "fused", "grad_accum": 4},
     "adamw8bit-dropout0": {"optimizer": "adamw8bit", "dropout": 0.0, "keep_logits": False},
-    "paged-eager": {"optimizer": "paged_adamw8bit", "attention": "eager", "batch": 2, "seq_len": 128},
-    "fp16-sgd-targets": {"dtype": "fp16", "optimizer": "sgd", "targets": ["q_proj", "v_proj", "q", "v", "qkv_proj"]},
-    "fp32-flash": {"dtype": "fp32", "attention": "flash", "seq_len": 1024},
-    "packed-offload": {"packed_fill": 0.6, "batch": 4, "offload": True, "grad_checkpointing": True},
+    "paged-eager": {"optimizer": "paged_adamw8bit", "attention": "eager", "micro_batch_size": 2, "seq_len": 128},
+    "fp16-sgd-targets": {"precision": "fp16", "optimizer": "sgd", "target_modules": ["q_proj", "v_proj", "q", "v",
+                                                                                     "qkv_proj"]},
+    "fp32-flash": {"precision": "fp32", "attention": "flash", "seq_len": 1024},
+    "packed-offload": {"packed_fill": 0.6, "micro_batch_size": 4, "activation_offloading": True,
+                       "gradient_checkpointing": True},
     "images-tower": {"images": 2, "image_tokens": 64, "vision": "tower", "seq_len": 640},
     "images-projector": {"images": 1, "image_tokens": 256, "vision": "projector", "seq_len": 512, "dropout": 0.0},
     "pure-bf16-eval": {"pure_bf16": True, "eval_batch": 4, "loss": "fused"},
     "eval-heavy": {"seq_len": 256, "eval_batch": 32, "keep_logits": False},
-    "images-frozen": {"images": 4, "image_tokens": 1024, "seq_len": 256, "grad_checkpointing": True,
+    "images-frozen": {"images": 4, "image_tokens": 1024, "seq_len": 256, "gradient_checkpointing": True,
                       "loss": "fused", "attention": "eager"},
 }
 METHODS: dict[str, dict[str, Any]] = {
@@ -47,7 +49,7 @@ DEVICES = ("A100-80GB", "T4", "M2-Max-64GB", "cpu:64GiB")
 SHARDED: dict[str, dict[str, Any]] = {
     "fsdp2": {"world_size": 2, "distributed": "fsdp"},
     "fsdp2-keep-offload": {"world_size": 2, "distributed": "fsdp", "reshard_after_forward": False,
-                           "cpu_offload": True, "grad_checkpointing": True},
+                           "cpu_offload": True, "gradient_checkpointing": True},
 }
 
 
@@ -129,7 +131,7 @@ def golden_records() -> dict[str, Any]:
     """Every config's shape and its estimates over the grid, as plain JSON values."""
     from fitburst.hardware import resolve_device
     from fitburst.memory.shapes import ModelConfigError, ModelShape
-    from fitburst.runconfig import TrainSettings
+    from fitburst.settings import RunSettings
 
     devices = {d: resolve_device(d) for d in DEVICES}
     out: dict[str, Any] = {}
@@ -142,14 +144,14 @@ def golden_records() -> dict[str, Any]:
         out[f"{name}/shape"] = _shape_record(shape)
         for case, kw, dev in _cases():
             try:
-                settings = TrainSettings(**kw)
+                settings = RunSettings(**kw)
             except ValueError as e:
                 out[f"{name}/{case}"] = f"ValueError: {e}"
                 continue
             out[f"{name}/{case}"] = _estimate_record(shape, settings, devices[dev])
         # the estimate of an eval with a different seq_len, and with the batch the shape does not pad
         out[f"{name}/lora/unpadded-b2/A100-80GB"] = _estimate_record(
-            shape, TrainSettings(batch=2, padded=False), devices["A100-80GB"])
+            shape, RunSettings(micro_batch_size=2, padded=False), devices["A100-80GB"])
     return json.loads(json.dumps(out))  # tuples as lists, as the golden file reads back
 
 

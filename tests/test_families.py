@@ -70,7 +70,7 @@ def test_lora_on_experts_counts_what_peft_trains(arch, targets, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitburst.memory import TrainSettings
+    from fitburst.memory import RunSettings
     from fitburst.memory.params import lora_params
 
     kw = dict(TINY[arch])
@@ -81,7 +81,7 @@ def test_lora_on_experts_counts_what_peft_trains(arch, targets, tmp_path):
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = load_shape(str(tmp_path))
     assert shape.param_count() == sum(p.numel() for p in model.parameters()) - trained
-    assert lora_params(shape, TrainSettings(method="lora", rank=4, targets=targets)) == trained
+    assert lora_params(shape, RunSettings(method="lora", rank=4, target_modules=targets)) == trained
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_qlora_leaves_experts_unquantized_and_the_estimate_counts_them_fp32(tmp_
     from peft import prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitburst.memory import TrainSettings
+    from fitburst.memory import RunSettings
     from fitburst.memory.params import weight_bytes
     from fitburst.models import load_model
 
@@ -124,7 +124,7 @@ def test_qlora_leaves_experts_unquantized_and_the_estimate_counts_them_fp32(tmp_
     assert experts and all(p.dtype == torch.float32 for p in experts)
     quantized = {id(p) for m in model.modules() if type(m).__name__ == "Linear4bit" for p in m.parameters()}
     fp32 = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized)
-    est = weight_bytes(load_shape(str(tmp_path)), TrainSettings(method="qlora", quant="nf4", double_quant=False))
+    est = weight_bytes(load_shape(str(tmp_path)), RunSettings(method="qlora", quant="nf4", double_quant=False))
     assert est["weights_fp32"] == pytest.approx(fp32, rel=0.01)
 
 

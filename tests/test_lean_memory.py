@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from fitburst import hardware
-from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
+from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.ladder import LADDER, RUNGS, next_rung
 from fitburst.memory.trace import trace_step, traced_estimate
 
@@ -39,9 +39,10 @@ def spec_for(path, **training):
 
 
 def settings(**kw):
-    base = dict(method="lora", rank=8, targets=["q_proj", "v_proj"], batch=2, seq_len=S, dtype="fp32",
+    base = dict(method="lora", rank=8, target_modules=["q_proj", "v_proj"], micro_batch_size=2, seq_len=S,
+                precision="fp32",
                 attention="sdpa", dropout=0.0, keep_logits=False)
-    return TrainSettings(**{**base, **kw})
+    return RunSettings(**{**base, **kw})
 
 
 def test_rungs_are_ordered_by_cost_fused_loss_before_checkpointing_offloading_after():
@@ -51,7 +52,7 @@ def test_rungs_are_ordered_by_cost_fused_loss_before_checkpointing_offloading_af
     assert keys.index("fused_loss") < keys.index("gradient_checkpointing") < keys.index("activation_offloading")
     assert RUNGS["fused_loss"].midrun and RUNGS["activation_offloading"].midrun
     cpu, a6000 = resolve_device("cpu"), resolve_device("A6000")
-    s = settings(loss="auto", optimizer="adamw8bit", batch=1)
+    s = settings(loss="auto", optimizer="adamw8bit", micro_batch_size=1)
     assert next_rung(s, a6000).key == "fused_loss"
     assert next_rung(replace(s, loss="standard"), a6000).key == "gradient_checkpointing"  # the user's choice kept
     assert not RUNGS["activation_offloading"].applies(s, cpu)  # CUDA only
@@ -59,14 +60,14 @@ def test_rungs_are_ordered_by_cost_fused_loss_before_checkpointing_offloading_af
 
 
 def test_settings_round_trip_through_the_spec(model_dir):
-    from fitburst.runconfig import settings_from_spec, spec_with_settings
+    from fitburst.settings import settings_from_spec, spec_with_settings
 
     spec = spec_for(model_dir)
     s = settings_from_spec(spec)
-    assert (s.loss, s.offload) == ("auto", False)
-    planned = spec_with_settings(spec, replace(s, loss="fused", offload=True))
+    assert (s.loss, s.activation_offloading) == ("auto", False)
+    planned = spec_with_settings(spec, replace(s, loss="fused", activation_offloading=True))
     assert (planned.training.loss, planned.training.activation_offloading) == ("fused", True)
-    assert "fused-ce offload" in replace(s, loss="fused", offload=True).describe()
+    assert "fused-ce offload" in replace(s, loss="fused", activation_offloading=True).describe()
 
 
 def test_offloading_on_a_cpu_or_mps_device_is_refused_with_its_line(tmp_path):
@@ -88,7 +89,7 @@ def test_both_estimates_drop_the_loss_term_with_the_fused_loss(model_dir, no_com
     shape = load_shape(str(model_dir))
     seq = 1024
     logits = 4 * 2 * seq * CFG["vocab_size"]
-    cases = (("cpu:8GiB", {}, 2), ("A100-80GB", dict(dtype="bf16"), 5), ("T4", dict(dtype="fp16"), 5))
+    cases = (("cpu:8GiB", {}, 2), ("A100-80GB", dict(precision="bf16"), 5), ("T4", dict(precision="fp16"), 5))
     for dev_name, kw, saved in cases:
         dev = resolve_device(dev_name)
         std, fused = settings(loss="standard", seq_len=seq, **kw), settings(loss="fused", seq_len=seq, **kw)
@@ -105,7 +106,7 @@ def _real_step_parts(model_dir, s):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fitburst.data import collate
-    from fitburst.runconfig import spec_with_settings
+    from fitburst.settings import spec_with_settings
     from fitburst.train import make_optimizer, prepare_for_training
 
     torch.manual_seed(0)
@@ -125,7 +126,7 @@ def test_traced_chunked_loss_equals_a_real_cpu_step(model_dir, no_compiler):
     from fitburst.probe import TensorTracker
     from fitburst.train import optimizer_step
 
-    s = settings(loss="fused", batch=1, seq_len=1500)  # two chunks of the chunked loss
+    s = settings(loss="fused", micro_batch_size=1, seq_len=1500)  # two chunks of the chunked loss
     tr = trace_step(spec_for(model_dir), s, seq_len=s.seq_len)
     traced = tr.live_peaks()[0]
     model, opt, params, batch = _real_step_parts(model_dir, s)
@@ -150,7 +151,7 @@ def test_traced_compiled_cce_step_is_a_real_cpu_steps_peak(model_dir, method):
     from fitburst.probe import TensorTracker
     from fitburst.train import optimizer_step
 
-    s = settings(method=method, loss="fused", batch=1, seq_len=512)
+    s = settings(method=method, loss="fused", micro_batch_size=1, seq_len=512)
     traced = traced_estimate(spec_for(model_dir), s, resolve_device("cpu:8GiB"), seq_len=s.seq_len)
     # a fresh compile: earlier tests' calls (other shapes, frozen and trained heads) can use up dynamo's recompile
     # limit for CCE's function, which then runs uncompiled with other allocations than the rule's
@@ -179,11 +180,11 @@ def test_offloading_moves_saved_activations_off_a_cuda_device_in_both_estimates(
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({**CFG, "num_hidden_layers": 6}))
     dev = resolve_device("A100-80GB")
-    s = settings(dtype="bf16", batch=4, seq_len=512, loss="fused")
+    s = settings(precision="bf16", micro_batch_size=4, seq_len=512, loss="fused")
     shape = load_shape(str(model_dir))
     for ckpt in (False, True):  # composes with checkpointing: then the kept layer inputs travel
-        base = replace(s, grad_checkpointing=ckpt)
-        on = replace(base, offload=True)
+        base = replace(s, gradient_checkpointing=ckpt)
+        on = replace(base, activation_offloading=True)
         t_off, t_on = (traced_estimate(spec_for(model_dir), x, dev, seq_len=x.seq_len) for x in (base, on))
         a_off, a_on = (estimate(shape, x, dev, calibrate=False) for x in (base, on))
         held = "loss" if ckpt else "forward"  # with checkpointing the forward's end peaks inside the last layer
@@ -198,14 +199,14 @@ def test_offloading_moves_saved_activations_off_a_cuda_device_in_both_estimates(
 def test_planner_takes_the_fused_loss_before_checkpointing(model_dir):
     """A run whose logits do not fit: the plan switches to the fused loss and needs no slower rung."""
     shape = load_shape(str(model_dir))
-    s = settings(loss="auto", batch=8, seq_len=1024, dtype="bf16")
+    s = settings(loss="auto", micro_batch_size=8, seq_len=1024, precision="bf16")
     dev = resolve_device("A6000")
     need_std = estimate(shape, replace(s, loss="standard"), dev).allocated_peak_bytes
     need_fused = estimate(shape, replace(s, loss="fused"), dev).allocated_peak_bytes
     budget = (need_std + need_fused) // 2 + dev.context_bytes
     tight = replace(dev, name="tight", total_bytes=budget, budget_bytes=budget)
     plan = plan_fit(shape, s, tight, allow={"dropout": False, "optimizer_8bit": False, "reduce_batch": False})
-    assert plan.fits and plan.settings.loss == "fused" and not plan.settings.grad_checkpointing, plan.changes
+    assert plan.fits and plan.settings.loss == "fused" and not plan.settings.gradient_checkpointing, plan.changes
     assert any("fused linear cross-entropy" in c for c in plan.changes)
     standard = plan_fit(shape, replace(s, loss="standard"), tight,
                         allow={"dropout": False, "optimizer_8bit": False, "reduce_batch": False})
@@ -253,6 +254,6 @@ def test_cli_estimate_takes_the_loss_and_offloading_and_prints_the_planned_break
     assert std["planned_components"] is not None and std["planned_device_total_bytes"] < std["device_total_bytes"]
     assert sum(std["planned_components"].values()) <= std["planned_device_total_bytes"]
     main(args + ["--activation-offloading"])
-    assert json.loads(capsys.readouterr().out)["settings"]["offload"] is True
+    assert json.loads(capsys.readouterr().out)["settings"]["activation_offloading"] is True
     assert main(args[:-3] + ["--device", "cpu", "--activation-offloading", "--json"]) == 2  # refused off CUDA
     assert "activation-offloading" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import pytest
 
 from fitburst.memory import (
     Budget,
-    TrainSettings,
+    RunSettings,
     estimate,
     load_shape,
     plan_fit,
@@ -116,7 +116,7 @@ def test_param_count_and_weight_bytes_match_meta_model(name):
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     shape = load_shape(name)
     assert shape.param_count() == n
-    s = TrainSettings(method="lora", dtype="bf16")
+    s = RunSettings(method="lora", precision="bf16")
     assert weight_bytes(shape, s)["weights"] == 2 * n
 
 
@@ -127,7 +127,7 @@ def test_lora_param_count_matches_peft(targets):
     model = _meta_model("qwen2.5-0.5b")
     pm = get_peft_model(model, LoraConfig(r=16, target_modules=targets))
     n = sum(p.numel() for p in pm.parameters() if p.requires_grad)
-    assert lora_params(load_shape("qwen2.5-0.5b"), TrainSettings(rank=16, targets=targets)) == n
+    assert lora_params(load_shape("qwen2.5-0.5b"), RunSettings(rank=16, target_modules=targets)) == n
 
 
 def _storages(obj, seen: dict[int, int]) -> None:
@@ -169,7 +169,7 @@ def test_nf4_weight_bytes_match_bitsandbytes(tmp_path, double_quant):
             weights.add(id(m.weight))
     assert len(weights) == 2 * 7
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in weights)
-    est = weight_bytes(load_shape(str(tmp_path)), TrainSettings(method="qlora", quant="nf4",
+    est = weight_bytes(load_shape(str(tmp_path)), RunSettings(method="qlora", quant="nf4",
                                                                double_quant=double_quant))
     # within 1 %: the estimate counts double quant's 1 KiB code table once, bitsandbytes keeps one per layer
     assert est["weights_quantized"] == pytest.approx(sum(quantized.values()), rel=0.01)
@@ -194,16 +194,16 @@ def test_optimizer_state_bytes_match_the_real_optimizer_on_cpu(name):
     opt.step()
     storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
                 for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)}
-    state, _, paged = optimizer_bytes(TrainSettings(optimizer=name), sizes, 4, resolve_device("cpu:16GiB"))
+    state, _, paged = optimizer_bytes(RunSettings(optimizer=name), sizes, 4, resolve_device("cpu:16GiB"))
     assert paged == 0
     assert state == pytest.approx(sum(storages.values()), rel=0.001), (state, sum(storages.values()))
 
 
 def test_paged_8bit_optimizer_state_leaves_the_cuda_allocator():
     gpu = resolve_device("A100-40GB")
-    state, _, paged = optimizer_bytes(TrainSettings(optimizer="paged_adamw8bit"), [4096], 4, gpu)
+    state, _, paged = optimizer_bytes(RunSettings(optimizer="paged_adamw8bit"), [4096], 4, gpu)
     assert state == 0 and paged > 0  # unified memory: outside torch's allocator, evicted under pressure
-    adamw8 = optimizer_bytes(TrainSettings(optimizer="adamw8bit"), [4096], 4, gpu)[0]
+    adamw8 = optimizer_bytes(RunSettings(optimizer="adamw8bit"), [4096], 4, gpu)[0]
     assert paged == adamw8
 
 
@@ -226,7 +226,8 @@ def test_measured_cpu_step_matches_estimate(tmp_path):
         root=str(tmp_path),
     )
     m = _measure.run(cfg)
-    s = TrainSettings(method="lora", rank=8, targets=["q_proj", "v_proj"], batch=1, seq_len=128, dropout=0.0,
+    s = RunSettings(method="lora", rank=8, target_modules=["q_proj", "v_proj"], micro_batch_size=1, seq_len=128,
+                    dropout=0.0,
                       keep_logits=False)  # _measure runs fitburst's loop step: the model output is dropped
     e = estimate(load_shape(str(tmp_path / "llama")), s, resolve_device("cpu:8GiB"))
     assert abs(e.allocated_peak_bytes / m["peak"] - 1) < 0.03, (e.allocated_peak_bytes, m["peak"])
@@ -258,26 +259,26 @@ def test_named_and_sized_devices():
 
 def test_seed_qwen7b_lora_r128_on_24gb():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=128, alpha=256, targets="all-linear", batch=4, seq_len=512)
+    s = RunSettings(method="lora", rank=128, alpha=256, target_modules="all-linear", micro_batch_size=4, seq_len=512)
     dev = resolve_device("RTX4090")
     assert not Budget(dev, 0.1).judge(estimate(shape, s, dev)).fits
     plan = plan_fit(shape, s, dev)
     assert plan.fits and plan.changes
     assert plan.needed_bytes <= plan.limit_bytes < dev.budget_bytes  # the band's upper edge within budget less headroom
     assert plan.estimate.band is not None and plan.needed_bytes > plan.estimate.reserved_peak_bytes
-    assert plan.settings.batch * plan.settings.grad_accum == 4
+    assert plan.settings.micro_batch_size * plan.settings.grad_accum == 4
     # the pipeline forbids quantization and checkpointing: still a plan, or the longest length that fits
     p2 = plan_fit(
         shape, s, dev, allow={"quantize": False, "gradient_checkpointing": False, "reduce_batch": False}
     )
-    assert p2.settings.method == "lora" and not p2.settings.grad_checkpointing
+    assert p2.settings.method == "lora" and not p2.settings.gradient_checkpointing
     if not p2.fits:
         assert any("sequence" in c for c in p2.changes)
 
 
 def test_seed_gemma_270m_at_131072_tokens_on_16gb():
     shape = load_shape("google/gemma-3-270m")
-    s = TrainSettings(method="full", dtype="bf16", batch=1, seq_len=131072, attention="sdpa")
+    s = RunSettings(method="full", precision="bf16", micro_batch_size=1, seq_len=131072, attention="sdpa")
     dev = resolve_device("cuda:16GB")
     e = Budget(dev, 0.1).judge(estimate(shape, s, dev))
     assert not e.fits and e.components["logits_loss"] > 100 * GiB  # 131072 x 262144 logits, fp32 copies
@@ -294,7 +295,7 @@ def test_seed_gemma_270m_at_131072_tokens_on_16gb():
 
 def test_seed_qwen2_vl_7b_fp32_lora_on_mps_42gib():
     shape = load_shape("Qwen/Qwen2-VL-7B-Instruct")
-    s = TrainSettings(method="lora", dtype="fp32", rank=8, batch=1, seq_len=1024)
+    s = RunSettings(method="lora", precision="fp32", rank=8, micro_batch_size=1, seq_len=1024)
     dev = resolve_device("mps:42GiB")
     assert not Budget(dev, 0.1).judge(estimate(shape, s, dev)).fits
     plan = plan_fit(shape, s, dev)
@@ -306,7 +307,7 @@ def test_quantize_only_where_bnb_and_when_allowed():
     shape = load_shape("Llama-3.1-8B")
     # 512 tokens: at 1024 the fp16 copy autocast makes of k-bit's fp32 head (1 GiB, kept for backward) puts the
     # band's upper edge over a T4
-    s = TrainSettings(method="lora", rank=16, batch=1, seq_len=512, grad_checkpointing=True)
+    s = RunSettings(method="lora", rank=16, micro_batch_size=1, seq_len=512, gradient_checkpointing=True)
     plan = plan_fit(shape, s, resolve_device("T4"))
     assert plan.fits and plan.settings.quant == "nf4"
     nq = plan_fit(shape, s, resolve_device("T4"), allow={"quantize": False})
@@ -315,14 +316,15 @@ def test_quantize_only_where_bnb_and_when_allowed():
 
 def test_fitting_run_is_left_alone_and_phases_are_monotone_in_batch():
     shape = load_shape("Qwen2.5-0.5B")
-    s = TrainSettings(batch=1, seq_len=512)
+    s = RunSettings(micro_batch_size=1, seq_len=512)
     plan = plan_fit(shape, s, resolve_device("A100-80GB"))
     assert plan.fits and plan.changes == [] and plan.settings == s
     e1 = estimate(shape, s, resolve_device("A100-80GB"))
-    e2 = estimate(shape, replace(s, batch=2), resolve_device("A100-80GB"))
+    e2 = estimate(shape, replace(s, micro_batch_size=2), resolve_device("A100-80GB"))
     assert e2.allocated_peak_bytes > e1.allocated_peak_bytes
-    ck = estimate(shape, replace(s, batch=8, seq_len=2048, grad_checkpointing=True), resolve_device("H100"))
-    no = estimate(shape, replace(s, batch=8, seq_len=2048), resolve_device("H100"))
+    ck = estimate(shape, replace(s, micro_batch_size=8, seq_len=2048, gradient_checkpointing=True),
+                  resolve_device("H100"))
+    no = estimate(shape, replace(s, micro_batch_size=8, seq_len=2048), resolve_device("H100"))
     assert ck.components["activations"] < no.components["activations"] / 5
 
 
@@ -375,7 +377,7 @@ def test_the_70b_estimate_imports_neither_torch_nor_transformers():
     """The instant estimate stays instant by importing no heavy library (its time: benchmarks/estimate_speed.py)."""
     code = (
         "import sys; import fitburst.memory as m; "
-        "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.TrainSettings(batch=4, seq_len=4096), "
+        "e=m.plan_fit(m.load_shape('Llama-3.1-70B'), m.RunSettings(micro_batch_size=4, seq_len=4096), "
         "m.resolve_device('RTX4090')); "
         "print(sorted(n for n in ('torch', 'transformers', 'peft', 'mlflow', 'prefect') if n in sys.modules))"
     )

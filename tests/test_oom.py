@@ -21,7 +21,7 @@ from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
 from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, train_stepping_down
 from fitburst.oom_errors import oom_kind
-from fitburst.runconfig import settings_from_spec
+from fitburst.settings import settings_from_spec
 
 CHILD = Path(__file__).with_name("fault_child.py")
 MiB = 2**20
@@ -81,8 +81,8 @@ def test_real_cpu_allocation_failure_steps_down_and_finishes(tmp_path, pipelines
     stepped = json.loads(Path(big["run_dir"], STEPDOWN_FILE).read_text())
     assert stepped["history"] and {h["oom_kind"] for h in stepped["history"]} == {"cpu"}
     assert "can't allocate memory" in stepped["history"][0]["error"]
-    assert stepped["history"][0]["settings"]["batch"] == 8 and set(stepped["rungs"]) == {"reduce_batch"}
-    mb, accum = stepped["settings"]["batch"], stepped["settings"]["grad_accum"]
+    assert stepped["history"][0]["settings"]["micro_batch_size"] == 8 and set(stepped["rungs"]) == {"reduce_batch"}
+    mb, accum = stepped["settings"]["micro_batch_size"], stepped["settings"]["grad_accum"]
     assert mb < 8 and mb * accum == 8  # effective batch kept
     assert big["steps"] == big["total_steps"] == small["steps"] == 3
     assert steps_logged(big["run_dir"]) == steps_logged(small["run_dir"]) == [1, 2, 3]  # none repeated, none skipped
@@ -139,7 +139,7 @@ def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spe
     assert [h["oom_kind"] for h in stepped["history"]] == [kind, kind]  # 4 -> 2 fails again, 2 -> 1 fits
     assert [h["step"] for h in stepped["history"]] == [5, 5]  # the failed attempt's checkpoint, resumed
     assert stepped["rungs"] == ["reduce_batch", "reduce_batch"]
-    assert (stepped["settings"]["batch"], stepped["settings"]["grad_accum"]) == (1, 4)
+    assert (stepped["settings"]["micro_batch_size"], stepped["settings"]["grad_accum"]) == (1, 4)
     assert result.steps == 8 and result.resumed_from == 5
     assert steps_logged(result.run_dir) == list(range(1, 9))
     if kind == "cuda":
@@ -195,7 +195,8 @@ def test_ladder_order_allow_and_device(demo_spec, monkeypatch):
         assert s.effective_batch == 6
     assert seen == ["fused_loss", "optimizer_8bit", "reduce_batch", "reduce_batch", "gradient_checkpointing",
                     "activation_offloading", "quantize"]
-    assert (s.batch, s.grad_accum, s.method, s.quant, s.loss, s.offload) == (1, 6, "qlora", "nf4", "fused", True)
+    got = (s.micro_batch_size, s.grad_accum, s.method, s.quant, s.loss, s.activation_offloading)
+    assert got == (1, 6, "qlora", "nf4", "fused", True)
     s = settings_from_spec(demo_spec.with_overrides({"training.gradient_checkpointing": True,
                                                      "training.micro_batch_size": 1, "training.loss": "fused"}),
                            mps, 128)
@@ -286,3 +287,16 @@ def test_a_folder_stepped_down_by_an_earlier_version_resumes_with_its_fields(tmp
     monkeypatch.setattr(train_mod, "optimizer_step", step)
     train_stepping_down(spec, demo_prepared, tmp_path, device="cpu", progress=False)
     assert sizes == [[2, 2], [2, 2]]
+
+
+def test_settings_stored_with_the_old_field_names_resume_as_the_same_settings():
+    from dataclasses import asdict
+
+    from fitburst.settings import STORED_BEFORE_RENAME, RunSettings
+
+    s = RunSettings(micro_batch_size=4, grad_accum=2, precision="fp16", target_modules=["q_proj"],
+                    gradient_checkpointing=True, activation_offloading=True)
+    new_to_old = {v: k for k, v in STORED_BEFORE_RENAME.items()}
+    old = {new_to_old.get(k, k): v for k, v in asdict(s).items()}
+    assert "batch" in old and "micro_batch_size" not in old
+    assert RunSettings.from_dict(old) == s == RunSettings.from_dict(asdict(s))

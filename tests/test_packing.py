@@ -88,11 +88,12 @@ def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
 
     from fitburst.hardware import GiB, resolve_device
     from fitburst.memory import Budget, plan_fit
-    from fitburst.memory.estimator import TrainSettings, estimate
+    from fitburst.memory.estimator import RunSettings, estimate
     from fitburst.memory.shapes import load_shape
 
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=16, targets="all-linear", batch=8, seq_len=2048, dtype="bf16",
+    s = RunSettings(method="lora", rank=16, target_modules="all-linear", micro_batch_size=8, seq_len=2048,
+                    precision="bf16",
                       attention="flash", dropout=0.0)
     big = resolve_device("cuda:200GiB")
     need = {fill: Budget(big).needed(estimate(shape, replace(s, packed_fill=fill), big)) for fill in (0.0, 1.0, 0.5)}

@@ -14,7 +14,7 @@ import pytest
 from fitburst.cloud import gpus
 from fitburst.data_facts import data_facts
 from fitburst.hours import Hours, estimate_hours, throughput
-from fitburst.memory import TrainSettings, estimate, load_shape, plan_fit, resolve_device
+from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.calibration import band_for
 from fitburst.preflight import decide, preflight
 from fitburst.spec import load_pipeline
@@ -85,7 +85,7 @@ def test_torch_names_of_local_cards_find_their_table_entry():
     assert "not in the table" in unknown.source and unknown.tflops == throughput(resolve_device("T4")).tflops
     m2max, m1 = throughput(resolve_device("M2-Max-64GB")), throughput(resolve_device("M1-16GB"))
     assert m2max.tflops > m1.tflops and m2max.source.startswith("table: M2-MAX")
-    shape, s = load_shape("Qwen2.5-1.5B"), TrainSettings(method="qlora", grad_checkpointing=True)
+    shape, s = load_shape("Qwen2.5-1.5B"), RunSettings(method="qlora", gradient_checkpointing=True)
     measured = estimate_hours(shape, s, throughput(a6000, measured_tokens_per_s=1000.0), 3_600_000)
     assert measured.hours == pytest.approx(1.0) and measured.source.startswith("probe: ")
     cloud = estimate_hours(shape, s, throughput(a6000), 3_600_000, cloud=True)
@@ -145,7 +145,7 @@ def test_placement_rule(policy, fits, hours, cap, expected):
                                                        "burst.providers": ["azure", "lambda"]})
     shape = load_shape(spec.model.name)
     device = resolve_device("T4" if fits else "cuda:2GiB")
-    plan = plan_fit(shape, TrainSettings(method="qlora", batch=8, seq_len=512), device)
+    plan = plan_fit(shape, RunSettings(method="qlora", micro_batch_size=8, seq_len=512), device)
     assert plan.fits is fits
     asked = []
 
@@ -165,7 +165,7 @@ def test_placement_rule(policy, fits, hours, cap, expected):
 
 def test_the_verdict_plans_for_the_bands_upper_edge():
     shape = load_shape("Qwen2.5-1.5B")
-    s = TrainSettings(method="lora", batch=4, seq_len=1024, dropout=0.0)
+    s = RunSettings(method="lora", micro_batch_size=4, seq_len=1024, dropout=0.0)
     e = estimate(shape, s, resolve_device("cuda:100GiB"))
     high = band_for("analytic", "cuda").high
     # a card on which the estimate itself fits with room, but its upper edge does not
@@ -191,7 +191,7 @@ def traced_like(shape, factor: float, calls: list):
 
 def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_rung_further():
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=64, targets="all-linear", batch=4, grad_accum=4, seq_len=3072)
+    s = RunSettings(method="lora", rank=64, target_modules="all-linear", micro_batch_size=4, grad_accum=4, seq_len=3072)
     first: list = []  # the plan the search traces first (the cheapest worth tracing)
     plan_fit(shape, s, resolve_device("A6000"), exact=traced_like(shape, 1.0, first))
     need = estimate(shape, first[0], resolve_device("A6000")).reserved_peak_bytes
@@ -200,12 +200,12 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
 
     plain = plan_fit(shape, s, dev)  # analytic alone: planned for its (wider) band's upper edge
-    assert plain.settings.grad_checkpointing
+    assert plain.settings.gradient_checkpointing
     agreed_calls: list = []
     agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))
     # the exact estimate agrees: the search only had to pick plans worth tracing, so a cheaper plan is verified
     assert agreed.fits and len(agreed_calls) == 1 and agreed.estimate.method == "traced"
-    assert not agreed.settings.grad_checkpointing and agreed.settings.effective_batch == s.effective_batch
+    assert not agreed.settings.gradient_checkpointing and agreed.settings.effective_batch == s.effective_batch
     assert agreed.estimate.band == band_for("traced", "cuda")
     calls: list = []
     checked = plan_fit(shape, s, dev, exact=traced_like(shape, 1.35, calls))
@@ -219,7 +219,7 @@ def test_a_plan_the_analytic_estimate_over_estimates_is_traced_and_taken():
     search must still trace the plan as configured (not skip to checkpointing, or to a burst), and take it when
     the trace fits."""
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=16, batch=2, seq_len=2048)
+    s = RunSettings(method="lora", rank=16, micro_batch_size=2, seq_len=2048)
     need = estimate(shape, s, resolve_device("A100-80GB")).reserved_peak_bytes
     lower = 1 + 0.95 * band_for("analytic-vs-traced", "cuda").low  # a trace that much under the analytic figure
     assert lower < 0.97
@@ -247,7 +247,7 @@ def test_when_the_exact_checks_run_out_the_most_frugal_plan_left_is_checked_last
     little from them): after the 4 checks a device gets, the planner checks the plan that needs least, and takes
     it when it fits, saying cheaper ones were not all checked, instead of giving up on the device."""
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
-    s = TrainSettings(method="lora", rank=16, batch=4, seq_len=1024, dropout=0.05)
+    s = RunSettings(method="lora", rank=16, micro_batch_size=4, seq_len=1024, dropout=0.05)
     dev = resolve_device("A6000")
     over = int(int(dev.budget_bytes * 0.97) / (1 + band_for("traced", "cuda").high)) + (64 << 20)
     calls: list = []

@@ -147,12 +147,12 @@ def test_trace_builds_the_t5_a_flan_checkpoint_loads(t5_config_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
-    from fitburst.memory import TrainSettings, load_shape
+    from fitburst.memory import RunSettings, load_shape
     from fitburst.memory.trace import trace_step
     from fitburst.spec import PipelineSpec
 
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
-    trace = trace_step(spec, TrainSettings(method="full", batch=2, seq_len=32, dtype="fp32"), seq_len=32)
+    trace = trace_step(spec, RunSettings(method="full", micro_batch_size=2, seq_len=32, precision="fp32"), seq_len=32)
     cfg = dict(T5_CFG)
     AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")  # a checkpoint with its own lm_head, as FLAN-T5's
@@ -164,23 +164,24 @@ def test_trace_builds_the_t5_a_flan_checkpoint_loads(t5_config_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(method="lora", targets="all-linear", batch=2, seq_len=96, dtype="fp32"),
-    dict(method="lora", targets=["q", "v"], batch=2, seq_len=96, dtype="bf16", grad_checkpointing=True),
-    dict(method="full", batch=2, seq_len=64, dtype="bf16"),
-    dict(method="lora", targets=["q", "v"], batch=1, seq_len=512, dtype="fp16", device="T4"),
-    dict(method="lora", targets="all-linear", batch=2, seq_len=512, dtype="bf16", device="L4"),
+    dict(method="lora", target_modules="all-linear", micro_batch_size=2, seq_len=96, precision="fp32"),
+    dict(method="lora", target_modules=["q", "v"], micro_batch_size=2, seq_len=96, precision="bf16",
+         gradient_checkpointing=True),
+    dict(method="full", micro_batch_size=2, seq_len=64, precision="bf16"),
+    dict(method="lora", target_modules=["q", "v"], micro_batch_size=1, seq_len=512, precision="fp16", device="T4"),
+    dict(method="lora", target_modules="all-linear", micro_batch_size=2, seq_len=512, precision="bf16", device="L4"),
 ])
 def test_analytic_t5_terms_match_the_traced_step(t5_config_dir, kw):
     """The analytic T5 terms (encoder and decoder stacks, cross-attention, dropout masks, the position-bias masks
     checkpointing keeps, fp32 master weights; on CUDA the memory-efficient kernel and the bias each of its calls
     keeps) against the traced real step: within 6 %."""
-    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
     from fitburst.memory.trace import traced_estimate
     from fitburst.spec import PipelineSpec
 
     kw = dict(kw)
     device = resolve_device(kw.pop("device", "cpu:8GiB"))
-    s = TrainSettings(rank=8, dropout=0.0, attention="sdpa", keep_logits=False, **kw)
+    s = RunSettings(rank=8, dropout=0.0, attention="sdpa", keep_logits=False, **kw)
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
     traced = traced_estimate(spec, s, device, seq_len=s.seq_len).allocated_peak_bytes
     analytic = estimate(load_shape(str(t5_config_dir)), s, device, calibrate=False)
@@ -194,14 +195,15 @@ def test_t5_loss_on_a_gpu_keeps_16_bit_log_probabilities(tmp_path, device):
     only its output to fp32 for nll_loss. With FLAN-T5's vocabulary the loss is most of the peak: the trace for a
     GPU makes 16-bit log-probabilities, and the analytic estimate follows it within 2 % (it followed CPU autocast
     there: +14 % on a T4 before)."""
-    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
     from fitburst.memory.trace import traced_estimate
     from fitburst.spec import PipelineSpec
 
     (tmp_path / "config.json").write_text(json.dumps(dict(T5_CFG, vocab_size=32128)))
     S, dev = 512, resolve_device(device)
-    s = TrainSettings(method="lora", rank=8, batch=2, seq_len=S, dtype="fp16" if device == "T4" else "bf16",
-                      attention="sdpa", dropout=0.0, targets=["q", "v"], keep_logits=False)
+    s = RunSettings(method="lora", rank=8, micro_batch_size=2, seq_len=S,
+                    precision="fp16" if device == "T4" else "bf16",
+                      attention="sdpa", dropout=0.0, target_modules=["q", "v"], keep_logits=False)
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(tmp_path)}, data={"path": "x.jsonl"}))
     cache: dict = {}
     traced = traced_estimate(spec, s, dev, seq_len=S, cache=cache).allocated_peak_bytes
@@ -219,13 +221,14 @@ def test_t5_traced_for_cuda_keeps_each_attention_bias_not_its_scores(t5_config_d
     contiguous (the permuted relative-position bias of each self-attention) and keeps the padded copy. Traced for a
     T4: one efficient call per attention, no score-sized fp32 tensor, one padded bias per self-attention layer, and
     a peak below the CPU trace's by more than one fp32 score tensor per layer."""
-    from fitburst.memory import TrainSettings, resolve_device
+    from fitburst.memory import RunSettings, resolve_device
     from fitburst.memory.trace import trace_step
     from fitburst.spec import PipelineSpec
 
     S, h = 256, T5_CFG["num_heads"]
-    s = TrainSettings(method="lora", rank=8, batch=1, seq_len=S, dtype="fp16", attention="sdpa", dropout=0.0,
-                      targets=["q", "v"], keep_logits=False)
+    s = RunSettings(method="lora", rank=8, micro_batch_size=1, seq_len=S, precision="fp16", attention="sdpa",
+                    dropout=0.0,
+                      target_modules=["q", "v"], keep_logits=False)
     spec = PipelineSpec.model_validate(dict(name="t5", model={"name": str(t5_config_dir)}, data={"path": "x.jsonl"}))
     cuda = trace_step(spec, s, seq_len=S, adamw="foreach", autocast_of="cuda", device=resolve_device("T4"))
     cpu = trace_step(spec, s, seq_len=S)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fitburst.hardware import Gpus, resolve_device, resolve_gpus
-from fitburst.memory import TrainSettings, estimate, load_shape
+from fitburst.memory import RunSettings, estimate, load_shape
 from fitburst.memory.planner import plan_fit, plan_gpus, world_sizes
 from fitburst.memory.trace import trace_step
 
@@ -54,7 +54,7 @@ def spec_for(folder: Path):
     return PipelineSpec.model_validate(dict(name="t", model=dict(name=str(folder)), data=dict(path="x.jsonl")))
 
 
-def gloo_peaks(folder: Path, s: TrainSettings) -> list[dict]:
+def gloo_peaks(folder: Path, s: RunSettings) -> list[dict]:
     """Each rank's measured step (tests/fsdp_child.py) of a real run of ``s.world_size`` processes over gloo."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -70,24 +70,26 @@ def gloo_peaks(folder: Path, s: TrainSettings) -> list[dict]:
 # no padding (tests/fsdp_child.py): padded=False tells the trace so. The measured peak leaves out gloo's own copy of
 # the reduce-scatter input (fsdp_child.py says why), which NCCL, what the trace stands for, does not make.
 CASES = [
-    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="fp32", dropout=0.0, world_size=2)),
-    ("llama", dict(method="qlora", rank=8, batch=1, seq_len=64, dtype="bf16", dropout=0.0, world_size=2)),
-    ("llama", dict(method="lora", rank=8, batch=1, seq_len=64, dtype="bf16", world_size=4)),
-    ("t5", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", world_size=2, padded=False)),
-    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="bf16", dropout=0.0, world_size=2,
+    ("llama", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="fp32", dropout=0.0, world_size=2)),
+    ("llama", dict(method="qlora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", dropout=0.0,
+                   world_size=2)),
+    ("llama", dict(method="lora", rank=8, micro_batch_size=1, seq_len=64, precision="bf16", world_size=4)),
+    ("t5", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="fp32", world_size=2, padded=False)),
+    ("mixtral", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="bf16", dropout=0.0, world_size=2,
                      padded=False)),
-    ("mixtral", dict(method="lora", rank=8, batch=2, seq_len=32, dtype="fp32", dropout=0.0, world_size=4,
+    ("mixtral", dict(method="lora", rank=8, micro_batch_size=2, seq_len=32, precision="fp32", dropout=0.0, world_size=4,
                      padded=False)),
-    ("llama", dict(method="full", batch=1, seq_len=64, dtype="fp32", world_size=2)),
-    ("mixtral", dict(method="full", batch=2, seq_len=32, dtype="fp32", world_size=4, padded=False)),
+    ("llama", dict(method="full", micro_batch_size=1, seq_len=64, precision="fp32", world_size=2)),
+    ("mixtral", dict(method="full", micro_batch_size=2, seq_len=32, precision="fp32", world_size=4, padded=False)),
 ]
 
 
-@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{k['method']}-{k['dtype']}-{k['world_size']}" for a, k in CASES])
+@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{k['method']}-{k['precision']}-{k['world_size']}" for a,
+                                                 k in CASES])
 def test_traced_per_rank_peak_is_each_real_ranks_peak_within_1_percent(tmp_path_factory, arch, kw):
     """The trace stands one process in for rank 0 of N (fake process group, fake tensors); the real run is N gloo
     processes with real weights and collectives, each rank's step measured by torch's MemTracker."""
-    s = TrainSettings(**kw)
+    s = RunSettings(**kw)
     folder = model_folder(tmp_path_factory.getbasetemp() / "models", arch, weights=s.kbit)
     traced = trace_step(spec_for(folder), s, seq_len=s.seq_len).live_peaks()[0]
     ranks = gloo_peaks(folder, s)
@@ -105,7 +107,7 @@ def test_sharding_divides_model_states_and_adds_gathered_blocks(tmp_path):
     folder = model_folder(tmp_path, "llama")
     comp = {}
     for n in (1, 2, 4):
-        t = trace_step(spec_for(folder), TrainSettings(method="full", batch=1, seq_len=32, dtype="fp32",
+        t = trace_step(spec_for(folder), RunSettings(method="full", micro_batch_size=1, seq_len=32, precision="fp32",
                                                        world_size=n), seq_len=32)
         comp[n] = peak_components(t.events, t.measured_start)
     assert comp[2]["weights"] == pytest.approx(comp[1]["weights"] / 2, rel=0.01)
@@ -115,7 +117,7 @@ def test_sharding_divides_model_states_and_adds_gathered_blocks(tmp_path):
 
 def test_keeping_blocks_gathered_costs_memory_in_the_trace_and_the_analytic_estimate(tmp_path):
     folder = model_folder(tmp_path, "llama")
-    s = TrainSettings(method="full", batch=1, seq_len=32, dtype="bf16", world_size=2)
+    s = RunSettings(method="full", micro_batch_size=1, seq_len=32, precision="bf16", world_size=2)
     keep = replace(s, reshard_after_forward=False)
     traced = [trace_step(spec_for(folder), x, seq_len=32).live_peaks()[2]["loss"] for x in (s, keep)]
     from fitburst.memory.shapes import ModelShape
@@ -129,13 +131,13 @@ def test_keeping_blocks_gathered_costs_memory_in_the_trace_and_the_analytic_esti
 
 
 @pytest.mark.parametrize("kw", [
-    dict(method="lora", rank=16, dtype="bf16"), dict(method="full", dtype="bf16"),
-    dict(method="qlora", rank=16, dtype="bf16", grad_checkpointing=True)])
+    dict(method="lora", rank=16, precision="bf16"), dict(method="full", precision="bf16"),
+    dict(method="qlora", rank=16, precision="bf16", gradient_checkpointing=True)])
 def test_per_gpu_analytic_estimate_is_within_its_band_of_the_sharded_trace(kw):
     """Llama-3.2-1B at 512 tokens over 4 ranks, at full size (fake tensors): the per-GPU analytic figure stays at or
     above the trace, the trace at most 10 % below it (measured: LoRA -3.9 %, full -2.1 %, QLoRA -6.7 %)."""
     ref = "meta-llama/Llama-3.2-1B"
-    s = TrainSettings(batch=1, seq_len=512, world_size=4, **kw)
+    s = RunSettings(micro_batch_size=1, seq_len=512, world_size=4, **kw)
     dev = resolve_device("cpu:64GiB")
     traced = trace_step(spec_for(ref), s, seq_len=512).live_peaks()[0]
     analytic = estimate(load_shape(ref), s, dev, calibrate=False).allocated_peak_bytes
@@ -155,7 +157,7 @@ def test_the_planner_takes_the_fewest_gpus_that_fit():
     """Qwen2.5-7B full bf16 fine-tuning (~112 GB of weights, gradients and AdamW state) on RTX 4090s: one card is
     far too small; the planner shards over the fewest that fit, and one fewer does not."""
     shape = load_shape("Qwen/Qwen2.5-7B")
-    s = TrainSettings(method="full", batch=1, seq_len=512, dtype="bf16")
+    s = RunSettings(method="full", micro_batch_size=1, seq_len=512, precision="bf16")
     dev = resolve_device("RTX4090")
     off = {"gradient_checkpointing": False, "optimizer_8bit": False}
     plan = plan_gpus(shape, s, dev, world_sizes("auto", 8, max_nodes=2), allow=off, gpus_per_node=8)
@@ -169,7 +171,8 @@ def test_the_planner_takes_the_fewest_gpus_that_fit():
 
 def test_offload_moves_sharded_state_to_host_ram_which_must_fit():
     shape = load_shape("meta-llama/Llama-3.1-70B")
-    s = TrainSettings(method="qlora", rank=16, batch=1, seq_len=2048, grad_checkpointing=True, world_size=2)
+    s = RunSettings(method="qlora", rank=16, micro_batch_size=1, seq_len=2048, gradient_checkpointing=True,
+                    world_size=2)
     dev = resolve_device("RTX4090")
     kept, off = (plan_fit(shape, replace(s, cpu_offload=o), dev, allow={"quantize": False}, gpus_per_node=2)
                  for o in (False, True))
@@ -187,13 +190,13 @@ def test_host_ram_counts_one_loaded_copy_per_node_or_one_per_rank_for_4bit_weigh
     from fitburst.memory.fsdp_terms import host_bytes
     from fitburst.memory.params import param_counts
 
-    def host(model: str, s: TrainSettings, per_node: int) -> float:
+    def host(model: str, s: RunSettings, per_node: int) -> float:
         return host_bytes(param_counts(load_shape(model), s), s, per_node) / 1e9
 
-    lora = TrainSettings(method="lora", rank=16, batch=1, seq_len=512, dtype="bf16", world_size=8)
+    lora = RunSettings(method="lora", rank=16, micro_batch_size=1, seq_len=512, precision="bf16", world_size=8)
     assert host("meta-llama/Llama-3.1-8B", lora, 8) == pytest.approx(16.06, rel=0.03)
     assert host("meta-llama/Llama-3.1-8B", lora, 8) == host("meta-llama/Llama-3.1-8B", lora, 4)
-    qlora = TrainSettings(method="qlora", rank=16, batch=1, seq_len=2048, dtype="bf16", world_size=8)
+    qlora = RunSettings(method="qlora", rank=16, micro_batch_size=1, seq_len=2048, precision="bf16", world_size=8)
     for per_node in (8, 4):  # one node of 8 GPUs, two of 4
         assert 35 * per_node <= host("meta-llama/Llama-3.1-70B", qlora, per_node) <= 44 * per_node
 
@@ -202,7 +205,7 @@ def test_host_ram_counts_one_loaded_copy_per_node_or_one_per_rank_for_4bit_weigh
 def test_the_trace_counts_a_4bit_model_as_the_analytic_estimate_does(tmp_path, world_size):
     """A 4-bit weight is counted by the values it packs, not by its packed storage's elements (2 per uint8, 4 per
     bf16 element once sharded): the host RAM and the time of a traced plan are figured from this count."""
-    s = TrainSettings(method="qlora", rank=8, batch=1, seq_len=32, dtype="bf16", world_size=world_size)
+    s = RunSettings(method="qlora", rank=8, micro_batch_size=1, seq_len=32, precision="bf16", world_size=world_size)
     folder = model_folder(tmp_path, "llama")
     traced = trace_step(spec_for(folder), s, seq_len=32).params
     analytic = estimate(load_shape(str(folder)), s, resolve_device("cpu")).params
@@ -215,7 +218,7 @@ def test_fsdp_scaling_follows_the_link():
     from fitburst.hours import estimate_hours, throughput
 
     shape = load_shape("Qwen/Qwen2.5-7B")
-    s = TrainSettings(method="full", batch=1, seq_len=512, world_size=2)
+    s = RunSettings(method="full", micro_batch_size=1, seq_len=512, world_size=2)
     hours = {}
     for gpu in ("H100", "RTX4090"):
         d = resolve_device(gpu)
@@ -301,10 +304,10 @@ def test_host_ram_holds_a_4bit_model_as_bitsandbytes_loads_and_prepares_it(tmp_p
     from fitburst.memory.fsdp_terms import host_bytes
     from fitburst.memory.shapes import ModelShape
     from fitburst.models import quantization_config
-    from fitburst.runconfig import spec_with_settings
+    from fitburst.settings import spec_with_settings
     from fitburst.train import prepare_for_training
 
-    s = TrainSettings(method="qlora", rank=8, batch=1, seq_len=32, dtype="bf16", double_quant=double_quant,
+    s = RunSettings(method="qlora", rank=8, micro_batch_size=1, seq_len=32, precision="bf16", double_quant=double_quant,
                       world_size=2)
     folder = model_folder(tmp_path, "llama", weights=True)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cpu", quantization_config=(
@@ -332,7 +335,7 @@ def test_a_sharded_plan_never_takes_the_rungs_fsdp_cannot_train(tmp_path):
     from fitburst.memory.ladder import LADDER
 
     dev = resolve_device("A6000")
-    one = TrainSettings(method="lora", batch=4, seq_len=512, dtype="bf16")
+    one = RunSettings(method="lora", micro_batch_size=4, seq_len=512, precision="bf16")
     usable = {n: {r.key for r in LADDER if r.allowed(replace(one, world_size=n), dev)} for n in (1, 2)}
     assert {"optimizer_8bit", "fused_loss"} <= usable[1]
     assert not {"optimizer_8bit", "fused_loss"} & usable[2] and "reduce_batch" in usable[2]

@@ -10,7 +10,7 @@ import pytest
 
 from fitburst.hardware import resolve_device
 from fitburst.memory import trace as trace_mod
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 from fitburst.spec import PipelineSpec
 
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
@@ -25,7 +25,7 @@ def test_second_request_is_served_from_disk_and_any_change_traces_again(tmp_path
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CFG))
     spec = PipelineSpec.model_validate(dict(name="t", model=dict(name=str(model)), data=dict(path="x.jsonl")))
-    s = TrainSettings(method="lora", rank=4, batch=2, seq_len=32, dtype="fp16", dropout=0.0)
+    s = RunSettings(method="lora", rank=4, micro_batch_size=2, seq_len=32, precision="fp16", dropout=0.0)
     t4, cpu = resolve_device("T4"), resolve_device("cpu:8GiB")
     real, traced = trace_mod.trace_step, []
 

@@ -167,12 +167,13 @@ def test_vision_terms_follow_images_and_what_trains(vl_spec):
     the patches; more or larger images lengthen the language sequence and raise the peak."""
     from dataclasses import replace
 
-    from fitburst.memory import TrainSettings, estimate, load_shape, resolve_device
+    from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
     from fitburst.memory.activations import vision_activations
 
     shape = load_shape("qwen2-vl-7b")
     dev = resolve_device("cuda:80GiB")
-    s = TrainSettings(method="lora", targets="all-linear", dtype="bf16", batch=1, seq_len=1400, images=1,
+    s = RunSettings(method="lora", target_modules="all-linear", precision="bf16", micro_batch_size=1, seq_len=1400,
+                    images=1,
                       image_tokens=1280)
     kept, fwd = vision_activations(shape, s, 2, "flash", 1)
     assert kept == 0 and fwd > 0
@@ -210,12 +211,12 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     from fitburst.data import run_settings
     from fitburst.memory import Budget, estimate, plan_fit, resolve_device
     from fitburst.models import spec_shape
-    from fitburst.runconfig import spec_with_settings
+    from fitburst.settings import spec_with_settings
 
     full = prepare_pipeline(vl_spec)
     seq = full.stats["max"]
     shape = spec_shape(vl_spec)
-    s = replace(run_settings(vl_spec, resolve_device("cpu"), seq), batch=64, eval_batch=0)
+    s = replace(run_settings(vl_spec, resolve_device("cpu"), seq), micro_batch_size=64, eval_batch=0)
     cpu = resolve_device("cpu:64GiB")
     need = Budget(cpu).needed  # the estimate's upper band edge, what a plan must keep within the limit
     low = need(estimate(shape, replace(s, image_tokens=4, seq_len=seq - 12), cpu))

@@ -19,7 +19,7 @@ from fitburst.cloud.gpus import Offer, offers
 from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, GiB
 from fitburst.history import Spend, monthly_budget_problems
 from fitburst.hours import estimate_hours, throughput, train_tokens
-from fitburst.memory import Estimate, ModelShape, TrainSettings, resolve_device
+from fitburst.memory import Estimate, ModelShape, RunSettings, resolve_device
 from fitburst.memory.planner import EstimateFn, Plan, plan_gpus, world_sizes
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Candidate:
     est_total_usd: float | None = None
     changes: list[str] = field(default_factory=list)  # what the planner changed for this GPU
     estimate: Estimate | None = None  # the memory estimate on this GPU
-    settings: TrainSettings | None = None  # the settings planned for this GPU
+    settings: RunSettings | None = None  # the settings planned for this GPU
     region: str | None = None
     price_source: str = ""
     hours_source: str = ""  # where the throughput behind est_hours comes from
@@ -79,7 +79,7 @@ class Candidate:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if kw.get("settings"):
-            kw["settings"] = TrainSettings(**kw["settings"])
+            kw["settings"] = RunSettings.from_dict(kw["settings"])
         kw["estimate"] = Estimate.from_dict(kw["estimate"]) if kw.get("estimate") else None
         return cls(**kw)
 
@@ -87,14 +87,14 @@ class Candidate:
         return f"{self.gpus_label()} on {self.provider} ({self.accelerator})"
 
 
-def _plan_on(gpu: str, shape: ModelShape | None, settings: TrainSettings, spec, exact: EstimateFn | None,
+def _plan_on(gpu: str, shape: ModelShape | None, settings: RunSettings, spec, exact: EstimateFn | None,
              counts: list[int], per_node: int, host_gib: float | None) -> tuple[Plan | None, list[str], str]:
     """Re-run the planner for ``gpu`` over ``counts`` GPUs (``per_node`` on a node of ``host_gib`` RAM): (plan or
     None when it cannot run there, device changes, reason)."""
     device = resolve_device(gpu)
     changes: list[str] = []
-    if not device.supports_bf16 and settings.dtype == "bf16":
-        settings = dataclasses.replace(settings, dtype="fp16")
+    if not device.supports_bf16 and settings.precision == "bf16":
+        settings = dataclasses.replace(settings, precision="fp16")
         changes.append(f"dtype bf16 -> fp16 ({gpu} has no bf16)")
     if not device.supports_bnb and settings.kbit:
         return None, changes, f"{gpu} cannot run bitsandbytes quantization"
@@ -127,8 +127,8 @@ def _gpu_offers(gpu: str, fixed: int | None, burst, offer_list: list[Offer] | No
 def rank_candidates(
     spec,
     shape: ModelShape | None,
-    settings: TrainSettings,
-    est_hours_fn: Callable[[str, TrainSettings], float | None] | None = None,
+    settings: RunSettings,
+    est_hours_fn: Callable[[str, RunSettings], float | None] | None = None,
     *,
     tokens: int | None = None,
     offer_list: list[Offer] | None = None,

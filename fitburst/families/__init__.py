@@ -2,7 +2,7 @@
 models and vision-language models, one module each. Data prep, training, eval and publish ask the family object
 of a model (:func:`family_for`) for what differs between them; a new family is one module here plus its tests.
 
-Layer 2: the families import spec, runconfig and errors, never data, models or train (those import them)."""
+Layer 2: the families import spec, settings and errors, never data, models or train (those import them)."""
 
 from __future__ import annotations
 

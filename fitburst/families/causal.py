@@ -13,7 +13,7 @@ from typing import Any
 from fitburst.families.base import IGNORE_INDEX, Records, eval_batches, pad_collate, reference_text
 from fitburst.families.chat import GENERATION_TAG, chat_template_kwargs, render
 from fitburst.families.loss import FusedLossError
-from fitburst.runconfig import EVAL_CHUNK_TOKENS
+from fitburst.settings import EVAL_CHUNK_TOKENS
 
 
 def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, train_on_prompt: bool) -> dict:

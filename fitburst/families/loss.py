@@ -23,7 +23,7 @@ from typing import Any
 from fitburst.errors import UserError
 from fitburst.families.base import IGNORE_INDEX
 from fitburst.hardware import FUSED_MODULES
-from fitburst.runconfig import EVAL_CHUNK_TOKENS
+from fitburst.settings import EVAL_CHUNK_TOKENS
 
 LIBRARY = {"cce": "cut-cross-entropy", "cce_compile": "cut-cross-entropy", "liger": "liger-kernel"}
 

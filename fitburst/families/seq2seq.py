@@ -13,7 +13,7 @@ from typing import Any
 from fitburst.errors import DataError
 from fitburst.families.base import IGNORE_INDEX, Records, eval_batches, pad_collate, reference_text
 from fitburst.families.loss import FusedLossError
-from fitburst.runconfig import EVAL_CHUNK_TOKENS
+from fitburst.settings import EVAL_CHUNK_TOKENS
 
 
 def to_pair(messages: list[dict]) -> tuple[str, str]:

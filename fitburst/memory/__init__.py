@@ -5,7 +5,7 @@ Pure Python (json + math): importing it never imports torch or transformers.
 """
 
 from fitburst.hardware import Device, known_devices, resolve_device
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .budget import Budget
 from .calibration import ErrorBand, band_for
@@ -22,7 +22,7 @@ __all__ = [
     "ModelConfigError",
     "ModelShape",
     "Plan",
-    "TrainSettings",
+    "RunSettings",
     "band_for",
     "estimate",
     "known_devices",

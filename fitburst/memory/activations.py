@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fitburst.hardware import Device, expands_kv
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .params import DTYPE_BYTES, resolve_targets
 from .shapes import ModelShape
@@ -51,18 +51,18 @@ class StepContext:
     logit_bytes: int = 2  # bytes of an element of the head's output (k-bit's fp32 head outside autocast: 4)
 
 
-def step_context(shape: ModelShape, s: TrainSettings, device: Device) -> StepContext:
+def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepContext:
     """One micro-step's sizes and precisions on ``device``: a packed batch as one row of its real tokens, the
     attention kernel that runs there, what autocast, k-bit preparation and FSDP's mixed precision make of the
     residual stream and the adapters."""
-    d = DTYPE_BYTES[s.dtype]
+    d = DTYPE_BYTES[s.precision]
     # FSDP's mixed precision (fitburst.distributed.mixed_precision) gathers every weight in the compute dtype and
     # casts each block's inputs to it: a 16-bit stream even where k-bit preparation or fp32 master weights would
     # make it fp32, and no autocast copies of fp32 weights
     mp = s.world_size > 1 and s.amp
     a = 4 if s.kbit and not mp else d
-    tokens, rows, seq = s.batch * s.seq_len, s.batch, s.seq_len
-    padded = s.batch > 1 if s.padded is None else s.padded
+    tokens, rows, seq = s.micro_batch_size * s.seq_len, s.micro_batch_size, s.seq_len
+    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
     if s.packed_fill:  # one row of the real tokens; sdpa/eager get a block-diagonal mask, flash-attn varlen none
         tokens = seq = max(1, round(tokens * s.packed_fill))
         rows, padded = 1, s.attention != "flash"
@@ -70,18 +70,19 @@ def step_context(shape: ModelShape, s: TrainSettings, device: Device) -> StepCon
     attention = s.attention
     if attention == "flash" and device.kind != "cuda":
         attention = "sdpa"
-    kv_expanded = attention == "sdpa" and expands_kv(device, s.dtype, shape.kv_heads < shape.heads)
+    kv_expanded = attention == "sdpa" and expands_kv(device, s.precision, shape.kv_heads < shape.heads)
     if attention == "sdpa":
         attention = "math" if device.kind == "mps" else "flash"
     gpu_amp = device.kind in ("cuda", "mps") and s.amp
     return StepContext(
         tokens=tokens, rows=rows, seq=seq, act_bytes=a, full=full, lora=not full,
-        targets=set() if full else resolve_targets(shape, s.targets), rank=s.rank, drop=s.dropout > 0 and not full,
+        targets=set() if full else resolve_targets(shape,
+                                                   s.target_modules), rank=s.rank, drop=s.dropout > 0 and not full,
         mask_b=1 if device.kind == "cuda" else 4, attention=attention, padded=padded, kv_expanded=kv_expanded,
-        merged_experts=0 if full or not shape.lora_experts(s.targets) else a * shape.expert_params,
+        merged_experts=0 if full or not shape.lora_experts(s.target_modules) else a * shape.expert_params,
         master=s.master_weights and not mp, lora16=d if s.amp and not full else 0, gpu_amp=gpu_amp,
         norm32=gpu_amp and not full and not s.kbit and shape.norm_style == "layernorm",
-        half_to_float=device.kind == "cuda" and s.dtype == "fp16" and a == 2, fsdp_mp=mp, dtype_bytes=d,
+        half_to_float=device.kind == "cuda" and s.precision == "fp16" and a == 2, fsdp_mp=mp, dtype_bytes=d,
         logit_bytes=4 if s.kbit and not s.amp else d)  # k-bit's fp32 head; under autocast its output is 16-bit
 
 
@@ -460,7 +461,7 @@ def attention_bytes(c: StepContext) -> int:
     return 4 if c.attention == "math" else c.lora16 or c.act_bytes
 
 
-def vision_activations(shape: ModelShape, s: TrainSettings, a: int, attention: str, mask_b: int) -> tuple[int, int]:
+def vision_activations(shape: ModelShape, s: RunSettings, a: int, attention: str, mask_b: int) -> tuple[int, int]:
     """(bytes kept for backward, forward transient) of the vision tower on one micro-batch's images.
 
     Frozen, nothing needs grad there, so its forward leaves only the image embeddings (counted in the language
@@ -473,7 +474,7 @@ def vision_activations(shape: ModelShape, s: TrainSettings, a: int, attention: s
     if v is None or not s.images or not s.image_tokens:
         return 0, 0
     per_image = s.image_tokens * v.merge ** 2  # patches
-    n = s.batch * s.images * per_image
+    n = s.micro_batch_size * s.images * per_image
     d, m = v.dim, v.mlp
     probs = 0 if attention == "flash" else (4 + a) * v.heads * per_image ** 2
     attn = a * n * (d + 3 * d + d) + 4 * n * 2 * d + probs

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitburst.hardware import Device
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 from fitburst.spec import SAFETY_MARGIN
 
 from .calibration import RunFacts, band_for
@@ -44,7 +44,7 @@ class Budget:
         if e.world_size > 1:
             per_node = min(e.world_size, self.gpus_per_node)
             e.nodes = -(-e.world_size // per_node)
-            e.host_bytes = host_bytes(e.params, TrainSettings(**e.settings), per_node)
+            e.host_bytes = host_bytes(e.params, RunSettings.from_dict(e.settings), per_node)
         e.fits = self.needed(e) <= self.limit and self.host_fits(e)
         return e
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from fitburst.hardware import Device, GiB, resolve_device
-from fitburst.runconfig import settings_from_spec
+from fitburst.settings import settings_from_spec
 from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
@@ -90,7 +90,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace, device: Device) -> PipelineSpec:
     """The run the arguments describe, as a pipeline (no data read): what both estimates take, through
-    :func:`fitburst.runconfig.settings_from_spec` like every other caller. The precision defaults to bf16, or fp16
+    :func:`fitburst.settings.settings_from_spec` like every other caller. The precision defaults to bf16, or fp16
     on a device without bf16; no eval step."""
     targets = ("all-linear" if args.targets.strip() == "all-linear"
                else [t.strip() for t in args.targets.split(",") if t.strip()])

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from fitburst.hardware import Device, expands_kv, sdpa_kernel_for  # noqa: F401
 
 if TYPE_CHECKING:
-    from fitburst.runconfig import TrainSettings
+    from fitburst.settings import RunSettings
 
 CUBLASLT_WORKSPACE = 1024 * 1024
 _WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
@@ -425,18 +425,18 @@ def expanded_kv_note(device: Device) -> str:
             "memory-efficient kernel runs (unexpanded, SDPA would fall to its math kernel: b*h*s*s fp32 scores)")
 
 
-def sdpa_kernel_of(trace, device: Device, settings: TrainSettings) -> str | None:
+def sdpa_kernel_of(trace, device: Device, settings: RunSettings) -> str | None:
     """The SDPA kernel a CUDA ``device`` runs for a model traced as ``trace`` (None: eager attention). FlashAttention-2
     (attention ``flash``) takes grouped-query heads itself; a trace whose k/v were expanded hands SDPA all heads."""
     s = settings
     if s.attention not in ("sdpa", "flash"):
         return None
-    padded = s.batch > 1 if s.padded is None else s.padded
+    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
     gqa = s.attention == "sdpa" and 0 < trace.kv_heads < trace.heads and not trace.kv_expanded
-    return sdpa_kernel_for(device, s.dtype, padded, gqa)
+    return sdpa_kernel_for(device, s.precision, padded, gqa)
 
 
-def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty_cache: bool | None = None,
+def apply(trace, device: Device, settings: RunSettings, seq_len: int, *, empty_cache: bool | None = None,
           device_map: bool | None = None, sdpa: str | None = None):
     """All rules for a CUDA ``device``; returns (events, index of the measured step's first event).
     ``empty_cache``: whether k-bit preparation empties the cache (None: as the installed peft does).
@@ -450,7 +450,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
         events = allocator_warmup(events, min(trace.load_bytes, device.total_bytes - WARMUP_HEADROOM))
     events = bnb_dequant_linear(events, device)
     events = dropout_bool_mask(events)
-    events = softmax_half_to_float(events, s.dtype)
+    events = softmax_half_to_float(events, s.precision)
     events = softmax_backward_temp(events)
     kernel = sdpa or sdpa_kernel_of(trace, device, s)
     if kernel == "math":
@@ -459,7 +459,7 @@ def apply(trace, device: Device, settings: TrainSettings, seq_len: int, *, empty
     events = sdpa_kernel(events, kernel or "flash")
     events = cublas_workspaces(events, device)
     events = kbit_prepare_upcast(events, empty_cache)
-    events = peft_adapter_upcast(events, s.dtype)
+    events = peft_adapter_upcast(events, s.precision)
     return events, measured_start(events)
 
 

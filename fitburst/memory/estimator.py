@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from fitburst.hardware import Device, GiB, MiB
-from fitburst.runconfig import EVAL_CHUNK_TOKENS, TrainSettings
+from fitburst.settings import EVAL_CHUNK_TOKENS, RunSettings
 
 from . import calibration
 from .activations import (
@@ -161,10 +161,10 @@ class Activations:
         return self.blocks_on_device + self.head_input + self.shared + self.adapter_copies + self.vision_saved
 
 
-def saved_activations(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, trained: int) -> Activations:
+def saved_activations(shape: ModelShape, s: RunSettings, device: Device, c: StepContext, trained: int) -> Activations:
     """The step's saved activations: every block's (:data:`fitburst.memory.activations.BLOCKS`), the head input,
     the tensors every block reads, and a vision tower's; ``trained``: the adapters' values (their 16-bit copies)."""
-    ckpt = s.grad_checkpointing
+    ckpt = s.gradient_checkpointing
     per_block, saved, top, last_needs_grad = _blocks(shape, c, ckpt)
     head_input: dict[str, int] = {}  # the final norm (on the last block's output) and the lm_head input
     norm(head_input, "lnf", "xL", last_needs_grad, c, shape, shape.hidden)
@@ -184,7 +184,8 @@ def saved_activations(shape: ModelShape, s: TrainSettings, device: Device, c: St
         per_block=per_block, kept=kept, recomputed=recomputed, top_sublayer=top, head_input=sum(head_input.values()),
         shared=_shared(shape, s, c, mask), mask=mask,
         adapter_copies=c.dtype_bytes * trained if c.lora16 and not c.fsdp_mp else 0,
-        vision_saved=vision_saved, vision_forward=vision_forward, offloaded=s.offload and device.kind == "cuda")
+        vision_saved=vision_saved, vision_forward=vision_forward,
+        offloaded=s.activation_offloading and device.kind == "cuda")
 
 
 def _blocks(shape: ModelShape, c: StepContext, ckpt: bool) -> tuple[list[int], list[dict], list[int], bool]:
@@ -208,7 +209,7 @@ def _blocks(shape: ModelShape, c: StepContext, ckpt: bool) -> tuple[list[int], l
     return per_block, saved, top, needs_grad
 
 
-def _shared(shape: ModelShape, s: TrainSettings, c: StepContext, mask: int) -> int:
+def _shared(shape: ModelShape, s: RunSettings, c: StepContext, mask: int) -> int:
     """Tensors of the step every block reads: RoPE's cos/sin, the mask, ids/labels, relative position biases, and
     the batch's pixel_values (fp32, alive through the step)."""
     rope = 2 * c.act_bytes * c.tokens * shape.head_dim
@@ -216,21 +217,21 @@ def _shared(shape: ModelShape, s: TrainSettings, c: StepContext, mask: int) -> i
     if shape.arch.position_bias:
         shared += _position_biases(shape, s, c)
     v = shape.vision
-    pixels = 4 * s.batch * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
+    pixels = 4 * s.micro_batch_size * s.images * s.image_tokens * v.merge ** 2 * v.patch_in if v is not None else 0
     return shared + pixels
 
 
-def _position_biases(shape: ModelShape, s: TrainSettings, c: StepContext) -> int:
+def _position_biases(shape: ModelShape, s: RunSettings, c: StepContext) -> int:
     """The relative position biases (T5) a step keeps beside its blocks."""
     heads, seq = shape.heads, c.seq
-    bias_bytes = 4 if s.master_weights or s.dtype == "fp32" else c.dtype_bytes  # the weights' dtype
+    bias_bytes = 4 if s.master_weights or s.precision == "fp32" else c.dtype_bytes  # the weights' dtype
     if c.mask_b == 1:
         # CUDA: each attention call keeps its own bias (t5_block's attention); every cross-attention keeps the one
         # zero bias when no padding mask makes one per call; checkpointed blocks keep the encoder's and the decoder's
         # relative-position biases (1 x heads x S x S, the weights' dtype) and that zero bias as inputs
         return (0 if c.padded else c.act_bytes * heads * seq * seq) + (
-            2 * heads * seq * seq * bias_bytes if s.grad_checkpointing else 0)
-    if s.grad_checkpointing:
+            2 * heads * seq * seq * bias_bytes if s.gradient_checkpointing else 0)
+    if s.gradient_checkpointing:
         # the position-bias masks (encoder self, decoder self and cross: b x heads x S x S in the weights' dtype)
         # are inputs every checkpointed block keeps
         return 3 * c.rows * heads * seq * seq * bias_bytes
@@ -252,7 +253,7 @@ class Loss:
         return self.kernel != "standard"
 
 
-def loss_head(shape: ModelShape, s: TrainSettings, device: Device, c: StepContext, states: ModelStates) -> Loss:
+def loss_head(shape: ModelShape, s: RunSettings, device: Device, c: StepContext, states: ModelStates) -> Loss:
     """The loss head's terms: the standard loss's logits and their fp32 copies, or the fused linear cross-entropy's
     rule (decoder-only models: an encoder-decoder trains with the standard loss), which holds no logits."""
     fused = s.fused_loss and not shape.encoder_layers
@@ -310,12 +311,12 @@ def _components(states: ModelStates, grads: int, optimizer: int, acts: int, loss
     return out
 
 
-def _accumulated(s: TrainSettings, states: ModelStates) -> int:
+def _accumulated(s: RunSettings, states: ModelStates) -> int:
     """Gradients of earlier micro-steps, held while accumulating."""
     return states.gradients if s.grad_accum > 1 else 0
 
 
-def forward_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: ModelStates,
+def forward_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates,
                   acts: Activations) -> dict[str, int]:
     """The forward's end: everything saved, the last block's transient and bitsandbytes' dequantized weight (the
     largest, in the compute dtype, with its input and output casts)."""
@@ -324,18 +325,18 @@ def forward_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: M
                        forward_transient(shape, c) + dequant)
 
 
-def vision_phase(s: TrainSettings, states: ModelStates, acts: Activations) -> dict[str, int]:
+def vision_phase(s: RunSettings, states: ModelStates, acts: Activations) -> dict[str, int]:
     """The vision tower's forward: it runs first, before the language model keeps anything."""
     return _components(states, _accumulated(s, states), states.optimizer, acts.shared + acts.vision_saved, 0,
                        acts.vision_forward)
 
 
-def loss_phase(s: TrainSettings, states: ModelStates, acts: Activations, head: Loss) -> dict[str, int]:
+def loss_phase(s: RunSettings, states: ModelStates, acts: Activations, head: Loss) -> dict[str, int]:
     return _components(states, _accumulated(s, states), states.optimizer, acts.at_forward_end, head.peak,
                        head.head_copy)
 
 
-def backward_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: ModelStates, acts: Activations,
+def backward_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates, acts: Activations,
                    head: Loss) -> dict[str, int]:
     """The backward's peak, block by block from the top (:func:`_blocks_backward`), or (a full fine-tune) when the
     embedding's dense gradient arrives last."""
@@ -351,13 +352,13 @@ def backward_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: 
     return _components(states, grad_bytes, states.optimizer, held, 0, transient)
 
 
-def _shared_in_backward(s: TrainSettings, c: StepContext, acts: Activations) -> int:
+def _shared_in_backward(s: RunSettings, c: StepContext, acts: Activations) -> int:
     """Eager attention's float mask is read by additions only: freed after the forward unless checkpointing keeps it
     as a block input."""
-    return acts.shared - (acts.mask if c.attention == "eager" and not s.grad_checkpointing else 0)
+    return acts.shared - (acts.mask if c.attention == "eager" and not s.gradient_checkpointing else 0)
 
 
-def _blocks_backward(shape: ModelShape, s: TrainSettings, c: StepContext, states: ModelStates, acts: Activations,
+def _blocks_backward(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates, acts: Activations,
                      head: Loss) -> tuple[int, tuple[int, int], int]:
     """(activations, (gradients, gradients once every block is done), transient) at the blocks' backward peak. Each
     block's MLP backward runs with all of the block's saved tensors, the attention's after it freed the MLP's; an
@@ -391,7 +392,7 @@ def optimizer_phase(states: ModelStates, head: Loss) -> dict[str, int]:
     return _components(states, states.gradients, states.optimizer, 0, head.kept_logits, states.optimizer_temp)
 
 
-def eval_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: ModelStates,
+def eval_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates,
                head: Loss) -> dict[str, int]:
     """fitburst.evaluate's step (a fresh load: no gradients, no optimizer state): it takes the loss in chunks, an
     fp32 copy and log_softmax of one chunk only, beside the eval batch's logits (or the fused kernel's eval)."""
@@ -406,7 +407,7 @@ def eval_phase(shape: ModelShape, s: TrainSettings, c: StepContext, states: Mode
     return _components(states, 0, 0, 0, loss_bytes + 4 * c.act_bytes * tokens * max(h, shape.intermediate), 0)
 
 
-def step_phases(shape: ModelShape, s: TrainSettings, c: StepContext, states: ModelStates, acts: Activations,
+def step_phases(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates, acts: Activations,
                 head: Loss) -> Phases:
     """Every phase of the step by component, in the order they run."""
     phases = {"forward": forward_phase(shape, s, c, states, acts)}
@@ -420,7 +421,7 @@ def step_phases(shape: ModelShape, s: TrainSettings, c: StepContext, states: Mod
     return phases
 
 
-def per_rank_phases(shape: ModelShape, s: TrainSettings, phases: Phases) -> Phases:
+def per_rank_phases(shape: ModelShape, s: RunSettings, phases: Phases) -> Phases:
     """Each phase on one rank of an FSDP run: model states sharded, FSDP's gathered weights and gradient buffers."""
     buffers = fsdp_buffers(shape, s)
     replicated = weight_bytes(shape, s).get("weights_quantized", 0) - packed_4bit(shape, s)
@@ -431,7 +432,7 @@ def per_rank_phases(shape: ModelShape, s: TrainSettings, phases: Phases) -> Phas
 # --- the estimate ------------------------------------------------------------------------------------------------
 
 
-def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibrate: bool = True) -> Estimate:
+def estimate(shape: ModelShape, settings: RunSettings, device: Device, calibrate: bool = True) -> Estimate:
     """The analytic estimate of one training step of ``settings`` on ``device``; whether it fits is judged by
     :class:`fitburst.memory.budget.Budget`."""
     s = settings
@@ -453,7 +454,7 @@ def estimate(shape: ModelShape, settings: TrainSettings, device: Device, calibra
     return _summed(shape, s, device, phases, c.tokens, notes, calibrate)
 
 
-def _summed(shape: ModelShape, s: TrainSettings, device: Device, phases: Phases,
+def _summed(shape: ModelShape, s: RunSettings, device: Device, phases: Phases,
             tokens: int, notes: list[str], calibrate: bool) -> Estimate:
     """The estimate of these phases: the largest is the peak; reserved from it by the allocator's rule (CUDA: and
     the loss's fp32 logits of the micro-batch's ``tokens``), calibrated where `fitburst calibrate` fitted a
@@ -489,10 +490,10 @@ def _summed(shape: ModelShape, s: TrainSettings, device: Device, phases: Phases,
     )
 
 
-def _device_notes(shape: ModelShape, s: TrainSettings, device: Device) -> list[str]:
+def _device_notes(shape: ModelShape, s: RunSettings, device: Device) -> list[str]:
     """What the shape and the device say beside the figures."""
     notes = [shape.extra_note] if shape.extra_note else []
-    if s.dtype == "bf16" and not device.supports_bf16:
+    if s.precision == "bf16" and not device.supports_bf16:
         notes.append(f"{device.name} has no bf16: use fp16 (same memory, but bf16 would be emulated)")
     if s.kbit and not device.supports_bnb:
         notes.append(f"bitsandbytes quantization is not available on {device.name}")

@@ -3,39 +3,39 @@ gradient buffers FSDP gathers in each phase, and the host RAM a node needs to lo
 
 from __future__ import annotations
 
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .params import DTYPE_BYTES, resolve_targets
 from .shapes import ModelShape
 
 
-def packed_4bit(shape: ModelShape, s: TrainSettings) -> int:
+def packed_4bit(shape: ModelShape, s: RunSettings) -> int:
     """Bytes of the packed 4-bit weights (sharded; their quantization statistics stay whole on every rank)."""
     if s.quant not in ("nf4", "fp4"):
         return 0
     return sum(c * sum(lin.fan_in * lin.fan_out for lin in shape.layer_linears(dec)) for c, dec in shape.blocks()) // 2
 
 
-def gathered_bytes(shape: ModelShape, s: TrainSettings) -> tuple[int, int, int, int, int]:
+def gathered_bytes(shape: ModelShape, s: RunSettings) -> tuple[int, int, int, int, int]:
     """(root bytes, largest block's bytes, all blocks' bytes, largest block's trained numel, root's trained numel)
     as FSDP gathers them: the compute dtype under its mixed precision, else each weight's own (fp32 adapters, master
     weights, k-bit's fp32 norms); packed 4-bit weights as packed. The root holds what no block does (embeddings,
     head, final norms, a vision tower's extras)."""
-    d = DTYPE_BYTES[s.dtype]
+    d = DTYPE_BYTES[s.precision]
     mp = s.amp
     full = s.method == "full"
     base = d if mp or not (full and s.master_weights) else 4
-    rest = d if mp else (4 if s.kbit or s.master_weights or s.dtype == "fp32" else d)  # norms, embeddings
+    rest = d if mp else (4 if s.kbit or s.master_weights or s.precision == "fp32" else d)  # norms, embeddings
     trained = 4 if not s.pure_bf16 else d
     train_g = d if mp else trained
     per_lora = {}
     if not full:
-        t = resolve_targets(shape, s.targets)
+        t = resolve_targets(shape, s.target_modules)
         for _, dec in shape.blocks():
             per_lora[dec] = sum(s.rank * (lin.fan_in + lin.fan_out) for lin in shape.layer_linears(dec)
                                 if lin.name in t)
             per_lora[dec] += sum(mult * s.rank * shape.experts * (fi + fo) for _, mult, fi, fo in
-                                 shape.lora_experts(s.targets))
+                                 shape.lora_experts(s.target_modules))
     blocks = []
     for c, dec in shape.blocks():
         lin = sum(x.fan_in * x.fan_out for x in shape.layer_linears(dec))
@@ -51,7 +51,7 @@ def gathered_bytes(shape: ModelShape, s: TrainSettings) -> tuple[int, int, int, 
     return root, biggest[0], sum(b for b, _ in blocks), biggest[1], root_numel if full else 0
 
 
-def fsdp_buffers(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+def fsdp_buffers(shape: ModelShape, s: RunSettings) -> dict[str, int]:
     """What FSDP2 adds on a rank in each phase of the step, from its code (torch.distributed.fsdp._fully_shard) and
     measured against the sharded trace: the root's weights are gathered for the whole step; in forward a block's
     gathered weights, its all-gather buffer (kept until the next block's copy-out) and the next block's buffer
@@ -60,7 +60,7 @@ def fsdp_buffers(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
     reduce-scatter input. Keeping gathered weights after forward (``reshard_after_forward`` off) holds every block
     from forward to its backward."""
     root, block, blocks, train, root_train = gathered_bytes(shape, s)
-    reduce = (DTYPE_BYTES[s.dtype] if s.amp else 4) + 4
+    reduce = (DTYPE_BYTES[s.precision] if s.amp else 4) + 4
     if s.reshard_after_forward:
         fwd, loss, bwd = root + 3 * block, root + block, root + 2 * block
     else:
@@ -88,10 +88,10 @@ def per_rank(comp: dict[str, int], n: int, replicated: int, buffers: int, step: 
     return out
 
 
-def model_state_bytes(params: dict[str, int], s: TrainSettings) -> dict[str, int]:
+def model_state_bytes(params: dict[str, int], s: RunSettings) -> dict[str, int]:
     """The whole run's weights (as trained: 4-bit packed, fp32 masters), gradients and optimizer state, from an
     estimate's parameter counts (``total``, ``trainable``, ``base``): what FSDP shards, offloads and loads."""
-    d = DTYPE_BYTES[s.dtype]
+    d = DTYPE_BYTES[s.precision]
     frozen = params["total"] - (params["trainable"] if s.method != "full" else params["total"])
     per = 0.5 if s.quant in ("nf4", "fp4") else 1.0 if s.quant == "int8" else (4 if s.master_weights else d)
     pbytes = 4 if (s.method != "full" or s.master_weights) else d
@@ -109,7 +109,7 @@ def loads_once(quant: str) -> bool:
     return quant not in ("nf4", "fp4")
 
 
-def host_bytes(params: dict[str, int], s: TrainSettings, gpus_per_node: int) -> int:
+def host_bytes(params: dict[str, int], s: RunSettings, gpus_per_node: int) -> int:
     """Host RAM the busiest node needs for a sharded run beyond its processes: with ``offload`` its ranks' shards
     of the weights, gradients and optimizer state (where the shards live in host RAM); and while loading, the base
     weights as loaded: one copy on rank 0's node where the others receive their shards from it

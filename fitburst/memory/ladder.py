@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
-Check = Callable[[TrainSettings, Device], bool]
-Step = Callable[[TrainSettings, Device], TrainSettings]
-Explain = Callable[[TrainSettings, Device], str]
+Check = Callable[[RunSettings, Device], bool]
+Step = Callable[[RunSettings, Device], RunSettings]
+Explain = Callable[[RunSettings, Device], str]
 
 
 @dataclass(frozen=True)
@@ -33,34 +33,34 @@ class Rung:
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
 
-    def allowed(self, s: TrainSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
+    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
         return (allow or {}).get(self.key, True) and self.applies(s, device)
 
 
-def smaller_batch(s: TrainSettings) -> TrainSettings:
+def smaller_batch(s: RunSettings) -> RunSettings:
     """The next micro-batch down (its largest proper divisor: half when even) with gradient accumulation raised
     so that the effective batch stays exactly the same."""
-    smaller = max(d for d in range(1, s.batch) if s.batch % d == 0)
-    return replace(s, batch=smaller, grad_accum=s.grad_accum * (s.batch // smaller))
+    smaller = max(d for d in range(1, s.micro_batch_size) if s.micro_batch_size % d == 0)
+    return replace(s, micro_batch_size=smaller, grad_accum=s.grad_accum * (s.micro_batch_size // smaller))
 
 
-def _fast_attention(s: TrainSettings, device: Device) -> str:
+def _fast_attention(s: RunSettings, device: Device) -> str:
     """FlashAttention-2 where it runs: 16-bit compute on an Ampere or newer card (bf16 marks them) with the
     ``flash_attn`` package installed; SDPA everywhere else."""
-    flash = (device.kind == "cuda" and device.supports_bf16 and s.dtype != "fp32"
+    flash = (device.kind == "cuda" and device.supports_bf16 and s.precision != "fp32"
              and importlib.util.find_spec("flash_attn") is not None)
     return "flash" if flash else "sdpa"
 
 
-def _lower_resolution(s: TrainSettings, device: Device) -> TrainSettings:
+def _lower_resolution(s: RunSettings, device: Device) -> RunSettings:
     """A quarter of the pixels per image: a quarter of the image tokens, and the sequence shorter by the rest."""
     cut = s.images * (s.image_tokens - s.image_tokens // 4)
     return replace(s, image_tokens=s.image_tokens // 4, seq_len=max(1, s.seq_len - cut))
 
 
-def _batch_text(s: TrainSettings, device: Device) -> str:
+def _batch_text(s: RunSettings, device: Device) -> str:
     t = smaller_batch(s)
-    return (f"micro batch {s.batch} -> {t.batch}, grad_accum {s.grad_accum} -> {t.grad_accum} "
+    return (f"micro batch {s.micro_batch_size} -> {t.micro_batch_size}, grad_accum {s.grad_accum} -> {t.grad_accum} "
             f"(same effective batch {s.effective_batch})")
 
 
@@ -83,7 +83,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, attention=_fast_attention(s, d)),
          lambda s, d: f"attention eager -> {_fast_attention(s, d)}: no seq x seq probability matrix kept"),
     Rung("packing", 0.9, False,
-         lambda s, d: not s.packed_fill and s.batch > 1 and s.attention == "flash" and not s.images,
+         lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash" and not s.images,
          lambda s, d: replace(s, packed_fill=1.0),
          lambda s, d: "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"),
     Rung("dropout", 0.98, False,
@@ -93,26 +93,26 @@ LADDER: tuple[Rung, ...] = (
     # not for a sharded run: the fused loss reads the output head's weight outside forward, where FSDP holds a
     # shard, and bitsandbytes' 8-bit optimizers do not step FSDP's sharded parameters (both refused by training)
     Rung("fused_loss", 1.01, True,
-         lambda s, d: s.loss == "auto" and not s.sharded and fused_loss_installed(d, s.dtype),
+         lambda s, d: s.loss == "auto" and not s.sharded and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
-         lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.dtype)[0]}): no batch x seq x vocab "
+         lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
     Rung("optimizer_8bit", 1.02, True,
          lambda s, d: s.optimizer == "adamw" and not s.sharded and d.supports_bnb,
          lambda s, d: replace(s, optimizer="adamw8bit"),
          lambda s, d: "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"),
     Rung("reduce_batch", 1.12, True,
-         lambda s, d: s.batch > 1,
+         lambda s, d: s.micro_batch_size > 1,
          lambda s, d: smaller_batch(s),
          _batch_text),
     Rung("gradient_checkpointing", 1.33, True,
-         lambda s, d: not s.grad_checkpointing,
-         lambda s, d: replace(s, grad_checkpointing=True),
+         lambda s, d: not s.gradient_checkpointing,
+         lambda s, d: replace(s, gradient_checkpointing=True),
          lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
                       "(~30 % slower)"),
     Rung("activation_offloading", 1.35, True,
-         lambda s, d: d.kind == "cuda" and not s.offload,
-         lambda s, d: replace(s, offload=True),
+         lambda s, d: d.kind == "cuda" and not s.activation_offloading,
+         lambda s, d: replace(s, activation_offloading=True),
          lambda s, d: "activation offloading on: the tensors saved for backward wait in pinned host memory "
                       "(copied on a side stream)"),
     Rung("quantize", 1.4, True,
@@ -120,8 +120,8 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, method="qlora", quant="nf4", double_quant=True),
          lambda s, d: "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"),
     Rung("precision", 1.5, False,
-         lambda s, d: s.dtype == "fp32" and d.supports_bf16,
-         lambda s, d: replace(s, dtype="bf16"),
+         lambda s, d: s.precision == "fp32" and d.supports_bf16,
+         lambda s, d: replace(s, precision="bf16"),
          lambda s, d: "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
                       "trains stay fp32)"),
     Rung("resolution", 1.5, False,
@@ -136,7 +136,7 @@ RUNGS = {r.key: r for r in LADDER}
 EVAL_HALVING_COST = 1.001
 
 
-def next_rung(s: TrainSettings, device: Device, allow: Mapping[str, bool] | None = None,
+def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
               *, midrun: bool = False) -> Rung | None:
     """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run)."""
     return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow)), None)

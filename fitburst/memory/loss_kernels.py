@@ -52,7 +52,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fitburst.runconfig import EVAL_CHUNK_TOKENS
+from fitburst.settings import EVAL_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ def loss_kernel_of(settings, device) -> str:
     (:func:`fitburst.hardware.fused_loss_kernel`)."""
     from fitburst.hardware import fused_loss_kernel
 
-    return fused_loss_kernel(device, settings.dtype)[0] if settings.fused_loss else "standard"
+    return fused_loss_kernel(device, settings.precision)[0] if settings.fused_loss else "standard"
 
 
 def describe_lean(settings, device) -> str:
@@ -314,8 +314,8 @@ def describe_lean(settings, device) -> str:
     from fitburst.hardware import fused_loss_kernel
 
     if settings.fused_loss:
-        kernel, why = fused_loss_kernel(device, settings.dtype)
+        kernel, why = fused_loss_kernel(device, settings.precision)
         loss = f"fused linear cross-entropy, {kernel} ({why})"
     else:
         loss = "standard (the model's head and cross-entropy over full logits)"
-    return f"loss: {loss}; activation offloading: {'on' if settings.offload else 'off'}"
+    return f"loss: {loss}; activation offloading: {'on' if settings.activation_offloading else 'off'}"

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from fitburst.hardware import Device
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .cuda_kernels import adamw_impl, cublas_workspace_bytes
 from .shapes import ModelShape
@@ -32,16 +32,16 @@ class ModelStates:
     paged: int  # a paged optimizer's state, in CUDA unified memory outside torch's allocator
 
 
-def model_states(shape: ModelShape, s: TrainSettings, device: Device) -> ModelStates:
+def model_states(shape: ModelShape, s: RunSettings, device: Device) -> ModelStates:
     """The weights (fp32 master weights under autocast: :func:`weight_bytes`), the trained tensors, their gradients
     and the optimizer's state."""
     w = weight_bytes(shape, s)
-    d = DTYPE_BYTES[s.dtype]
+    d = DTYPE_BYTES[s.precision]
     if shape.arch.fp32_ff_out and d != 4 and not s.master_weights and not s.kbit:  # wo kept in fp32: 2 bytes more
         w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
     if device.kind == "cuda":  # the cuBLAS workspaces the warm-up step left (never freed)
         biased = any(lin.bias for _, dec in shape.blocks() for lin in shape.layer_linears(dec))
-        w["cuda_workspaces"] = cublas_workspace_bytes(device, biased, s.grad_checkpointing)
+        w["cuda_workspaces"] = cublas_workspace_bytes(device, biased, s.gradient_checkpointing)
     if s.method == "full":
         tensors = full_tensors(shape, s.vision)
         value_bytes = 4 if s.master_weights else d  # fp32 master weights: fp32 gradients and optimizer state
@@ -72,13 +72,13 @@ def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:
     return hit
 
 
-def lora_params(shape: ModelShape, s: TrainSettings) -> int:
+def lora_params(shape: ModelShape, s: RunSettings) -> int:
     return sum(lora_tensors(shape, s))
 
 
-def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
+def lora_tensors(shape: ModelShape, s: RunSettings) -> list[int]:
     """numel of each LoRA tensor (A and B of each targeted module)."""
-    t = resolve_targets(shape, s.targets)
+    t = resolve_targets(shape, s.target_modules)
     out: list[int] = []
     for c, dec in shape.blocks():
         per = [
@@ -88,7 +88,7 @@ def lora_tensors(shape: ModelShape, s: TrainSettings) -> list[int]:
             for n in (s.rank * lin.fan_in, s.rank * lin.fan_out)
         ]
         out += per * c
-    for _, mult, fan_in, fan_out in shape.lora_experts(s.targets):  # A and B of all experts at once
+    for _, mult, fan_in, fan_out in shape.lora_experts(s.target_modules):  # A and B of all experts at once
         out += [mult * s.rank * shape.experts * fan_in, mult * s.rank * shape.experts * fan_out] * shape.layers
     return out + [s.rank * n for n in vision_linears(shape, s.vision, lora=True)]
 
@@ -109,9 +109,9 @@ def vision_linears(shape: ModelShape, vision: str, lora: bool = False) -> list[i
     return [n for fi, fo in linears for n in (fi * fo, fo)]
 
 
-def weight_bytes(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+def weight_bytes(shape: ModelShape, s: RunSettings) -> dict[str, int]:
     """Base model weights as loaded (and, for k-bit, after prepare_model_for_kbit_training)."""
-    d = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
+    d = 4 if s.master_weights else DTYPE_BYTES[s.precision]
     total = shape.param_count()
     if not s.kbit:
         return {"weights": total * d}
@@ -135,7 +135,7 @@ def four_bit_bytes(values: float, double_quant: bool) -> float:
     return values / 2 + (blocks + blocks / 256 * 4 + 256 * 4 if double_quant else blocks * 4)
 
 
-def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
+def param_counts(shape: ModelShape, s: RunSettings) -> dict[str, int]:
     """The parameters as counted (a 4-bit weight by its values), and ``loaded``: the base model's bytes as loaded and
     prepared (:func:`weight_bytes`), what a sharded run's loading holds in host RAM."""
     total = shape.param_count()
@@ -145,7 +145,7 @@ def param_counts(shape: ModelShape, s: TrainSettings) -> dict[str, int]:
 
 
 def optimizer_bytes(
-    s: TrainSettings, tensors: list[int], pbytes: int, device: Device
+    s: RunSettings, tensors: list[int], pbytes: int, device: Device
 ) -> tuple[int, int, int]:
     """(state bytes, step-time temporary bytes, paged bytes outside the allocator)."""
     if s.optimizer == "sgd":  # fitburst's SGD runs with momentum 0.9: one buffer per parameter, in-place update

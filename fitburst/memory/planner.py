@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 from fitburst.spec import SAFETY_MARGIN
 
 from .budget import Budget
@@ -25,7 +25,7 @@ from .shapes import ModelShape
 
 # An estimate of one run on one device: (settings, device) -> Estimate. The analytic one is
 # ``lambda s, d: estimate(shape, s, d)``; the preflight passes the traced one as ``exact``.
-EstimateFn = Callable[[TrainSettings, Device], Estimate]
+EstimateFn = Callable[[RunSettings, Device], Estimate]
 
 _MAX_EXACT_CHECKS = 4  # plans the exact estimate may reject before the planner gives up on this device
 # an architecture with no analytic estimate is planned by the exact one alone: the run as configured, the most
@@ -38,7 +38,7 @@ class Plan:
     """The fastest allowed settings for one device, or the closest miss."""
 
     fits: bool
-    settings: TrainSettings
+    settings: RunSettings
     changes: list[str]
     estimate: Estimate
     needed_bytes: int  # the estimate's reserved figure at its error band's upper edge
@@ -54,14 +54,14 @@ def _gib(b: int) -> str:
     return f"{b / GiB:.1f} GiB"
 
 
-def _batch_steps(s: TrainSettings, k: int) -> TrainSettings:
+def _batch_steps(s: RunSettings, k: int) -> RunSettings:
     """``s`` after ``k`` steps of the micro-batch rung."""
     for _ in range(k):
         s = smaller_batch(s)
     return s
 
 
-def _fit_eval(est: EstimateFn, budget: Budget, s: TrainSettings) -> tuple[TrainSettings, Estimate, list[str], int]:
+def _fit_eval(est: EstimateFn, budget: Budget, s: RunSettings) -> tuple[RunSettings, Estimate, list[str], int]:
     """Lower the eval batch while the eval step is what does not fit: (settings, estimate, what changed, steps)."""
     e = budget.judge(est(s, budget.device))
     first, k = s.eval_batch, 0
@@ -75,10 +75,11 @@ def _fit_eval(est: EstimateFn, budget: Budget, s: TrainSettings) -> tuple[TrainS
     return s, e, why, k
 
 
-def _batch_change(base: TrainSettings, s: TrainSettings) -> list[str]:
-    if s.batch == base.batch:
+def _batch_change(base: RunSettings, s: RunSettings) -> list[str]:
+    if s.micro_batch_size == base.micro_batch_size:
         return []
-    return [f"micro batch {base.batch} -> {s.batch}, grad_accum {base.grad_accum} -> {s.grad_accum} "
+    return [f"micro batch {base.micro_batch_size} -> {s.micro_batch_size}, "
+            f"grad_accum {base.grad_accum} -> {s.grad_accum} "
             f"(same effective batch {base.effective_batch})"]
 
 
@@ -86,19 +87,19 @@ def _batch_change(base: TrainSettings, s: TrainSettings) -> list[str]:
 class _Combination:
     """One candidate plan: rungs taken (by key, with what they change in words), micro-batch steps, its cost."""
 
-    settings: TrainSettings
+    settings: RunSettings
     keys: frozenset[str]
     texts: list[str]
     steps: int
     cost: float
 
 
-def _combinations(settings: TrainSettings, device: Device, allowed: Mapping[str, bool]) -> Iterator[_Combination]:
+def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool]) -> Iterator[_Combination]:
     """Every combination of the rungs that apply to ``settings`` and every number of micro-batch steps, the run
     as configured first."""
     rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
     steps = 0
-    while allowed["reduce_batch"] and _batch_steps(settings, steps).batch > 1:
+    while allowed["reduce_batch"] and _batch_steps(settings, steps).micro_batch_size > 1:
         steps += 1
     for n in range(len(rungs) + 1):
         for combo in itertools.combinations(rungs, n):
@@ -113,7 +114,7 @@ def _combinations(settings: TrainSettings, device: Device, allowed: Mapping[str,
 
 def plan_fit(
     shape: ModelShape | None,
-    settings: TrainSettings,
+    settings: RunSettings,
     device: Device,
     safety_margin: float = SAFETY_MARGIN,
     allow: Mapping[str, bool] | None = None,
@@ -140,15 +141,15 @@ def plan_fit(
     # with an exact check behind it, the search only picks plans worth tracing; the trace decides
     scout = replace(budget, scout=True) if exact is not None else budget
 
-    def analytic(s: TrainSettings, d: Device) -> Estimate:
+    def analytic(s: RunSettings, d: Device) -> Estimate:
         return estimate(shape, s, d)
 
-    def judged(s: TrainSettings) -> tuple[TrainSettings, Estimate, list[str], int]:
+    def judged(s: RunSettings) -> tuple[RunSettings, Estimate, list[str], int]:
         if allowed["reduce_batch"]:
             return _fit_eval(analytic, scout, s)
         return s, scout.judge(analytic(s, device)), [], 0
 
-    def search() -> list[tuple[float, TrainSettings, list[str], Estimate]]:
+    def search() -> list[tuple[float, RunSettings, list[str], Estimate]]:
         """Every rung combination and micro-batch step that fits (analytic), cheapest first."""
         out = []
         for c in _combinations(settings, device, allowed):  # every one that fits (more for the exact check)
@@ -157,11 +158,11 @@ def plan_fit(
                 out.append((c.cost * EVAL_HALVING_COST**ek, sk, c.texts + ev, e))
         return sorted(out, key=lambda f: f[0])
 
-    def taken(s: TrainSettings, rung_text: list[str], e: Estimate) -> Plan:
+    def taken(s: RunSettings, rung_text: list[str], e: Estimate) -> Plan:
         e.plan = rung_text + _batch_change(settings, s)
         return Plan(True, s, e.plan, e, budget.needed(e), budget.limit)
 
-    def checked(exact: EstimateFn, s: TrainSettings, e: Estimate) -> Estimate | None:
+    def checked(exact: EstimateFn, s: RunSettings, e: Estimate) -> Estimate | None:
         """The exact estimate of ``s`` if it fits; else None, and the search learns how far off ``e`` was."""
         x = budget.judge(exact(s, device))
         if x.fits:
@@ -200,7 +201,7 @@ def plan_fit(
                             "last: a cheaper plan between may fit too")
         return plan
 
-    rejected: list[TrainSettings] = []
+    rejected: list[RunSettings] = []
     ratio = [1.0]  # exact / analytic need seen on rejected plans: plans that would be rejected alike are skipped
     base_s, base, base_ev, _ = judged(settings)
     plan = verified([(1.0, base_s, base_ev, base)]) if base.fits else None
@@ -211,7 +212,7 @@ def plan_fit(
     return _closest_miss(shape, settings, device, budget, base, len(rejected), safety_margin)
 
 
-def _closest_miss(shape: ModelShape, settings: TrainSettings, device: Device, budget: Budget, base: Estimate,
+def _closest_miss(shape: ModelShape, settings: RunSettings, device: Device, budget: Budget, base: Estimate,
                   rejected: int, safety_margin: float) -> Plan:
     """Nothing fits here: the plan that does not fit, with the closest miss (``base``, judged as the analytic
     estimate it is), why (the device, or the host RAM), how many plans the exact estimate ``rejected``, and how long
@@ -262,7 +263,7 @@ def world_sizes(distributed: str, per_node: int, max_nodes: int = 1, fixed: int 
     return [n for n in out if n >= (2 if distributed == "fsdp" else 1)]
 
 
-def plan_gpus(shape: ModelShape | None, settings: TrainSettings, device: Device, counts: list[int],
+def plan_gpus(shape: ModelShape | None, settings: RunSettings, device: Device, counts: list[int],
               safety_margin: float = SAFETY_MARGIN, allow: Mapping[str, bool] | None = None, *,
               exact: EstimateFn | None = None, quick: EstimateFn | None = None, gpus_per_node: int | None = None,
               host_limit: int | None = None) -> Plan:
@@ -291,7 +292,7 @@ def plan_gpus(shape: ModelShape | None, settings: TrainSettings, device: Device,
     return plan
 
 
-def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
+def max_seq_len_that_fits(shape: ModelShape, s: RunSettings, device: Device,
                           margin: float = SAFETY_MARGIN) -> int:
     """Longest padded length (multiple of 64) that fits as configured; 0 if none."""
     budget = Budget(device, margin)
@@ -307,7 +308,7 @@ def max_seq_len_that_fits(shape: ModelShape, s: TrainSettings, device: Device,
     return lo
 
 
-def _plan_exact_only(settings: TrainSettings, budget: Budget, allowed: Mapping[str, bool],
+def _plan_exact_only(settings: RunSettings, budget: Budget, allowed: Mapping[str, bool],
                      exact: EstimateFn, quick: EstimateFn | None = None) -> Plan:
     """The fastest plan the exact estimate alone finds, for an architecture the analytic estimate does not model.
 
@@ -324,11 +325,11 @@ def _plan_exact_only(settings: TrainSettings, budget: Budget, allowed: Mapping[s
     traced: list[str] = []
     screened: list[str] = []
 
-    def judged(s: TrainSettings) -> Estimate:
+    def judged(s: RunSettings) -> Estimate:
         traced.append(s.describe())
         return budget.judge(exact(s, device))
 
-    def ruled_out(s: TrainSettings) -> Estimate | None:
+    def ruled_out(s: RunSettings) -> Estimate | None:
         """The quick estimate of ``s`` judged against the budget when it leaves no room for a trace to fit."""
         if quick is None:
             return None
@@ -381,7 +382,7 @@ def _plan_exact_only(settings: TrainSettings, budget: Budget, allowed: Mapping[s
     return note(plan)
 
 
-def _missed(settings: TrainSettings, base: Estimate, budget: Budget, why: str, traced: list[str],
+def _missed(settings: RunSettings, base: Estimate, budget: Budget, why: str, traced: list[str],
             note: Callable[[Plan], Plan]) -> Plan:
     """The run as configured, marked as the closest miss with why nothing allowed fits."""
     assert base.band is not None  # judge sets it

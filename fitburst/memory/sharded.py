@@ -80,7 +80,7 @@ def _shard_traced(model, s) -> None:
     left to :func:`traced`'s tagging: on the fake CPU device of a trace there is no host to offload to."""
     from fitburst.distributed import shard
 
-    shard(model, s.dtype, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
+    shard(model, s.precision, reshard_after_forward=s.reshard_after_forward, pure_bf16=s.pure_bf16)
 
 
 def shard_on_meta(model, s) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fitburst.cache import cache_root
 from fitburst.hardware import Device
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .estimator import Estimate
 from .planner import EstimateFn
@@ -90,7 +90,7 @@ def _line(one: int, two: int, n: int) -> int:
     return max(0, two + (n - SLICES[1]) * (two - one))
 
 
-def sliced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int) -> Estimate:
+def sliced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: int) -> Estimate:
     """The full-depth estimate of ``spec``'s run from traces of its two- and three-block models (see the module)."""
     cfg = config_dict(spec.model.name)
     n = depth(cfg)
@@ -127,7 +127,7 @@ def quick_estimate(spec, seq_len: int) -> EstimateFn | None:
         return None
     memo: dict[tuple[str, str], Estimate] = {}
 
-    def fn(s: TrainSettings, d: Device) -> Estimate:
+    def fn(s: RunSettings, d: Device) -> Estimate:
         k = (json.dumps(asdict(s), sort_keys=True), d.name)
         if k not in memo:
             memo[k] = sliced_estimate(spec, s, d, seq_len=min(seq_len, s.seq_len))

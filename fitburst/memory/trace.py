@@ -21,7 +21,7 @@ from typing import Any
 from fitburst.allocator_env import allocator_mode
 from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB
-from fitburst.runconfig import TrainSettings, spec_with_settings
+from fitburst.settings import RunSettings, spec_with_settings
 
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
 from .trace_events import Event, StepTrace, live_peaks, peak_components
@@ -108,7 +108,7 @@ def config_dict(ref: str) -> dict:
     return json.loads(config_path(ref)[0].read_text())
 
 
-def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16: bool = False,
+def _meta_model(cfg: dict, s: RunSettings, trust_remote_code: bool, pure_bf16: bool = False,
                 device: Device | None = None):
     import torch
     from transformers import AutoConfig
@@ -129,9 +129,9 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         raise TraceUnsupported("the traced estimate does not cover Qwen2.5-VL's windowed vision tower yet")
     # FA2 needs its CUDA package: trace SDPA's shapes; on ``device`` the loader's choice (models.attn_implementation)
     impl = "sdpa" if s.attention == "flash" else (
-        attn_implementation(s.attention, config, device, s.dtype, trust_remote_code) or "sdpa")
+        attn_implementation(s.attention, config, device, s.precision, trust_remote_code) or "sdpa")
     with torch.device("meta"):  # the class models.load_model loads
-        model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.dtype, s.method, pure_bf16),
+        model = auto_model_class(config).from_config(config, dtype=weight_dtype(s.precision, s.method, pure_bf16),
                                                      attn_implementation=impl, trust_remote_code=trust_remote_code)
     if config.is_encoder_decoder and cfg.get("tie_word_embeddings") is False:
         # transformers 5 builds T5 with its head tied to the embeddings, but T5 v1.1 / FLAN-T5 checkpoints (config
@@ -146,7 +146,7 @@ def _meta_model(cfg: dict, s: TrainSettings, trust_remote_code: bool, pure_bf16:
         head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
         model = replace_with_bnb_linear(model, modules_to_not_convert=head,
                                         quantization_config=quantization_config(s.quant, s.double_quant,
-                                                                                torch_dtype(s.dtype),
+                                                                                torch_dtype(s.precision),
                                                                                 sharded=s.world_size > 1))
         model.is_loaded_in_4bit = True
     return model
@@ -306,7 +306,7 @@ def _phase_hooks(model, optimizer, rec, prefix: list[str], fused_loss: bool = Fa
     return hs
 
 
-def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for-loop", step=None,
+def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-loop", step=None,
                kbit_read_ahead: int = 0, autocast_of: str = "cpu", device: Device | None = None,
                traced_micro: int | None = TRACED_MICRO) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
@@ -357,7 +357,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
     sharded.shard_on_meta(model, s)
-    padded = s.batch > 1 if s.padded is None else s.padded
+    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
     rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
@@ -376,12 +376,12 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for
         # (norms, softmax, sum, pow, rsqrt, ...) run as the device's autocast runs them (autocast_of). The
         # GradScaler runs on fake tensors: its found-inf .item() reads 0 (the recorder), so the traced step is
         # always taken, never skipped.
-        amp = make_amp(s.dtype, "cpu", pure_bf16=tr.pure_bf16)
-        micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
+        amp = make_amp(s.precision, "cpu", pure_bf16=tr.pure_bf16)
+        micro = [_batch(s.micro_batch_size, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         rec.phase = "warmup.forward"
         # the fused loss as its kernel's rule allocates (loss_kernels), offloading as cuda_kernels models it
         lean: dict = {"loss": loss_kernel_of(s, device or resolve_device("cpu"))} if s.fused_loss else {}
-        if s.offload and kind == "cuda":
+        if s.activation_offloading and kind == "cuda":
             lean["offload"] = cuda_kernels.offloaded_activations(rec)
         stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
         with _fake_kernels_of(sp.model.name):
@@ -391,7 +391,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for
         prefix[0] = ""
         rec.phase = "forward"
         start = len(rec.events)
-        micro = [_batch(s.batch, seq_len, padded, s, model) for _ in range(s.grad_accum)]
+        micro = [_batch(s.micro_batch_size, seq_len, padded, s, model) for _ in range(s.grad_accum)]
         step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
              **lean)
         for h in hooks:
@@ -402,7 +402,7 @@ def trace_step(spec, settings: TrainSettings, *, seq_len: int, adamw: str = "for
         loaded = _loaded_bytes(model, s.double_quant, adapter_trains=s.method != "full")
     return StepTrace(events=rec.events, measured_start=start,
                      params={"total": total, "trainable": trainable, "loaded": loaded},
-                     seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.dtype, 2),
+                     seconds=time.perf_counter() - t0, dtype_bytes={"fp32": 4}.get(s.precision, 2),
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV,
                      vocab=int(getattr(text, "vocab_size", 0) or 0))
@@ -428,7 +428,7 @@ def _fake_kernels_of(model_name: str) -> Iterator[None]:
                                "wider error band decide") from None
 
 
-def _loaded(model, rec, s: TrainSettings, kbit_read_ahead: int) -> int:
+def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int) -> int:
     """Materialize the model's weights under the recorder, as the loop loads them (a sharded run: rank 0's share of
     what FSDP loads); the bytes from_pretrained's caching_allocator_warmup reserves first."""
     from fitburst.device import torch_dtype
@@ -436,9 +436,9 @@ def _loaded(model, rec, s: TrainSettings, kbit_read_ahead: int) -> int:
     from . import sharded
 
     if s.world_size > 1:
-        return sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.dtype)))
-    load_bytes = warmup_bytes(model, torch_dtype(s.dtype))
-    _materialize(model, rec, torch_dtype(s.dtype), kbit_read_ahead)
+        return sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.precision)))
+    load_bytes = warmup_bytes(model, torch_dtype(s.precision))
+    _materialize(model, rec, torch_dtype(s.precision), kbit_read_ahead)
     return load_bytes
 
 
@@ -450,7 +450,7 @@ def _optimizer(sp, params: list, adamw: str):
     return make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay, adamw)
 
 
-def _batch(b: int, s: int, padded: bool, settings: TrainSettings | None = None, model=None) -> dict:
+def _batch(b: int, s: int, padded: bool, settings: RunSettings | None = None, model=None) -> dict:
     """A batch as fitburst.data.collate builds it (int64 ids, labels and mask, padded to the longest; for an
     encoder-decoder model the encoder input and the decoder's labels, both ``s`` long); with
     ``settings.images``, each sample opens with its images' tokens (each image a 2 x 2*tokens grid of merged
@@ -500,7 +500,7 @@ def _tag_cpu_resident(rec, opt) -> None:
 # --- the estimate ------------------------------------------------------------------------------------------
 
 
-def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+def traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: int,
                     cache: dict | None = None) -> Estimate:
     """The estimate from the traced step: exact tensor peak, per-phase peaks; on CUDA the CUDA-kernel rules and
     the caching-allocator replay give reserved, and the device total is reserved + CUDA context; on CPU the
@@ -522,14 +522,14 @@ def traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: i
     return est
 
 
-def _traced_estimate(spec, settings: TrainSettings, device: Device, *, seq_len: int,
+def _traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: int,
                      cache: dict | None) -> Estimate:
     from . import allocator, cuda_kernels
 
     s = settings
     adamw = cuda_kernels.adamw_impl(device.kind, s.world_size, s.adamw)
     # whether this device would expand a grouped-query model's k/v (the trace records whether this model's were)
-    expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.dtype, gqa=True)
+    expands = s.attention == "sdpa" and cuda_kernels.expands_kv(device, s.precision, gqa=True)
     key = (json.dumps(asdict(s), sort_keys=True), seq_len, device.kind, expands, adamw, device.supports_bf16)
     trace = cache.get(key) if cache is not None else None
     if trace is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fitburst.cache import cache_root
 from fitburst.hardware import Device
-from fitburst.runconfig import TrainSettings
+from fitburst.settings import RunSettings
 
 from .estimator import Estimate
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _CODE = ("memory/trace.py", "memory/recorder.py", "memory/trace_events.py", "memory/sharded.py",
          "memory/allocator.py", "memory/cuda_kernels.py", "memory/mps_kernels.py", "memory/autocast_policy.py",
          "memory/estimator.py", "memory/params.py", "memory/loss_kernels.py",
-         "hardware.py", "models.py", "train.py", "distributed.py", "device.py", "runconfig.py", "families/*.py")
+         "hardware.py", "models.py", "train.py", "distributed.py", "device.py", "settings.py", "families/*.py")
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 
 
@@ -50,7 +50,7 @@ def _fingerprint() -> str:
     return h.hexdigest()
 
 
-def key(config: dict, settings: TrainSettings, seq_len: int, device: Device, **step: object) -> str:
+def key(config: dict, settings: RunSettings, seq_len: int, device: Device, **step: object) -> str:
     """The cache key of one traced estimate; ``step``: the spec's other fields the traced step reads."""
     doc = {"config": config, "settings": asdict(settings), "seq_len": seq_len, "device": asdict(device),
            "step": step, "code": _fingerprint()}

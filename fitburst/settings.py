@@ -1,13 +1,15 @@
-"""One home for a run's settings: :class:`TrainSettings` and the only conversion between it and a PipelineSpec.
+"""One home for a run's settings: :class:`RunSettings` and the only conversion between it and a PipelineSpec.
 
 The estimator, the trace, the planner and its ladder, the OOM step-down, the probe and `fitburst estimate` all
-read a run as :class:`TrainSettings` made by :func:`settings_from_spec`; whatever changes a run (a plan, a
+read a run as :class:`RunSettings` made by :func:`settings_from_spec`; whatever changes a run (a plan, a
 step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fitburst.hardware import Device, auto_precision
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -31,9 +33,13 @@ VISION = ("frozen", "projector", "tower")
 LOSSES = ("auto", "standard", "fused")
 DISTRIBUTED = ("auto", "none", "fsdp")
 
+# the field names of settings stored by an earlier fitburst (RunSettings.from_dict reads them)
+STORED_BEFORE_RENAME = {"batch": "micro_batch_size", "dtype": "precision", "targets": "target_modules",
+                        "grad_checkpointing": "gradient_checkpointing", "offload": "activation_offloading"}
+
 
 @dataclass
-class TrainSettings:
+class RunSettings:
     """What decides a training step's memory and speed, as the loop runs it."""
 
     method: str = "lora"  # full | lora | qlora (LoRA on a quantized base; a quantized "lora" becomes "qlora")
@@ -42,13 +48,13 @@ class TrainSettings:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
-    targets: list[str] | str = "all-linear"  # peft's all-linear (fitburst.spec.MethodSpec.target_modules)
-    batch: int = 1  # micro batch
+    target_modules: list[str] | str = "all-linear"  # peft's all-linear (fitburst.spec.MethodSpec.target_modules)
+    micro_batch_size: int = 1  # micro batch
     seq_len: int = 512  # padded length (longest sample of the batch)
-    grad_checkpointing: bool = False
+    gradient_checkpointing: bool = False
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit | sgd
     adamw: str = "auto"  # how AdamW steps (ADAMW_IMPLS)
-    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    precision: str = "bf16"  # bf16 | fp16 | fp32
     attention: str = "sdpa"  # eager | sdpa | flash
     grad_accum: int = 1
     keep_logits: bool = True  # the loop keeps the model output (logits) alive until the next step
@@ -62,7 +68,7 @@ class TrainSettings:
     image_tokens: int = 0
     vision: str = "frozen"
     loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
-    offload: bool = False  # saved activations offloaded to pinned host memory (CUDA)
+    activation_offloading: bool = False  # saved activations offloaded to pinned host memory (CUDA)
     # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
     # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
     distributed: str = "auto"
@@ -75,7 +81,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         checks = {"method": (self.method, METHODS), "quant": (self.quant, QUANTS),
                   "optimizer": (self.optimizer, OPTIMIZERS), "adamw": (self.adamw, ADAMW_IMPLS),
-                  "dtype": (self.dtype, DTYPES),
+                  "precision": (self.precision, DTYPES),
                   "attention": (self.attention, ATTENTIONS), "vision": (self.vision, VISION),
                   "loss": (self.loss, LOSSES), "distributed": (self.distributed, DISTRIBUTED)}
         for k, (v, ok) in checks.items():
@@ -88,7 +94,7 @@ class TrainSettings:
             self.method = "qlora"
         if self.sharded and self.quant == "int8":
             raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
-        if min(self.batch, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
+        if min(self.micro_batch_size, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
             raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
 
     @property
@@ -103,7 +109,7 @@ class TrainSettings:
     @property
     def amp(self) -> bool:
         """The loop runs under autocast (fitburst.device.make_amp): 16-bit precision, not pure bf16."""
-        return self.dtype != "fp32" and not self.pure_bf16
+        return self.precision != "fp32" and not self.pure_bf16
 
     @property
     def master_weights(self) -> bool:
@@ -117,25 +123,31 @@ class TrainSettings:
 
     @property
     def effective_batch(self) -> int:
-        return self.batch * self.grad_accum
+        return self.micro_batch_size * self.grad_accum
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunSettings:
+        """Settings stored as a dict (``asdict``: a run folder's ``stepdown.json``, a cloud node's rank file, an
+        estimate's JSON), including one written before the fields took pipelines.yaml's names."""
+        return cls(**{STORED_BEFORE_RENAME.get(k, k): v for k, v in d.items()})
 
     def describe(self) -> str:
         m = self.method + (f" r{self.rank}" if self.method != "full" else "")
         dq = "+dq" if self.double_quant and self.quant in ("nf4", "fp4") else ""
         q = f" {self.quant}{dq}" if self.kbit else ""
-        ck = (" ckpt" if self.grad_checkpointing else "") + (" packed" if self.packed_fill else "")
+        ck = (" ckpt" if self.gradient_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
-        ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.offload else "")
-        shape = f"b{self.batch}x{self.grad_accum} s{self.seq_len}"
+        ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.activation_offloading else "")
+        shape = f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
         if self.sharded:
             fsdp = " fsdp" + (f"{self.world_size}" if self.world_size > 1 else "") + (
                 "" if self.reshard_after_forward else " keep-gathered") + (" cpu-offload" if self.cpu_offload else "")
-        return f"{m}{q} {self.dtype} {shape}{ck} {self.optimizer} {self.attention}{fsdp}"
+        return f"{m}{q} {self.precision} {shape}{ck} {self.optimizer} {self.attention}{fsdp}"
 
 
 def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
-                       images: int = 0) -> TrainSettings:
+                       images: int = 0) -> RunSettings:
     """The settings ``spec`` trains with, as fitburst's loop runs it: ``precision: auto`` resolved for ``device``
     (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample (default
     ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``: the most
@@ -145,32 +157,34 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
     if dtype == "auto":
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
-    return TrainSettings(
+    return RunSettings(
         method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
-        dropout=m.dropout, targets=m.target_modules, batch=t.micro_batch_size, grad_accum=t.grad_accum,
-        seq_len=seq_len or spec.data.max_seq_len, grad_checkpointing=t.gradient_checkpointing,
-        optimizer=t.optimizer, dtype=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
+        dropout=m.dropout, target_modules=m.target_modules, micro_batch_size=t.micro_batch_size,
+        grad_accum=t.grad_accum,
+        seq_len=seq_len or spec.data.max_seq_len, gradient_checkpointing=t.gradient_checkpointing,
+        optimizer=t.optimizer, precision=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16, loss=t.loss, offload=t.activation_offloading,
+        pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
         distributed=t.distributed, reshard_after_forward=t.fsdp.reshard_after_forward, cpu_offload=t.fsdp.cpu_offload)
 
 
-def spec_with_settings(spec: PipelineSpec, s: TrainSettings) -> PipelineSpec:
+def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
     """``spec`` with ``s`` written into it: what the train, eval and traced steps then run. ``attention: auto``
     stays auto for SDPA (the loader picks the device's SDPA variant); a lowered image resolution becomes
     ``data.image_max_pixels``."""
     method = spec.method.model_copy(update={
         "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "rank": s.rank, "alpha": s.alpha,
-        "dropout": s.dropout, "target_modules": s.targets})
+        "dropout": s.dropout, "target_modules": s.target_modules})
     attention = "auto" if spec.training.attention == "auto" and s.attention == "sdpa" else s.attention
     training = spec.training.model_copy(update={
-        "micro_batch_size": s.batch, "grad_accum": s.grad_accum, "gradient_checkpointing": s.grad_checkpointing,
-        "optimizer": s.optimizer, "precision": s.dtype, "attention": attention, "packing": s.packed_fill > 0,
-        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.offload,
+        "micro_batch_size": s.micro_batch_size, "grad_accum": s.grad_accum,
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "optimizer": s.optimizer, "precision": s.precision, "attention": attention, "packing": s.packed_fill > 0,
+        "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.activation_offloading,
         "distributed": "fsdp" if s.world_size > 1 else s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})

@@ -29,6 +29,8 @@ atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # one cache of built demo models and prepared data for the session, xdist workers included: they start after this
 # ran in the controller and inherit it (writes into it are atomic, see fitburst.cache; builds are locked below)
 os.environ.setdefault("FITBURST_TEST_CACHE", str(_TMP / "cache"))
+# and one torch.compile cache, as a single process has (its default lives in TMPDIR, which is per worker below)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_TMP / "torchinductor"))
 os.environ.update({
     "TMPDIR": str(_TMP),
     "PREFECT_HOME": str(_TMP / "prefect"),

@@ -8,11 +8,14 @@ step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fitburst.hardware import Device, auto_precision
-from fitburst.spec import PipelineSpec, resolve_quant
+from fitburst.rules import FamilyFacts, problems
+
+if TYPE_CHECKING:  # the schema reads its choices from here; the conversion only reads a spec's fields
+    from fitburst.spec import PipelineSpec
 
 # Label positions whose full-vocabulary fp32 logits exist at once in the eval's loss (fitburst.evaluate): the eval
 # never holds batch x seq x vocab logits, and the estimate's eval phase counts one chunk.
@@ -20,18 +23,33 @@ EVAL_CHUNK_TOKENS = 1024
 # Qwen2-VL: 14-pixel patches, 2 x 2 merged into one language token
 QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28
 
-METHODS = ("full", "lora", "qlora")
-QUANTS = ("none", "int8", "nf4", "fp4")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+# the choices of pipelines.yaml's fields (fitburst.spec), RunSettings and `fitburst estimate`'s arguments
+Method = Literal["full", "lora", "qlora"]
+Quant = Literal["none", "int8", "nf4", "fp4"]
+Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Attention = Literal["eager", "sdpa", "flash"]
+Vision = Literal["frozen", "projector", "tower"]
+# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
+Loss = Literal["auto", "standard", "fused"]
+Distributed = Literal["auto", "none", "fsdp"]
+METHODS: tuple[str, ...] = get_args(Method)
+QUANTS: tuple[str, ...] = get_args(Quant)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 # how torch's AdamW steps: auto (the loop's choice for the device, fitburst.memory.cuda_kernels.adamw_impl), or the
 # implementation a measured run used (a replay of a run from before the loop fused AdamW on CUDA)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "for-loop")
-DTYPES = ("bf16", "fp16", "fp32")
-ATTENTIONS = ("eager", "sdpa", "flash")
-VISION = ("frozen", "projector", "tower")
-# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
-LOSSES = ("auto", "standard", "fused")
-DISTRIBUTED = ("auto", "none", "fsdp")
+DTYPES: tuple[str, ...] = get_args(Precision)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+VISION: tuple[str, ...] = get_args(Vision)
+LOSSES: tuple[str, ...] = get_args(Loss)
+DISTRIBUTED: tuple[str, ...] = get_args(Distributed)
+
+
+def resolve_quant(method: str, quant: str | None) -> str:
+    """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
+    spec and :class:`RunSettings` share)."""
+    return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
 
 # the field names of settings stored by an earlier fitburst (RunSettings.from_dict reads them)
 STORED_BEFORE_RENAME = {"batch": "micro_batch_size", "dtype": "precision", "targets": "target_modules",
@@ -45,6 +63,9 @@ class RunSettings:
     method: str = "lora"  # full | lora | qlora (LoRA on a quantized base; a quantized "lora" becomes "qlora")
     quant: str = "none"  # none | int8 | nf4 | fp4
     double_quant: bool = True
+    # k-bit: fp32 copies of the frozen embeddings and head, as peft's k-bit preparation makes them (the default here:
+    # what runs stored before the field existed did); pipelines.yaml's method.frozen_fp32 defaults to false
+    frozen_fp32: bool = True
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
@@ -69,6 +90,7 @@ class RunSettings:
     vision: str = "frozen"
     loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
     activation_offloading: bool = False  # saved activations offloaded to pinned host memory (CUDA)
+    tiled_mlp: bool = False  # each block's gated MLP over sequence shards, recomputed in backward (liger-kernel)
     # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
     # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
     distributed: str = "auto"
@@ -88,12 +110,8 @@ class RunSettings:
             if v not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
         self.quant = resolve_quant(self.method, self.quant)
-        if self.method == "full" and self.quant != "none":
-            raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
-        if self.sharded and self.quant == "int8":
-            raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
         if min(self.micro_batch_size, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
             raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
 
@@ -122,6 +140,13 @@ class RunSettings:
         return self.loss == "fused"
 
     @property
+    def frozen_16bit(self) -> bool:
+        """k-bit preparation leaves the frozen embeddings and head in the 16-bit compute dtype
+        (:func:`fitburst.models.prepare_kbit`): k-bit weights, 16-bit precision, one device (FSDP's mixed precision
+        gathers every weight in 16 bits anyway)."""
+        return self.kbit and not self.frozen_fp32 and self.precision != "fp32" and not self.sharded
+
+    @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum
 
@@ -137,6 +162,8 @@ class RunSettings:
         q = f" {self.quant}{dq}" if self.kbit else ""
         ck = (" ckpt" if self.gradient_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        ck += " frozen16" if self.frozen_16bit else ""
+        ck += " tiled-mlp" if self.tiled_mlp else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.activation_offloading else "")
         shape = f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
@@ -147,29 +174,36 @@ class RunSettings:
 
 
 def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
-                       images: int = 0) -> RunSettings:
-    """The settings ``spec`` trains with, as fitburst's loop runs it: ``precision: auto`` resolved for ``device``
-    (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample (default
-    ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``: the most
-    images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline."""
+                       images: int = 0, family: FamilyFacts | None = None) -> RunSettings:
+    """The settings ``spec`` trains with, resolved once, as fitburst's loop runs it: ``precision: auto`` resolved
+    for ``device`` (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample
+    (default ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``:
+    the most images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline.
+    ``family``: the model's (:func:`fitburst.models.model_family`); where the rule table refuses it the fused loss,
+    ``loss: auto`` resolves to the standard loss (the planner then never offers the fused_loss rung)."""
     m, t = spec.method, spec.training
     dtype: str = t.precision
     if dtype == "auto":
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
-    return RunSettings(
-        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
+    s = RunSettings(
+        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, frozen_fp32=m.frozen_fp32,
+        rank=m.rank, alpha=m.alpha,
         dropout=m.dropout, target_modules=m.target_modules, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum,
         seq_len=seq_len or spec.data.max_seq_len, gradient_checkpointing=t.gradient_checkpointing,
         optimizer=t.optimizer, precision=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading,
+        pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading, tiled_mlp=t.tiled_mlp,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
         distributed=t.distributed, reshard_after_forward=t.fsdp.reshard_after_forward, cpu_offload=t.fsdp.cpu_offload)
+    if s.loss == "auto" and family is not None and any(
+            p.rule == "family_fused_loss" for p in problems(replace(s, loss="fused"), None, family)):
+        s = replace(s, loss="standard")
+    return s
 
 
 def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
@@ -177,7 +211,8 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
     stays auto for SDPA (the loader picks the device's SDPA variant); a lowered image resolution becomes
     ``data.image_max_pixels``."""
     method = spec.method.model_copy(update={
-        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "rank": s.rank, "alpha": s.alpha,
+        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "frozen_fp32": s.frozen_fp32,
+        "rank": s.rank, "alpha": s.alpha,
         "dropout": s.dropout, "target_modules": s.target_modules})
     attention = "auto" if spec.training.attention == "auto" and s.attention == "sdpa" else s.attention
     training = spec.training.model_copy(update={
@@ -185,6 +220,7 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
         "gradient_checkpointing": s.gradient_checkpointing,
         "optimizer": s.optimizer, "precision": s.precision, "attention": attention, "packing": s.packed_fill > 0,
         "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.activation_offloading,
+        "tiled_mlp": s.tiled_mlp,
         "distributed": "fsdp" if s.world_size > 1 else s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})

@@ -4,6 +4,8 @@ The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs befo
 (:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
+A rung applies where its own condition holds (what it changes is not on already) and the settings it makes break
+no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, and what FSDP refuses).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
+from fitburst.rules import new_problems
 from fitburst.settings import RunSettings
+
+from .shapes import ModelShape
 
 Check = Callable[[RunSettings, Device], bool]
 Step = Callable[[RunSettings, Device], RunSettings]
@@ -32,9 +37,14 @@ class Rung:
     applies: Check
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
+    # what the model must be for the change to run (None: any model); asked without a model, such a rung is not taken
+    model: Callable[[ModelShape], bool] | None = None
 
-    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
-        return (allow or {}).get(self.key, True) and self.applies(s, device)
+    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                shape: ModelShape | None = None) -> bool:
+        fits_model = self.model is None or (shape is not None and self.model(shape))
+        return ((allow or {}).get(self.key, True) and fits_model and self.applies(s, device)
+                and not new_problems(s, self.take(s, device), device))
 
 
 def smaller_batch(s: RunSettings) -> RunSettings:
@@ -76,6 +86,14 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # (CUDA): saved tensors cross PCIe twice per step; TRL overlaps the copies on a side stream, but without prefetch
 # PyTorch's offloading "causes a major performance degradation" (AWS SageMaker model-parallel docs), and nothing
 # here measured it on a GPU: ranked right after checkpointing (1.35), before the rungs that change the weights.
+# Frozen embeddings and head in 16 bits (k-bit): the same matmuls in the same dtype (under autocast the head ran in
+# 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
+# as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
+
+# The tiled MLP recomputes each MLP's forward in backward, shard by shard: measured on this project's 2-core CPU box
+# (tiny Llama h128 i1024, s2048 in 16 shards, LoRA all-linear, fp32, median of 10 steps beside other work): x1.30
+# without checkpointing, x1.41 with it; no GPU measurement here. Right before checkpointing (1.33).
+TILED_MLP_COST = 1.3
 
 LADDER: tuple[Rung, ...] = (
     Rung("attention", 0.9, True,
@@ -83,44 +101,53 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, attention=_fast_attention(s, d)),
          lambda s, d: f"attention eager -> {_fast_attention(s, d)}: no seq x seq probability matrix kept"),
     Rung("packing", 0.9, False,
-         lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash" and not s.images,
+         lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash",
          lambda s, d: replace(s, packed_fill=1.0),
          lambda s, d: "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"),
     Rung("dropout", 0.98, False,
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
-    # not for a sharded run: the fused loss reads the output head's weight outside forward, where FSDP holds a
-    # shard, and bitsandbytes' 8-bit optimizers do not step FSDP's sharded parameters (both refused by training)
+    Rung("frozen_16bit", 1.0, True,
+         lambda s, d: s.kbit and s.frozen_fp32 and s.precision != "fp32" and not s.sharded,
+         lambda s, d: replace(s, frozen_fp32=False),
+         lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
+                      "values: they were loaded in 16 bits)"),
     Rung("fused_loss", 1.01, True,
-         lambda s, d: s.loss == "auto" and not s.sharded and fused_loss_installed(d, s.precision),
+         lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
     Rung("optimizer_8bit", 1.02, True,
-         lambda s, d: s.optimizer == "adamw" and not s.sharded and d.supports_bnb,
+         lambda s, d: s.optimizer == "adamw",
          lambda s, d: replace(s, optimizer="adamw8bit"),
          lambda s, d: "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"),
     Rung("reduce_batch", 1.12, True,
          lambda s, d: s.micro_batch_size > 1,
          lambda s, d: smaller_batch(s),
          _batch_text),
+    Rung("tiled_mlp", TILED_MLP_COST, True,
+         lambda s, d: not s.tiled_mlp and importlib.util.find_spec("liger_kernel") is not None,
+         lambda s, d: replace(s, tiled_mlp=True),
+         lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
+                      "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",
+         model=lambda shape: shape.tiled_mlp_refusal is None),
     Rung("gradient_checkpointing", 1.33, True,
          lambda s, d: not s.gradient_checkpointing,
          lambda s, d: replace(s, gradient_checkpointing=True),
          lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
                       "(~30 % slower)"),
     Rung("activation_offloading", 1.35, True,
-         lambda s, d: d.kind == "cuda" and not s.activation_offloading,
+         lambda s, d: not s.activation_offloading,
          lambda s, d: replace(s, activation_offloading=True),
          lambda s, d: "activation offloading on: the tensors saved for backward wait in pinned host memory "
                       "(copied on a side stream)"),
     Rung("quantize", 1.4, True,
-         lambda s, d: d.supports_bnb and s.method == "lora" and s.quant == "none",
+         lambda s, d: s.method == "lora" and s.quant == "none",
          lambda s, d: replace(s, method="qlora", quant="nf4", double_quant=True),
          lambda s, d: "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"),
     Rung("precision", 1.5, False,
-         lambda s, d: s.precision == "fp32" and d.supports_bf16,
+         lambda s, d: s.precision == "fp32",
          lambda s, d: replace(s, precision="bf16"),
          lambda s, d: "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
                       "trains stay fp32)"),
@@ -137,6 +164,7 @@ EVAL_HALVING_COST = 1.001
 
 
 def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
-              *, midrun: bool = False) -> Rung | None:
-    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run)."""
-    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow)), None)
+              *, midrun: bool = False, shape: ModelShape | None = None) -> Rung | None:
+    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run); a rung that
+    depends on the model only with its ``shape``."""
+    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow, shape)), None)

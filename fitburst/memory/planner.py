@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
+from fitburst.rules import new_problems
 from fitburst.settings import RunSettings
 from fitburst.spec import SAFETY_MARGIN
 
@@ -94,10 +95,11 @@ class _Combination:
     cost: float
 
 
-def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool]) -> Iterator[_Combination]:
-    """Every combination of the rungs that apply to ``settings`` and every number of micro-batch steps, the run
-    as configured first."""
-    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
+def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool],
+                  shape: ModelShape | None = None) -> Iterator[_Combination]:
+    """Every combination of the rungs that apply to ``settings`` (and to the model ``shape``) and every number of
+    micro-batch steps, the run as configured first."""
+    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed, shape)]
     steps = 0
     while allowed["reduce_batch"] and _batch_steps(settings, steps).micro_batch_size > 1:
         steps += 1
@@ -152,7 +154,7 @@ def plan_fit(
     def search() -> list[tuple[float, RunSettings, list[str], Estimate]]:
         """Every rung combination and micro-batch step that fits (analytic), cheapest first."""
         out = []
-        for c in _combinations(settings, device, allowed):  # every one that fits (more for the exact check)
+        for c in _combinations(settings, device, allowed, shape):  # every one that fits (more for the exact check)
             sk, e, ev, ek = judged(c.settings)
             if e.fits:
                 out.append((c.cost * EVAL_HALVING_COST**ek, sk, c.texts + ev, e))
@@ -275,7 +277,12 @@ def plan_gpus(shape: ModelShape | None, settings: RunSettings, device: Device, c
         raise ValueError("no GPU count to plan for")
     plan: Plan | None = None
     for n in counts:
-        plan = plan_fit(shape, replace(settings, world_size=n), device, safety_margin, allow, exact=exact,
+        spread = replace(settings, world_size=n)
+        if n > 1 and (refused := new_problems(settings, spread, device)):  # what FSDP refuses (fitburst.rules)
+            if plan is None and n == counts[-1]:
+                raise ValueError(f"{n} GPUs: {refused[0]}")
+            continue
+        plan = plan_fit(shape, spread, device, safety_margin, allow, exact=exact,
                         quick=quick, gpus_per_node=gpus_per_node or n, host_limit=host_limit)
         if plan.fits:
             break

@@ -1,14 +1,22 @@
 """Test isolation: every outside system (Prefect, MLflow, caches, run folders) lives in a temp dir of this session.
 
 The environment is set before prefect / mlflow are imported anywhere, so their settings pick it up.
+
+The suite runs on pytest-xdist workers (addopts in pyproject.toml: ``-n auto --dist loadgroup``). Each worker is a
+session of its own: its own temp dir, Prefect server and MLflow store, so tests need no locks between workers. A
+module whose tests share a module-scoped fixture (a trained run, a served stack) runs on one worker, so the
+fixture is built once. ``-n 0`` or ``-p no:xdist`` runs it all in this one process.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,13 +26,18 @@ _TMP = Path(tempfile.mkdtemp(prefix="fitburst-tests-"))
 # every temp folder of this session (ours, the libraries', the subprocesses') lives in _TMP and goes with it
 tempfile.tempdir = str(_TMP)
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+# one cache of built demo models and prepared data for the session, xdist workers included: they start after this
+# ran in the controller and inherit it (writes into it are atomic, see fitburst.cache; builds are locked below)
+os.environ.setdefault("FITBURST_TEST_CACHE", str(_TMP / "cache"))
+# and one torch.compile cache, as a single process has (its default lives in TMPDIR, which is per worker below)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_TMP / "torchinductor"))
 os.environ.update({
     "TMPDIR": str(_TMP),
     "PREFECT_HOME": str(_TMP / "prefect"),
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
     "MLFLOW_TRACKING_URI": f"sqlite:///{_TMP / 'mlflow.db'}",
-    "FITBURST_CACHE": os.environ.get("FITBURST_TEST_CACHE", str(_TMP / "cache")),
+    "FITBURST_CACHE": os.environ["FITBURST_TEST_CACHE"],
     "FITBURST_RUNS_DIR": str(_TMP / "runs"),
     "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
     "HF_HUB_OFFLINE": "1",
@@ -34,6 +47,74 @@ os.environ.update({
     "TOKENIZERS_PARALLELISM": "false",
 })
 os.chdir(_TMP)  # nothing a test writes by default lands in the checkout
+
+import fitburst.cache  # noqa: E402  (after the environment above: fitburst reads it)
+import fitburst.demo_models  # noqa: E402
+
+
+def _build_once_locked(dest: Path, build: Callable[[Path], None]) -> Path:
+    """fitburst.cache.build_once, with a lock beside ``dest``: a worker that needs a demo model another worker is
+    building (minutes of pretraining on a busy 2-core machine) waits for it instead of building it again."""
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _build_once(dest, build)
+    return dest
+
+
+_build_once = fitburst.cache.build_once
+fitburst.cache.build_once = fitburst.demo_models.build_once = _build_once_locked
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# xdist workers split the cores between them: torch (and the subprocesses a test starts) would otherwise each run as
+# many intra-op threads as there are cores, and two workers' spinning OpenMP threads slow both down
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _threads = max(1, _cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_threads)
+
+
+def pytest_addoption(parser, pluginmanager) -> None:
+    """With ``-p no:xdist`` the addopts' ``-n`` and ``--dist`` are still accepted, and run everything in-process."""
+    if not pluginmanager.hasplugin("xdist"):
+        group = parser.getgroup("xdist", "xdist is disabled: these options are accepted and ignored")
+        group._addoption("-n", "--numprocesses", dest="numprocesses", default=None)  # lowercase: as xdist does
+        group.addoption("--dist", dest="dist", default="no")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
+    if getattr(config.option, "tx", None) and config.option.dist != "no":
+        os.chdir(config.invocation_params.dir)  # xdist's controller runs no test; its workers start where it is
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown with -p no:xdist
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core, at least 2 (tests wait on servers and subprocesses as much as they
+    compute), at most 4 (each worker holds its own Prefect server and models in RAM). PYTEST_XDIST_AUTO_NUM_WORKERS
+    overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return min(4, max(2, _cpus()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
+def pytest_collection_modifyitems(config, items) -> None:
+    """Keep a module's tests on one worker where they share a module-scoped fixture (built once, not per worker);
+    every other test is scheduled on its own."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for fd in (defs.name2fixturedefs.values() if defs else ()) for d in fd}
+        if "module" in scopes or "class" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,9 @@ from fitburst.cache import cache_root
 from fitburst.data import load_split, prepare
 from fitburst.demo_models import demo_model_dir
 from fitburst.models import load_model, load_tokenizer
+from fitburst.recipe import train
 from fitburst.spec import load_pipeline
-from fitburst.train import batches, train
+from fitburst.train import batches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def bare_loop(spec, prepared, steps: int) -> float:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if i == 0:  # timed from the end of the warm-up step, as fitburst's steps/s is (fitburst.train.Pace)
+        if i == 0:  # timed from the end of the warm-up step, as fitburst's steps/s is (fitburst.pace.Pace)
             t0 = time.perf_counter()
     return (steps - 1) / (time.perf_counter() - t0)
 

@@ -398,8 +398,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)
-        trainable = sum(p.numel() for p in params)
-        total = _param_count(model)
+        trainable, total = sum(p.numel() for p in params), _param_count(model)
         loaded = _loaded_bytes(model, s.double_quant, adapter_trains=s.method != "full")
     return StepTrace(events=rec.events, measured_start=start,
                      params={"total": total, "trainable": trainable, "loaded": loaded},

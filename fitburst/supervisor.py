@@ -144,9 +144,9 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
 
     ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
     node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
-    rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). Inside a rank that
-    torchrun started runs the Recipe alone (``fitburst train``): the error ends the rank, and this loop, above
-    torchrun, decides."""
+    rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). A rank torchrun
+    started runs the Recipe alone (``fitburst train``): the error ends the rank, and this loop, above torchrun,
+    decides."""
     run_dir = Path(run_dir)
     sharded = ranks if ranks is not None and ranks.size > 1 else None
     device = device or select_device(spec.preflight.device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 from fitburst import distributed
 from fitburst.distributed import SINGLE, World
@@ -14,6 +15,8 @@ from fitburst.families import Family, family_for
 from fitburst.hardware import available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.models import load_pipeline_model, tokenizer_for
+from fitburst.rules import device_of_kind, explain, problems
+from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
 from fitburst.train import TrainError
 
@@ -73,7 +76,7 @@ def prepare_for_training(model, spec: PipelineSpec):
         if method.type != "full":
             model.enable_input_require_grads()
     family = family_for(model.config)
-    refuse_packing(spec, family)
+    refuse_problems(spec, family)
     init = spec.init_folder()
     if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
         from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training
@@ -121,12 +124,10 @@ def loss_kernel(spec: PipelineSpec, device: str, precision: str) -> str:
 
 def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.AbstractContextManager | None:
     """TRL's activation-offloading context for ``model`` (saved tensors to pinned host memory, copied on a side
-    stream) when ``training.activation_offloading`` asks for it: CUDA only, a TrainError elsewhere."""
+    stream) when ``training.activation_offloading`` asks for it (CUDA only: :func:`refuse_problems` refused it
+    elsewhere before the model loaded)."""
     if not spec.training.activation_offloading:
         return None
-    if device != "cuda":
-        raise TrainError(f"pipeline '{spec.name}': training.activation_offloading moves saved activations from a "
-                         f"CUDA GPU to pinned host memory; this run is on {device}: set it false")
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
@@ -137,16 +138,14 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
 
 
-def refuse_fused_loss(spec: PipelineSpec, family: Family) -> None:
-    """A TrainError where ``training.loss: fused`` asks for a loss the model's family cannot train with."""
-    if spec.training.loss == "fused" and family.fused_loss_refusal:
-        raise TrainError(f"pipeline '{spec.name}': {family.fused_loss_refusal}")
-
-
-def refuse_packing(spec: PipelineSpec, family: Family) -> None:
-    """A TrainError where ``training.packing`` asks for packed batches and the family cannot train on them."""
-    if spec.training.packing and family.packing_refusal:
-        raise TrainError(f"pipeline '{spec.name}': {family.packing_refusal}")
+def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None) -> None:
+    """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on a
+    ``kind`` device: cuda | mps | cpu, None: not known) breaks a row of the rule table
+    (:func:`fitburst.rules.problems`)."""
+    s = replace(settings_from_spec(spec), world_size=world_size)
+    found = problems(s, device_of_kind(kind) if kind else None, family)
+    if found:
+        raise TrainError(explain(spec.name, found))
 
 
 def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
@@ -199,27 +198,12 @@ def count_params(model) -> tuple[int, int]:
     return trainable, total
 
 
-def refuse_sharding(spec: PipelineSpec, w: World) -> None:
-    """What cannot be sharded, refused before the model loads (the spec refuses it too, where it can tell)."""
-    if spec.method.quant == "int8":
-        raise TrainError(f"pipeline '{spec.name}': {w.size} processes were started, but int8 weights cannot be "
-                         "sharded by FSDP: use method.quant: nf4, or train in one process")
-    if spec.training.distributed == "none":
-        raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
-                         "processes: start one process, or set training.distributed: fsdp (or auto)")
-    if spec.training.loss == "fused":
-        raise TrainError(f"pipeline '{spec.name}': training.loss fused reads the output head's weight outside the "
-                         "model's forward, where FSDP holds only a shard of it: set training.loss: standard, or "
-                         "train in one process")
-    if spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        raise TrainError(f"pipeline '{spec.name}': training.optimizer {spec.training.optimizer} (bitsandbytes) does "
-                         "not run on FSDP's sharded parameters: use optimizer: adamw (its state is sharded "
-                         f"{w.size} ways already), or train in one process")
+def refuse_offload_beyond_host_ram(spec: PipelineSpec, w: World) -> None:
+    """FSDP's CPU offload refused before the model loads where this node's host RAM cannot hold its ranks' shards
+    (what cannot be sharded at all is the rule table's: :func:`refuse_problems`)."""
     if spec.training.fsdp.cpu_offload:
         from fitburst.memory.fsdp_terms import offload_host_bytes
         from fitburst.models import spec_shape
-        from fitburst.settings import settings_from_spec
-
         shape = spec_shape(spec)
         need = (offload_host_bytes(shape, settings_from_spec(spec), w.local_size, w.size) if shape is not None
                 else None)

@@ -28,9 +28,8 @@ from fitburst.builders import (
     count_params,
     loss_kernel,
     make_optimizer,
-    refuse_fused_loss,
-    refuse_packing,
-    refuse_sharding,
+    refuse_offload_beyond_host_ram,
+    refuse_problems,
 )
 from fitburst.checkpoints import (
     checkpoint_samples,
@@ -89,18 +88,15 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec, w = self.spec, distributed.world()
         self.family = model_family(spec.model)
-        refuse_packing(spec, self.family)  # before the model loads
-        refuse_fused_loss(spec, self.family)
         self.device = self.device or select_device(spec.preflight.device)
+        refuse_problems(spec, self.family, w.size, self.device.split(":")[0])  # before the model loads
         if w.sharded:
-            refuse_sharding(spec, w)
+            refuse_offload_beyond_host_ram(spec, w)
             self.device = distributed.start(w, self.device)
         self.world, device = w, self.device
         kind = device.split(":")[0]  # a rank's GPU is cuda:<local rank>
         self.precision = resolve_precision(spec.training.precision, kind)
         self.kernel = loss_kernel(spec, kind, self.precision)
-        if spec.training.activation_offloading and kind != "cuda":
-            activation_offloading(spec, None, kind)  # refused before the model loads
         warn_pure_bf16(spec.training.pure_bf16, spec.training.learning_rate)
         ckpt, meta = self._checkpoint_to_resume()
         # a resume at another world size keeps the effective batch; before the model loads: a refusal costs nothing

@@ -102,13 +102,14 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     import fitburst.builders as builders
     from fitburst.distributed import World
     from fitburst.errors import UserError
+    from fitburst.families import CAUSAL
     from fitburst.memory.fsdp_terms import offload_host_bytes
     from fitburst.models import spec_shape
     from fitburst.settings import settings_from_spec
 
     four = World(rank=0, size=4, local_rank=0, local_size=4)
     with pytest.raises(UserError, match="training.distributed is none but torchrun started 4"):
-        builders.refuse_sharding(spec_for(pipelines_file, "demo", training__distributed="none"), four)
+        builders.refuse_problems(spec_for(pipelines_file, "demo", training__distributed="none"), CAUSAL, four.size)
     offload = spec_for(pipelines_file, "qwen7b-lora", training__distributed="fsdp", training__fsdp__cpu_offload=True)
     shape, s = spec_shape(offload), settings_from_spec(offload)
     assert shape is not None
@@ -119,9 +120,9 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need - 1)
     with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
-        builders.refuse_sharding(offload, two_nodes)
+        builders.refuse_offload_beyond_host_ram(offload, two_nodes)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need)
-    builders.refuse_sharding(offload, two_nodes)
+    builders.refuse_offload_beyond_host_ram(offload, two_nodes)
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
@@ -144,8 +145,11 @@ def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
     back = spec_with_settings(spec, s)
     assert back.training.distributed == "fsdp" and back.training.fsdp == spec.training.fsdp
     assert spec.config_hash() == spec_for(pipelines_file, "demo").config_hash()  # the same run folder, any sharding
-    with pytest.raises(ValueError, match="int8 weights cannot be sharded"):
-        RunSettings(method="qlora", quant="int8", distributed="fsdp")
+    from fitburst.rules import problems
+
+    assert [str(p) for p in problems(RunSettings(method="qlora", quant="int8", distributed="fsdp"))] == [
+        "int8 weights cannot be sharded by FSDP (bitsandbytes Int8Params): use quant: nf4 (its 4-bit weights shard "
+        "in the compute dtype), or training.distributed: none"]
 
 
 # --- N ranks x b train as one process x N*b ----------------------------------------------------------------

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
+from fitburst.settings import RunSettings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError
 
@@ -53,13 +55,17 @@ class StepDown:
         return asdict(self)
 
 
-def load_stepdowns(run_dir: Path) -> dict:
-    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken), the rungs
-    taken and their records."""
+def load_stepdowns(run_dir: Path, resolve: Callable[[dict], RunSettings] | None = None) -> dict:
+    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken; read with
+    :meth:`RunSettings.from_dict`, which takes old field names), the rungs taken and their records. A folder stepped
+    down by an earlier fitburst holds the changed spec fields as dotted keys ("fields"): ``resolve`` turns them
+    into the settings they stand for."""
     p = Path(run_dir) / STEPDOWN_FILE
-    state = json.loads(p.read_text()) if p.exists() else {}
-    # a folder stepped down by an earlier fitburst holds the changed spec fields as dotted keys ("fields")
-    return {"settings": None, "rungs": [], "history": [], "fields": {}, **state}
+    state = {"settings": None, "rungs": [], "history": [], **(json.loads(p.read_text()) if p.exists() else {})}
+    fields = state.pop("fields", None)
+    if fields and not state["settings"] and resolve is not None:
+        state["settings"] = asdict(resolve(fields))
+    return state
 
 
 def store_stepdowns(run_dir: Path, state: dict) -> None:

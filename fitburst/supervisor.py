@@ -22,21 +22,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fitburst.checkpoints import drop_optimizer_state, latest_checkpoint
-from fitburst.data import PreparedData, run_settings
+from fitburst.data import PreparedData, images_per_record
 from fitburst.device import select_device
 from fitburst.evaluate import EvalResult, evaluate
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, Estimate, ModelShape, estimate
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
-from fitburst.models import spec_shape
+from fitburst.models import model_family, spec_shape
 from fitburst.oom import StepDown, exhausted, load_stepdowns, record_history, store_stepdowns
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
 from fitburst.outbox import replay_outboxes
 from fitburst.ranks import Ranks, RanksFailed, local_ranks
 from fitburst.recipe import train
 from fitburst.rundir import open_run_dir, release, runs_root
-from fitburst.settings import RunSettings, spec_with_settings
+from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
 from fitburst.train import MetricsFn, TrainResult
@@ -152,12 +152,13 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
-    state = load_stepdowns(run_dir)
-    if state["settings"]:
-        settings = RunSettings.from_dict(state["settings"])
-    else:  # none taken, or taken by an earlier fitburst that kept the changed fields
-        settings = run_settings(spec.with_overrides(state["fields"]), dev, longest)
-    current = spec_with_settings(spec, settings) if state["settings"] or state["fields"] else spec
+
+    def resolved(s: PipelineSpec) -> RunSettings:
+        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model_family(s.model))
+
+    state = load_stepdowns(run_dir, lambda fields: resolved(spec.with_overrides(fields)))
+    settings = RunSettings.from_dict(state["settings"]) if state["settings"] else resolved(spec)
+    current = spec_with_settings(spec, settings) if state["settings"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
     shape = None
@@ -182,7 +183,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             del exc
             shape = shape or _shape(spec)
             record.estimated_bytes = _estimated(settings, shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=shape)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             record_history(record)

@@ -183,7 +183,7 @@ def sdpa_backends(seen: list[str]):
 
 
 def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot: bool) -> list[dict]:
-    """One configuration through ``fitburst.train.train`` with gpu_check's readings (an allocator snapshot at the
+    """One configuration through ``fitburst.recipe.train`` with gpu_check's readings (an allocator snapshot at the
     peak only, gzipped into ``out`` when ``snapshot``), its pace and the SDPA backend that ran."""
     import torch
     from gpu_check import Readings, device_facts
@@ -191,7 +191,7 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
     from fitburst.data import prepare_pipeline
     from fitburst.hardware import resolve_device
     from fitburst.memory.cuda_kernels import adamw_impl
-    from fitburst.train import train
+    from fitburst.recipe import train
 
     cuda = torch.cuda.is_available()
     device = resolve_device("cuda" if cuda else "cpu")
@@ -243,14 +243,14 @@ def keep_snapshot(src: str | None, dest: Path) -> str:
 def trainer_speed(c: Case, models: Path, steps: int, tiny: bool) -> list[dict]:
     """The case's settings through Hugging Face's Trainer + peft (the model loaded as fitburst loads it: dtype,
     SDPA; LoRA as fitburst's; fused AdamW on CUDA, as the Trainer's default; the same batches): steps/s, tokens/s
-    and MFU after the warm-up step (fitburst's :class:`fitburst.train.Pace`), its peak memory."""
+    and MFU after the warm-up step (fitburst's :class:`fitburst.pace.Pace`), its peak memory."""
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from fitburst.data import collate, load_split, prepare_pipeline
     from fitburst.device import resolve_precision, weight_dtype
     from fitburst.hardware import resolve_device
-    from fitburst.train import pace_for
+    from fitburst.pace import pace_for
 
     cuda = torch.cuda.is_available()
     device = resolve_device("cuda" if cuda else "cpu")
@@ -294,7 +294,7 @@ def trainer_speed(c: Case, models: Path, steps: int, tiny: bool) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         Trainer(model=model, args=args, train_dataset=load_split(prepared, "train").to_list(),
                 data_collator=collated, callbacks=[Timed()]).train()
-        from fitburst.train import synchronize
+        from fitburst.pace import synchronize
 
         synchronize(device.kind)
         rates = pace.rates()

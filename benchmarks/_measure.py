@@ -1,5 +1,5 @@
 """Measure the peak memory of real training steps of small random models on CPU through fitburst's own stack
-(fitburst.train.build_model, make_optimizer, and the training loop's step), with a dispatch-level tracker of
+(fitburst.builders.build_model, make_optimizer, and the training loop's step), with a dispatch-level tracker of
 live tensor storages (exact bytes, what CUDA's max_memory_allocated counts).
 
 Run one configuration per process: python benchmarks/_measure.py '<json settings>' prints a JSON result.
@@ -77,7 +77,7 @@ NEW_ARCHS = ("mistral", "qwen3", "stablelm", "smollm3")
 
 
 def build(arch: str, root: str) -> str:
-    """A random model folder (config, weights, a minimal tokenizer) that fitburst.train.build_model loads."""
+    """A random model folder (config, weights, a minimal tokenizer) that fitburst.builders.build_model loads."""
     import torch
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, PreTrainedTokenizerFast
@@ -119,14 +119,15 @@ def spec_of(cfg: dict, path: str):
 
 
 def run(cfg: dict) -> dict:
-    """Build with fitburst.train.build_model / make_optimizer and run fitburst's training step (the loop's
+    """Build with fitburst.builders.build_model / make_optimizer and run fitburst's training step (the loop's
     body under the loop's AMP: loss = model(**batch).loss, backward, clip, step, zero_grad(set_to_none=True))."""
     import torch
 
+    from fitburst.builders import build_model, make_optimizer
     from fitburst.data import collate
     from fitburst.device import make_amp
     from fitburst.probe import TensorTracker as Tracker
-    from fitburst.train import build_model, make_optimizer, optimizer_step
+    from fitburst.train import optimizer_step
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

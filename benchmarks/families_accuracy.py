@@ -1,6 +1,6 @@
 """Analytic and traced estimates vs measured peak for the model families beyond dense causal LMs (mixture-of-experts,
 T5, Qwen2-VL LoRA / full with images), on CPU, through fitburst's own training step (benchmarks/_measure.py:
-fitburst.train.build_model, make_optimizer, optimizer_step, with a tracker of live tensor storages).
+fitburst.builders.build_model, make_optimizer, fitburst.train.optimizer_step, with a tracker of live tensor storages).
 
     PYTHONPATH=$PWD python benchmarks/families_accuracy.py [ARCH_PREFIX, e.g. t5 or qwen2_vl]
 

@@ -12,8 +12,8 @@ two or more visible GPUs, a full fine-tune of the wider model with FSDP over all
 multi-GPU path (``fitburst.ranks.Ranks``: torchrun, NCCL), each rank's peak as the loop records it.
 
 Each single-GPU configuration trains in a process of its own (a fresh CUDA context, as a user's run), through
-``fitburst.train.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
-loads (``fitburst.train.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``), after
+``fitburst.recipe.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
+loads (``fitburst.builders.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``), after
 the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.cuda.memory._snapshot()`` (pickled
 beside the CSV, the allocator's history recorded from the start, so the peak's state can be rebuilt),
 ``max_memory_allocated`` / ``max_memory_reserved`` (reset after the warm-up step, as the estimate's measured step
@@ -30,7 +30,7 @@ quant + checkpointing at 2,048, Llama-3.2-1B full at 2 x 1,024, Gemma-3-1B LoRA 
 the fused loss, then Liger's fused loss, paged AdamW8bit, fp16 + GradScaler, activation offloading and a save +
 resume (:data:`_at_scale.CASES`). Each model is built once with random weights from fitburst's bundled config
 (memory does not depend on the values) and saved (``--models``, not the repository), so fitburst's own loading path
-is measured; each configuration trains through ``fitburst.train.train`` with the readings above (an allocator
+is measured; each configuration trains through ``fitburst.recipe.train`` with the readings above (an allocator
 snapshot at the peak only, for the first five configurations), its tokens/s and MFU after the warm-up step, the SDPA
 backend that ran and how AdamW stepped; the speed configurations also through Hugging Face's Trainer + peft on the
 same settings. ``--out`` gets ``at_scale.csv`` and ``at_scale.json`` (library versions, each configuration's status)
@@ -159,7 +159,7 @@ def device_facts(device) -> dict:
 
 
 class Readings:
-    """Memory readings at the loop's stages, taken by wrapping fitburst.train's own functions. ``snapshots``: the
+    """Memory readings at the loop's stages, taken by wrapping the recipe's own functions. ``snapshots``: the
     stages whose allocator snapshot is pickled (None: every stage). Without CUDA (a dry run) no reading is taken:
     each stage's row is empty."""
 
@@ -194,14 +194,15 @@ class Readings:
 
     @contextlib.contextmanager
     def around_training(self):
-        """fitburst.train's load, preparation and step, each followed by a reading."""
+        """The recipe's load and preparation (fitburst.builders) and step, each followed by a reading."""
         from unittest import mock
 
         import torch
 
-        import fitburst.train as loop
+        import fitburst.builders as builders
+        import fitburst.recipe as loop
 
-        load, prepare, step = loop.load_pipeline_model, loop.prepare_for_training, loop.optimizer_step
+        load, prepare, step = builders.load_pipeline_model, builders.prepare_for_training, loop.optimizer_step
 
         def loaded(*a, **k):
             model = load(*a, **k)
@@ -226,8 +227,8 @@ class Readings:
         if cuda:
             torch.cuda.memory._record_memory_history(stacks="all" if self.history >= 1_000_000 else "python",
                                                      max_entries=self.history)
-        with (mock.patch.object(loop, "load_pipeline_model", loaded),
-              mock.patch.object(loop, "prepare_for_training", prepared),
+        with (mock.patch.object(builders, "load_pipeline_model", loaded),
+              mock.patch.object(builders, "prepare_for_training", prepared),
               mock.patch.object(loop, "optimizer_step", stepped)):
             yield
         self.take("peak")
@@ -273,8 +274,8 @@ def run_one(name: str, overrides: dict, results: Path, device) -> list[dict]:
 
     from fitburst.data import prepare_pipeline
     from fitburst.memory.cuda_kernels import adamw_impl
+    from fitburst.recipe import train
     from fitburst.spec import load_pipeline
-    from fitburst.train import train
 
     spec = load_pipeline(REPO / "pipelines.yaml", "demo", overrides)
     prepared = prepare_pipeline(spec)

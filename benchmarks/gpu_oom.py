@@ -5,7 +5,7 @@
 The GPU is capped with ``torch.cuda.set_per_process_memory_fraction``: past the cap the caching allocator raises
 ``torch.OutOfMemoryError`` from wherever the step asked for memory (forward, the autograd thread's backward, the
 optimizer), as on a card of that size. The run (the wider demo model of ``gpu_check.py``, LoRA on every linear
-layer, micro-batch 16 x 1024 tokens) goes through ``fitburst.oom.train_stepping_down`` itself: each OOM takes the
+layer, micro-batch 16 x 1024 tokens) goes through ``fitburst.supervisor.train_stepping_down`` itself: each OOM takes the
 ladder's next mid-run rung (activation offloading is left out: TRL is not on every GPU image) and the run starts
 again in the same process, which only works if the failed attempt's memory was let go. Printed: each step-down
 (the error's first line, the rung, the measured peak), then the run that completed, its peak under the cap. A JSON
@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from fitburst.data import prepare_pipeline
     from fitburst.demo_models import demo_model_dir
-    from fitburst.oom import StepDown, train_stepping_down
+    from fitburst.oom import StepDown
     from fitburst.spec import load_pipeline
+    from fitburst.supervisor import train_stepping_down
 
     free, total = torch.cuda.mem_get_info()
     torch.cuda.set_per_process_memory_fraction(args.cap_gib * GiB / total)

@@ -81,11 +81,12 @@ def measured(cfg: dict, method: str, seq: int, kernel: str, seed: int = 0) -> di
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fitburst.builders import make_optimizer, prepare_for_training
     from fitburst.data import collate
     from fitburst.probe import TensorTracker
     from fitburst.settings import spec_with_settings
     from fitburst.spec import PipelineSpec
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step
 
     torch.manual_seed(seed)
     c = dict(cfg)

@@ -17,12 +17,13 @@ import statistics
 import time
 from pathlib import Path
 
+from fitburst.builders import build_model, make_optimizer
 from fitburst.cache import cache_root
 from fitburst.data import batch_tokens, load_split, prepare
 from fitburst.models import load_tokenizer
 from fitburst.probe import TensorTracker
 from fitburst.spec import load_pipeline
-from fitburst.train import batches, build_model, make_optimizer, optimizer_step
+from fitburst.train import batches, optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

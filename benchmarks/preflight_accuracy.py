@@ -2,7 +2,7 @@
 
 (a) real training steps (2 optimizer steps) of small random models of 9 architectures on CPU (llama, qwen2 and ones
     not among the bundled configs: gpt_neox, olmo2, starcoder2, granite, gemma, phi3), built and stepped by
-    fitburst's own code (fitburst.train.build_model / make_optimizer / optimizer_step), measured by a
+    fitburst's own code (fitburst.builders.build_model / make_optimizer, fitburst.train.optimizer_step), measured by a
     dispatch-level storage tracker (exact live tensor bytes), against the traced estimate
     (fitburst.memory.trace.trace_step: the same functions under FakeTensorMode) and the analytic one;
 (t4) ../shared/memory/t4_dev.csv: the harness's step traced at full size, CUDA-kernel rules, caching-allocator

@@ -39,8 +39,9 @@ from fitburst.cache import cache_root
 from fitburst.data import load_split, prepare
 from fitburst.demo_models import demo_model_dir
 from fitburst.models import load_model, load_tokenizer
+from fitburst.recipe import train
 from fitburst.spec import load_pipeline
-from fitburst.train import batches, train
+from fitburst.train import batches
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.97

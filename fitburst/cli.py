@@ -173,17 +173,16 @@ def cmd_run(args) -> int:
 
 def cmd_train(args) -> int:
     """The node command: train (and evaluate) a resolved spec on prepared data, no Prefect needed. One process
-    plans, trains, logs and evaluates itself. With ``--nproc-per-node`` x ``--nnodes`` above one it supervises its
-    node's ranks (:class:`fitburst.ranks.Ranks`): node 0's plans per GPU, starts the ranks through torchrun (every
-    rank stepped down together after an out-of-memory error), logs to MLflow and evaluates; another node's follows
-    node 0. Inside a rank torchrun started, it trains the spec as given."""
+    plans, trains, logs and evaluates itself through the supervisor (:mod:`fitburst.supervisor`). With
+    ``--nproc-per-node`` x ``--nnodes`` above one it supervises its node's ranks (:class:`fitburst.ranks.Ranks`):
+    node 0's plans per GPU, starts the ranks through torchrun (every rank stepped down together after an
+    out-of-memory error), logs to MLflow and evaluates; another node's follows node 0. Inside a rank torchrun
+    started, it runs the Recipe (:mod:`fitburst.recipe`) on the spec as given: nothing steps down in a rank."""
     from fitburst import distributed
     from fitburst.data import PreparedData
     from fitburst.errors import UserError
     from fitburst.ranks import Ranks
-    from fitburst.recipe import run_recipe
     from fitburst.spec import load_resolved
-    from fitburst.tracking import RUN_ID_ENV, Tracker
 
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"fitburst train: --node-rank {args.node_rank} is not a node of --nnodes {args.nnodes}: give "
@@ -196,37 +195,62 @@ def cmd_train(args) -> int:
         raise UserError(f"{spec.name}: torchrun started {w.size} ranks of `fitburst train` with --plan or "
                         "--nproc-per-node: start `fitburst train --nproc-per-node N [--nnodes M ...]` without "
                         "torchrun; it plans once and starts torchrun itself")
+    if w.sharded:
+        return _train_rank(spec, prepared, args)
     if ranks.node_rank > 0:
         return ranks.follow(prepared.dir, args.run_dir, device=args.device)
-    estimate = None
     try:
-        if args.plan:
-            from fitburst.preflight import plan_for_ranks
-
-            spec, changes, estimate = plan_for_ranks(spec, int(prepared.stats["max"]), ranks.per_node, ranks.nodes)
-            for change in changes:
-                print(f"plan for this device: {change}")
-            Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-            Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
-        tracker = None
-        if w.main and os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
-            tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
-        result, ev = run_recipe(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
-                                device=args.device, evaluate_after=args.eval and w.main,
-                                progress=not args.quiet and w.main, ranks=ranks if ranks.size > 1 else None)
+        result, ev = _supervise(spec, prepared, ranks, args)
     except BaseException as e:
         ranks.finish(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
         raise
-    finally:
-        distributed.stop()
     ranks.finish()
-    if w.main:
-        n = f" ({result.world_size} ranks)" if result.world_size > 1 else ""
-        print(f"trained {result.steps} steps on {result.device}{n} in {result.seconds:.1f}s; adapter: "
-              f"{result.adapter_dir}")
+    n = f" ({result.world_size} ranks)" if result.world_size > 1 else ""
+    print(f"trained {result.steps} steps on {result.device}{n} in {result.seconds:.1f}s; adapter: "
+          f"{result.adapter_dir}")
     if ev is not None:
         print(f"eval loss {ev.base_loss:.4f} -> {ev.tuned_loss:.4f}")
     return 0
+
+
+def _train_rank(spec, prepared, args) -> int:
+    """A rank torchrun started: the Recipe, on this rank's shard of the run (the supervisor that started torchrun
+    holds the MLflow run, steps down and evaluates)."""
+    from fitburst import distributed
+    from fitburst.recipe import Recipe
+
+    w = distributed.world()
+    try:
+        result = Recipe(spec, prepared, args.run_dir, device=args.device, progress=not args.quiet and w.main).run()
+    finally:
+        distributed.stop()
+    if w.main:
+        print(f"trained {result.steps} steps on {result.device} ({result.world_size} ranks) in "
+              f"{result.seconds:.1f}s; adapter: {result.adapter_dir}")
+    return 0
+
+
+def _supervise(spec, prepared, ranks, args):
+    """Node 0 (or the one node): plan for this node's GPUs when ``--plan``, then the supervisor: train (over the
+    ranks), step down on out-of-memory, evaluate when ``--eval``, record into the launcher's MLflow run."""
+    from fitburst.supervisor import train_and_evaluate
+    from fitburst.tracking import RUN_ID_ENV, Tracker
+
+    estimate = None
+    if args.plan:
+        from fitburst.preflight import plan_for_ranks
+
+        spec, changes, estimate = plan_for_ranks(spec, int(prepared.stats["max"]), ranks.per_node, ranks.nodes)
+        for change in changes:
+            print(f"plan for this device: {change}")
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.run_dir, "estimate.json").write_text(json.dumps(estimate.to_dict(), indent=2))
+    tracker = None
+    if os.environ.get(RUN_ID_ENV) and os.environ.get("MLFLOW_TRACKING_URI"):
+        tracker = Tracker.attach(os.environ[RUN_ID_ENV])  # the node logs straight into the launcher's MLflow run
+    return train_and_evaluate(spec, prepared, args.run_dir, tracker=tracker, path="cloud", estimate=estimate,
+                              device=args.device, evaluate_after=args.eval, progress=not args.quiet,
+                              ranks=ranks if ranks.size > 1 else None)
 
 
 def cmd_costs(args) -> int:

@@ -95,6 +95,7 @@ class Amp:
     scaler: Any = None
     skipped_steps: int = 0
     last_step_skipped: bool = False
+    scale: float | None = None  # the scaler's scale after the last step (None: not read since it was set)
 
     def autocast(self):
         import torch  # torch: heavy, loaded only at use

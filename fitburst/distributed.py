@@ -1,6 +1,6 @@
 """One run over several GPUs (or CPU processes) with torch's FSDP2: one process per device, started by torchrun.
 
-What :func:`fitburst.train.train` asks of this module when torchrun started it (``WORLD_SIZE`` > 1):
+What the Recipe (:mod:`fitburst.recipe`) asks of this module when torchrun started it (``WORLD_SIZE`` > 1):
 
 - :func:`world` reads torchrun's environment; :func:`start` opens the process group (NCCL for CUDA tensors,
   gloo for CPU ones) and names the device this rank trains on.
@@ -19,14 +19,15 @@ What :func:`fitburst.train.train` asks of this module when torchrun started it (
 Rank 0 alone writes the run folder's records (metrics, result, adapter) and talks to MLflow and Prefect; every
 rank measures its own memory peak and rank 0 records them all (:func:`gather`).
 
-Loading (:func:`fitburst.train.build_model`): rank 0 alone reads the checkpoint into host RAM; every other rank builds
-the model without weights (meta device), every rank shards it, and :func:`fill_from_rank0` gives each rank its
+Loading (:func:`fitburst.builders.build_model`): rank 0 alone reads the checkpoint into host RAM; every other rank
+builds the model without weights (meta device), every rank shards it, and :func:`fill_from_rank0` gives each rank its
 shards of rank 0's weights, so a node holds one copy of the model while loading, not one per rank, and no GPU ever
 holds the whole model. A 4-bit base is loaded by every rank (:func:`fitburst.memory.fsdp_terms.loads_once` says why),
 its packed weights stored in the compute dtype, ``bnb_4bit_quant_storage``, so they shard like any weight
 (:func:`fitburst.models.quantization_config`).
 
-torch is imported inside the functions: this module is on the import path of train.py, which keeps it light.
+torch is imported inside the functions: this module is on the import path of the recipe's modules, which keeps them
+light.
 """
 
 from __future__ import annotations

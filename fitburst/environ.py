@@ -9,6 +9,7 @@ between raises ``KeyError``. :func:`snapshot` reads each listed key with ``get``
 from __future__ import annotations
 
 import os
+import re
 
 # what fitburst turns off unless the user set it (os.environ.setdefault); set the variable yourself to undo
 TELEMETRY_OFF = {
@@ -35,3 +36,19 @@ def library_defaults() -> None:
     the user has not set the variable."""
     for k, v in {**TELEMETRY_OFF, **PREFECT_PATIENCE}.items():
         os.environ.setdefault(k, v)
+
+
+# environment variables whose values are never written anywhere (MLflow, logs, task YAML, uploads)
+SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+
+
+def secret_values() -> list[str]:
+    """Values of environment variables whose names look secret (long enough to be worth scrubbing)."""
+    env = snapshot()  # other threads (MLflow's) set and unset variables while this runs
+    return sorted((v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 6), key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    for v in secret_values():
+        text = text.replace(v, "***")
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)  # user:password@host in URIs

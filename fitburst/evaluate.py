@@ -12,12 +12,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fitburst.builders import loss_kernel
 from fitburst.data import PreparedData, load_split
 from fitburst.device import make_amp
 from fitburst.families import family_for
 from fitburst.models import load_pipeline_model, load_tokenizer
 from fitburst.spec import PipelineSpec
-from fitburst.train import loss_kernel
 
 
 @dataclass

@@ -383,6 +383,18 @@ def fused_loss_installed(device: Device, dtype: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
+def available_host_bytes() -> int | None:
+    """Memory the OS can give this node now (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def host_ram_bytes() -> int:
     """This machine's RAM (or its container's limit)."""
     total, _ = _meminfo()

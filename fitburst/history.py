@@ -26,7 +26,8 @@ UNCHANGED_TAG = "fitburst.unchanged_since"  # a skipped run: the run whose finge
 COST_TAG = "cloud.cost_usd"  # what a burst cost (its hours at the launched price), set when the launcher saw it end
 ESTIMATE_TAG = "cloud.estimated_usd"  # the estimate a burst was launched with, set at launch
 # The modules whose code decides the trained adapter: their source is the "training code version"
-TRAINING_CODE = ("train.py", "recipe.py", "data.py", "models.py", "settings.py", "distributed.py", "families")
+TRAINING_CODE = ("train.py", "recipe.py", "builders.py", "checkpoints.py", "data.py", "models.py", "settings.py",
+                 "distributed.py", "families")
 
 
 # --- the fingerprint -------------------------------------------------------------------------------------------

@@ -41,9 +41,10 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
     """
     import torch
 
+    from fitburst.builders import build_model, count_params, make_optimizer
     from fitburst.device import make_amp, resolve_precision, select_device
     from fitburst.meter import MemoryMeter
-    from fitburst.train import build_model, count_params, make_optimizer, optimizer_step
+    from fitburst.train import optimizer_step
 
     tr = spec.training
     device = device or select_device(spec.preflight.device)

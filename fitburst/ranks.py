@@ -1,9 +1,9 @@
 """Starting the ranks of a sharded run: torchrun on this machine, or on several nodes with one supervisor per node.
 
-One attempt is one torchrun per node starting ``fitburst train`` once per GPU (:mod:`fitburst.train` inside the
+One attempt is one torchrun per node starting ``fitburst train`` once per GPU (:mod:`fitburst.recipe` inside the
 ranks, :mod:`fitburst.distributed` for their process group). The process that calls :meth:`Ranks.run` stays
 above the ranks: it holds the MLflow run, relays rank 0's loss curve and, when a rank runs out of memory, steps
-every rank down together (:func:`fitburst.oom.train_stepping_down` calls :meth:`Ranks.run` once per rung).
+every rank down together (:func:`fitburst.supervisor.train_stepping_down` calls :meth:`Ranks.run` once per rung).
 
 Several nodes: node 0's supervisor plans, steps down and evaluates; the others follow (:meth:`Ranks.follow`). They
 meet at a ``TCPStore`` that node 0's supervisor serves on the run's port: node 0 posts each attempt's spec, every
@@ -29,7 +29,7 @@ from typing import Any
 from fitburst import environ
 from fitburst.errors import UserError
 
-RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.train)
+RANK_FAILED = "rank-{rank}.failed.json"  # written by a rank that stopped on an error (fitburst.recipe)
 RANKS_LOG = "ranks.log"  # torchrun's and the ranks' output, in the run folder
 RANKS_SPEC = "ranks-spec.yaml"  # the spec the ranks of the current attempt train, in the run folder
 # how long a supervisor waits for another node: node 0 plans before the first attempt and evaluates after the last
@@ -40,7 +40,7 @@ REPORT_TIMEOUT_S = 300  # after its own ranks ended, how long node 0 waits for t
 class RanksFailed(UserError, RuntimeError):
     """A rank of a sharded run stopped (torchrun then ended the others). ``records``: what each failed rank wrote
     (:data:`RANK_FAILED`), from every node; ``oom_kind`` and ``peak_bytes``: a rank's out-of-memory error, when that
-    was the cause (the step-down, :mod:`fitburst.oom`, then acts for all ranks together)."""
+    was the cause (the step-down, :mod:`fitburst.supervisor`, then acts for all ranks together)."""
 
     def __init__(self, message: str, records: list[dict]):
         super().__init__(message)

@@ -7,8 +7,8 @@ from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
 from fitburst.evaluate import EvalResult
-from fitburst.recipe import evaluate_and_record
 from fitburst.spec import PipelineSpec
+from fitburst.supervisor import evaluate_and_record
 from fitburst.tracking import Tracker
 from fitburst.train import TrainResult
 

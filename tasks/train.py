@@ -8,10 +8,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from fitburst.data import PreparedData
-from fitburst.local import train_local_run
 from fitburst.memory import Estimate
 from fitburst.ranks import local_ranks
 from fitburst.spec import PipelineSpec
+from fitburst.supervisor import train_local_run
 from fitburst.tracking import Tracker
 from fitburst.train import TrainResult, total_steps
 from tasks.progress import TrainingProgress

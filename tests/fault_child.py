@@ -20,12 +20,12 @@ from dataclasses import asdict
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
-    import fitburst.train as train_mod
+    import fitburst.recipe as train_mod  # the loop looks its step up in the recipe
     from fitburst.cache import cache_root
     from fitburst.data import prepare
-    from fitburst.local import train_local_run
     from fitburst.models import tokenizer_for
     from fitburst.spec import load_pipeline
+    from fitburst.supervisor import train_local_run
     from fitburst.tracking import Tracker
 
     spec = load_pipeline(cfg["pipelines_file"], cfg.get("pipeline", "demo"), cfg.get("overrides"))

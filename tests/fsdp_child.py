@@ -1,6 +1,6 @@
 """One rank of a real FSDP2 run over gloo (started by torchrun from tests/test_sharded.py and
 benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
-(fitburst.train.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
+(fitburst.builders.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
 storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "peak_with_gloo", "losses"}.
 
@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from fitburst.builders import make_optimizer, prepare_for_training
 from fitburst.device import make_amp, torch_dtype, weight_dtype
 from fitburst.distributed import shard
 from fitburst.memory.trace import _batch
 from fitburst.models import auto_model_class, quantization_config
 from fitburst.settings import RunSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
-from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+from fitburst.train import optimizer_step
 
 
 class FrozenAwareTracker(MemTracker):

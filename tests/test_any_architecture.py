@@ -175,8 +175,8 @@ def test_a_pipeline_without_target_modules_trains_every_family(arch, tmp_path, r
     import json as _json
 
     from fitburst.data import prepare_pipeline
+    from fitburst.recipe import train
     from fitburst.spec import PipelineSpec
-    from fitburst.train import train
 
     model, data = _family_case(arch, tmp_path, root)
     spec = PipelineSpec.model_validate({

@@ -716,10 +716,10 @@ def _oom_from_step(monkeypatch, step: int) -> None:
     checkpoint exists by then); the real training loop runs up to it."""
     import torch
 
-    import fitburst.oom
-    import fitburst.train
+    import fitburst.recipe
+    import fitburst.supervisor
 
-    real, calls = fitburst.train.optimizer_step, []
+    real, calls = fitburst.recipe.optimizer_step, []
 
     def step_or_oom(*a, **k):
         calls.append(1)
@@ -727,8 +727,8 @@ def _oom_from_step(monkeypatch, step: int) -> None:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(*a, **k)
 
-    monkeypatch.setattr(fitburst.train, "optimizer_step", step_or_oom)
-    monkeypatch.setattr(fitburst.oom, "next_rung", lambda *a, **kw: None)
+    monkeypatch.setattr(fitburst.recipe, "optimizer_step", step_or_oom)
+    monkeypatch.setattr(fitburst.supervisor, "next_rung", lambda *a, **kw: None)
 
 
 def _node(tmp_path, fake):

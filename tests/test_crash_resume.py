@@ -28,8 +28,8 @@ def test_sigkill_then_rerun_resumes_and_closes_the_killed_run(tmp_path, pipeline
                                                               monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from fitburst.local import train_local_run
     from fitburst.spec import load_pipeline
+    from fitburst.supervisor import train_local_run
     from fitburst.tracking import Tracker
 
     overrides = {"training.max_steps": 24, "training.checkpoint_every": 6, "training.log_every": 6,

@@ -63,7 +63,7 @@ def torchrun(nproc: int, spec, prepared, run_dir: Path, hooks: dict | None = Non
 
 
 def one_process(spec, prepared, run_dir: Path):
-    from fitburst.train import train
+    from fitburst.recipe import train
 
     return train(spec, prepared, run_dir, device="cpu", progress=False)
 
@@ -99,25 +99,30 @@ def assert_same_run(one: Path, many: Path, lr: float) -> None:
 # --- refused before the model loads -------------------------------------------------------------------------
 
 def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file, monkeypatch):
-    import fitburst.train as train_mod
+    import fitburst.builders as builders
     from fitburst.distributed import World
     from fitburst.errors import UserError
     from fitburst.families import CAUSAL
+    from fitburst.memory.fsdp_terms import offload_host_bytes
+    from fitburst.models import spec_shape
+    from fitburst.settings import settings_from_spec
 
     four = World(rank=0, size=4, local_rank=0, local_size=4)
     with pytest.raises(UserError, match="training.distributed is none but torchrun started 4"):
-        train_mod.refuse_problems(spec_for(pipelines_file, "demo", training__distributed="none"), CAUSAL, four.size)
+        builders.refuse_problems(spec_for(pipelines_file, "demo", training__distributed="none"), CAUSAL, four.size)
     offload = spec_for(pipelines_file, "qwen7b-lora", training__distributed="fsdp", training__fsdp__cpu_offload=True)
-    two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
-    need = train_mod.offload_host_bytes(offload, two_nodes)
+    shape, s = spec_shape(offload), settings_from_spec(offload)
+    assert shape is not None
+    need = offload_host_bytes(shape, s, 4, 8)  # two nodes of four ranks
     # half of 15.2 GB of bf16 weights and of 161M LoRA weights' fp32 gradients and AdamW moments (12 bytes each)
     assert need == pytest.approx((15.23e9 + 161.5e6 * 12) / 2, rel=0.01)
-    assert train_mod.offload_host_bytes(offload, four) == pytest.approx(2 * need, abs=1)  # one node holds it all
-    monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need - 1)
+    assert offload_host_bytes(shape, s, 4, 4) == pytest.approx(2 * need, abs=1)  # one node holds it all
+    two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
+    monkeypatch.setattr(builders, "available_host_bytes", lambda: need - 1)
     with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
-        train_mod.refuse_offload_beyond_host_ram(offload, two_nodes)
-    monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need)
-    train_mod.refuse_offload_beyond_host_ram(offload, two_nodes)
+        builders.refuse_offload_beyond_host_ram(offload, two_nodes)
+    monkeypatch.setattr(builders, "available_host_bytes", lambda: need)
+    builders.refuse_offload_beyond_host_ram(offload, two_nodes)
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
@@ -263,9 +268,9 @@ def test_a_resume_at_another_world_size_keeps_the_effective_batch(tmp_path, pipe
 
 
 def test_a_resume_no_grad_accum_can_keep_is_refused_with_what_to_set(pipelines_file):
+    from fitburst.checkpoints import spec_keeping_effective_batch as keep
     from fitburst.distributed import World
     from fitburst.errors import UserError
-    from fitburst.train import spec_keeping_effective_batch as keep
 
     spec = spec_for(pipelines_file, "demo", training__micro_batch_size=4, training__grad_accum=2)
     four = {"step": 6, "samples": 96, "world_size": 4, "samples_per_step": 16}
@@ -322,9 +327,9 @@ def test_qlora_under_fsdp_keeps_its_quantization_state_and_trains_like_one_proce
 
     import fitburst.models as models
     from fitburst import distributed
+    from fitburst.builders import prepare_for_training
     from fitburst.data import load_split
     from fitburst.families import CAUSAL
-    from fitburst.train import prepare_for_training
 
     spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16")
     rows = load_split(demo_prepared, "train").to_list()[:4]
@@ -366,7 +371,7 @@ def test_qlora_4bit_weights_are_split_across_ranks(pipelines_file):
 
     import fitburst.models as models
     from fitburst import distributed
-    from fitburst.train import prepare_for_training
+    from fitburst.builders import prepare_for_training
 
     spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16")
     whole = models.load_pipeline_model(spec, "cpu", "bf16", sharded=True)
@@ -407,7 +412,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
     import psutil
     from mlflow.tracking import MlflowClient
 
-    from fitburst.local import train_local_run
+    from fitburst.supervisor import train_local_run
     from fitburst.tracking import Tracker
 
     overrides = {**BASE, "training.max_steps": 30, "training.checkpoint_every": 4, "training.log_every": 2,
@@ -449,8 +454,8 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
 
 
 def test_a_rank_out_of_memory_steps_every_rank_down_together(tmp_path, pipelines_file, demo_prepared, monkeypatch):
-    from fitburst.local import train_local_run
     from fitburst.oom import STEPDOWN_FILE
+    from fitburst.supervisor import train_local_run
 
     spec = spec_for(pipelines_file, "demo", training__max_steps=6, training__checkpoint_every=2,
                     training__micro_batch_size=4, training__distributed="fsdp",

@@ -30,8 +30,8 @@ def reference_loss(model, rows, pad_id) -> float:
 def test_chunked_eval_loss_matches_full_logits(demo_spec, demo_prepared, wrapped):
     import torch
 
+    from fitburst.builders import prepare_for_training
     from fitburst.models import load_pipeline_model, tokenizer_for
-    from fitburst.train import prepare_for_training
 
     torch.manual_seed(0)
     model = load_pipeline_model(demo_spec, "cpu", "fp32")

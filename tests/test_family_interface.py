@@ -36,7 +36,8 @@ def test_each_family_provides_every_member(family):
 
 
 def test_the_trainer_refuses_packing_where_the_family_does(demo_spec):
-    from fitburst.train import TrainError, refuse_problems
+    from fitburst.builders import refuse_problems
+    from fitburst.train import TrainError
 
     packed = demo_spec.model_copy(update={"training": demo_spec.training.model_copy(update={"packing": True})})
     refuse_problems(packed, CAUSAL)

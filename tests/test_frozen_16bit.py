@@ -52,11 +52,12 @@ def _real_step_peak(model_dir, frozen_fp32: bool) -> tuple[int, dict]:
     prepares it, and the dtypes of its embeddings, head and first norm."""
     import torch
 
+    from fitburst.builders import make_optimizer, prepare_for_training
     from fitburst.data import collate
     from fitburst.device import make_amp
     from fitburst.models import load_pipeline_model
     from fitburst.probe import TensorTracker
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step
 
     spec = spec_for(model_dir, frozen_fp32)
     torch.manual_seed(0)
@@ -165,7 +166,7 @@ def test_the_demo_qlora_run_trains_to_the_same_loss_with_the_embeddings_and_head
     the head's matmul ran in bf16 under autocast either way, and the embeddings' output is cast to fp32 as the fp32
     lookup made it); the tolerance, 1e-6 relative, leaves room only for a reduction order, not for a changed
     computation."""
-    from fitburst.train import train
+    from fitburst.recipe import train
 
     curves = {}
     for fp32 in (True, False):

@@ -105,9 +105,9 @@ def _real_step_parts(model_dir, s):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fitburst.builders import make_optimizer, prepare_for_training
     from fitburst.data import collate
     from fitburst.settings import spec_with_settings
-    from fitburst.train import make_optimizer, prepare_for_training
 
     torch.manual_seed(0)
     cfg = dict(CFG)
@@ -214,7 +214,8 @@ def test_planner_takes_the_fused_loss_before_checkpointing(model_dir):
 
 
 def test_trainer_refuses_offloading_off_cuda_before_loading(tmp_path, demo_spec, demo_prepared):
-    from fitburst.train import TrainError, train
+    from fitburst.recipe import train
+    from fitburst.train import TrainError
 
     spec = demo_spec.model_copy(update={
         "training": demo_spec.training.model_copy(update={"activation_offloading": True, "max_steps": 1})})
@@ -224,7 +225,7 @@ def test_trainer_refuses_offloading_off_cuda_before_loading(tmp_path, demo_spec,
 
 
 def test_trainer_runs_and_records_the_fused_loss(tmp_path, demo_spec, demo_prepared, no_compiler):
-    from fitburst.train import train
+    from fitburst.recipe import train
 
     def run(loss, d):
         spec = demo_spec.model_copy(update={

@@ -184,7 +184,7 @@ def test_optimizer_state_bytes_match_the_real_optimizer_on_cpu(name):
     back to plain 8-bit AdamW on CPU, and the estimate says the same."""
     import torch
 
-    from fitburst.train import make_optimizer
+    from fitburst.builders import make_optimizer
 
     sizes = [100, 4095, 4096, 70_000, 1 << 20]  # either side of bitsandbytes' 4096-element 8-bit threshold
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]

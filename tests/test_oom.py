@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import fitburst.train as train_mod
+import fitburst.recipe as train_mod  # the loop looks its step up in the recipe
 from fitburst.calibrate import collect_ooms
 from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
-from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted, train_stepping_down
+from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted
 from fitburst.oom_errors import oom_kind
 from fitburst.settings import settings_from_spec
+from fitburst.supervisor import train_stepping_down
+from fitburst.train import TrainError
 
 CHILD = Path(__file__).with_name("fault_child.py")
 MiB = 2**20
@@ -116,7 +118,7 @@ def oom_over(limit: int, error, real):
 ])
 def test_cuda_and_mps_errors_inside_a_step_take_the_same_path(tmp_path, demo_spec, demo_prepared, monkeypatch,
                                                               kind, error):
-    from fitburst.local import train_local_run
+    from fitburst.supervisor import train_local_run
     from fitburst.tracking import Tracker
 
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path))
@@ -218,7 +220,7 @@ def test_oom_kind_recognises_each_device_and_nothing_else():
     assert oom_kind(RuntimeError(MPS_OOM)) == "mps"
     assert oom_kind(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")) == "cpu"
     assert oom_kind(MemoryError()) == "cpu"
-    wrapped = train_mod.TrainError("out of memory at step 3")
+    wrapped = TrainError("out of memory at step 3")
     wrapped.__cause__ = torch.OutOfMemoryError(CUDA_OOM)
     assert oom_kind(wrapped) == "cuda"  # train() re-raises CUDA OOMs as a TrainError from the original
     assert oom_kind(RuntimeError("shape mismatch")) is None and oom_kind(KeyboardInterrupt()) is None

@@ -73,7 +73,7 @@ def test_attention_stays_within_each_packed_sample(rows, demo_tokenizer, attenti
 
 
 def test_training_loop_runs_packed(demo_spec, demo_prepared, tmp_path):
-    from fitburst.train import train
+    from fitburst.recipe import train
 
     spec = demo_spec.model_copy(update={"training": demo_spec.training.model_copy(update={
         "packing": True, "max_steps": 4, "log_every": 2, "checkpoint_every": 100})})

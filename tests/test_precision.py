@@ -8,9 +8,11 @@ import json
 
 import pytest
 
+from fitburst.builders import build_model, make_optimizer
 from fitburst.data import load_split
 from fitburst.device import make_amp
-from fitburst.train import build_model, make_optimizer, optimizer_step, train
+from fitburst.recipe import train
+from fitburst.train import optimizer_step
 
 # How far (relative) the logged loss of an autocast run may be from the fp32 run's, per logged window of 10 steps
 # (30 steps, lr 3e-3, demo model; the loss falls from ~6.0 to ~2.7): 5 % in every window, 1 % in the last. Measured
@@ -178,8 +180,8 @@ def test_checkpoint_keeps_rng_and_scaler_state(tmp_path, demo_spec, demo_prepare
     import torch
     from transformers import get_scheduler
 
+    from fitburst.checkpoints import load_checkpoint, rng_states, save_checkpoint
     from fitburst.data import collate
-    from fitburst.train import load_checkpoint, rng_states, save_checkpoint
 
     spec = with_training(demo_spec, precision="fp16")
     model, tok = build_model(spec, "cpu", "fp16")

@@ -84,10 +84,11 @@ def test_declared_device_knows_kinds_without_probing():
 
 def test_validate_the_ladder_the_loop_and_the_cloud_give_one_answer(pipelines_file, demo_spec):
     """FSDP and bitsandbytes' 8-bit optimizers: one row, four askers, one message."""
+    from fitburst.builders import refuse_problems
     from fitburst.memory.ladder import RUNGS
     from fitburst.settings import settings_from_spec
     from fitburst.spec import SpecError, load_pipeline
-    from fitburst.train import TrainError, refuse_problems
+    from fitburst.train import TrainError
 
     (row,) = problems(RunSettings(optimizer="adamw8bit", world_size=2))
     with pytest.raises(SpecError) as e:  # validate: located, with the fix

@@ -102,8 +102,9 @@ def test_accumulated_micro_batches_train_as_one_batch(random_t5, method):
     its share of the window's label tokens, so 2 x 2 uneven samples give the loss and gradients of one batch of 4."""
     import torch
 
+    from fitburst.builders import build_model
     from fitburst.spec import PipelineSpec
-    from fitburst.train import build_model, optimizer_step
+    from fitburst.train import optimizer_step
 
     spec = PipelineSpec.model_validate(dict(
         name="t5", model={"name": str(random_t5)}, data={"path": "unused.jsonl"},
@@ -252,10 +253,11 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
     turns gradient checkpointing on, the run resumes from the checkpoint written on the way out and finishes."""
     import torch
 
-    import fitburst.train as train_mod
+    import fitburst.recipe as train_mod  # the loop looks its step up in the recipe
     from fitburst.data import prepare_pipeline
-    from fitburst.oom import STEPDOWN_FILE, train_stepping_down
+    from fitburst.oom import STEPDOWN_FILE
     from fitburst.spec import load_pipeline
+    from fitburst.supervisor import train_stepping_down
 
     spec = load_pipeline(pipelines_file, "t5-demo").with_overrides({
         "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,

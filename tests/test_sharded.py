@@ -301,11 +301,11 @@ def test_host_ram_holds_a_4bit_model_as_bitsandbytes_loads_and_prepares_it(tmp_p
     import torch
     from transformers import AutoModelForCausalLM
 
+    from fitburst.builders import prepare_for_training
     from fitburst.memory.fsdp_terms import host_bytes
     from fitburst.memory.shapes import ModelShape
     from fitburst.models import quantization_config
     from fitburst.settings import spec_with_settings
-    from fitburst.train import prepare_for_training
 
     s = RunSettings(method="qlora", rank=8, micro_batch_size=1, seq_len=32, precision="bf16", double_quant=double_quant,
                       world_size=2)

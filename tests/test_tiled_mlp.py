@@ -53,7 +53,7 @@ def _model(model_dir, s: RunSettings):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fitburst.train import prepare_for_training
+    from fitburst.builders import prepare_for_training
 
     torch.manual_seed(0)
     cfg = dict(CFG)
@@ -104,8 +104,9 @@ def test_the_loader_tiles_every_blocks_mlp_and_the_gradients_are_the_untiled_one
 
 def _real_peak(model_dir, s: RunSettings) -> int:
     """The tensor peak of two real steps of the loop (fitburst's optimizer_step, the model as the loop prepares it)."""
+    from fitburst.builders import make_optimizer
     from fitburst.probe import TensorTracker
-    from fitburst.train import make_optimizer, optimizer_step
+    from fitburst.train import optimizer_step
 
     model = _model(model_dir, s)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -56,11 +56,12 @@ def real_cpu_peak(path, s: RunSettings, cfg: dict = CFG, attn: str | None = None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from fitburst.builders import make_optimizer, prepare_for_training
     from fitburst.data import collate
     from fitburst.device import make_amp, weight_dtype
     from fitburst.probe import TensorTracker
     from fitburst.settings import spec_with_settings
-    from fitburst.train import make_optimizer, optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step
 
     torch.manual_seed(0)
     cfg = dict(cfg)
@@ -210,9 +211,9 @@ def test_adamw_step_temporaries_are_the_analytic_rule(impl):
     the tensors, per tensor twice the largest)."""
     import torch
 
+    from fitburst.builders import make_optimizer
     from fitburst.memory.params import optimizer_bytes
     from fitburst.probe import TensorTracker
-    from fitburst.train import make_optimizer
 
     sizes = [3000, 1000, 500]
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]

@@ -16,8 +16,8 @@ SENTINEL = "hf_trackingSENTINEL0123456789"
 def short_runs(pipelines_file, demo_prepared, tmp_path_factory):
     """Two real trainings of the demo pipeline: 3 steps (barely tuned) and 40 steps (clearly better)."""
     from fitburst.evaluate import evaluate
+    from fitburst.recipe import train
     from fitburst.spec import load_pipeline
-    from fitburst.train import train
 
     out = {}
     for steps in (3, 40):

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from fitburst.checkpoints import latest_checkpoint
 from fitburst.device import DeviceError, check_quant_supported, select_device
-from fitburst.train import latest_checkpoint, train
+from fitburst.recipe import train
 
 
 def small(spec, **training):
@@ -64,7 +65,7 @@ def test_crash_leaves_a_resumable_checkpoint(tmp_path, demo_spec, demo_prepared)
 def test_quantized_base_trains_on_cpu_with_bitsandbytes(tmp_path, demo_spec, demo_prepared, quant, layer):
     import bitsandbytes as bnb
 
-    from fitburst.train import build_model
+    from fitburst.builders import build_model
 
     qlora = demo_spec.method.model_copy(update={"type": "qlora", "quant": quant})
     spec = small(demo_spec.model_copy(update={"method": qlora}))
@@ -92,7 +93,7 @@ def test_device_refusals():
 def test_the_loss_is_read_on_the_host_at_log_intervals_only(tmp_path, demo_spec, demo_prepared, monkeypatch):
     """Each step's loss stays on the device, summed there; the host reads it (waiting for the device) once per
     logged row, not once per step."""
-    import fitburst.train as loop
+    import fitburst.recipe as loop
 
     reads: list[int] = []
 
@@ -112,7 +113,7 @@ def test_the_loss_is_read_on_the_host_at_log_intervals_only(tmp_path, demo_spec,
 def test_the_pace_leaves_out_the_warm_up_step(tmp_path, demo_spec, demo_prepared, monkeypatch):
     """A clock that takes 100 s for the first step and 1 s for each later one: steps/s and tokens/s are the later
     steps' (the real tokens of their micro-batches, per second); no MFU on the CPU, whose peak is not known."""
-    import fitburst.train as loop
+    import fitburst.recipe as loop
 
     now = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: now[0])
@@ -138,7 +139,7 @@ def test_mfu_is_model_flops_over_the_devices_peak():
     """PaLM's count over a timed step: 6 x parameters x tokens, plus 12 x layers x width x each length squared."""
     from fitburst.hours import PEAK_TFLOPS, peak_tflops
     from fitburst.memory import resolve_device
-    from fitburst.train import Pace, progress_fields
+    from fitburst.pace import Pace, progress_fields
 
     pace = Pace("cpu", peak_tflops=1e-6, params=1000, attn_width=8, t0=0.0)  # 1 MFLOP/s
     pace.add([{"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1] * 5])}])
@@ -150,7 +151,7 @@ def test_mfu_is_model_flops_over_the_devices_peak():
 
 def test_a_micro_batch_stays_where_it_is_on_the_cpu():
     """No pinned copy off CUDA: on the CPU the loop trains on the collated tensor itself."""
-    from fitburst.train import to_device
+    from fitburst.pace import to_device
 
     t = torch.arange(6)
     assert to_device(t, "cpu") is t

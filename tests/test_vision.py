@@ -106,8 +106,9 @@ def test_what_trains(vl_spec, method, vision, trains):
     frozen unless asked. The loop's own step runs on a batch with images and moves only what trains."""
     import torch
 
+    from fitburst.builders import build_model
     from fitburst.data import collate
-    from fitburst.train import build_model, optimizer_step
+    from fitburst.train import optimizer_step
 
     spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
     model, tok = build_model(spec, "cpu", "fp32")
@@ -148,11 +149,11 @@ def test_tiny_vl_trains_through_the_dag(vl_run):
 def test_estimate_counts_what_trains(vl_spec, method, vision):
     """The estimator's trainable parameters (LoRA on the vision side as method.vision asks; a full fine-tune's
     frozen tower left out) equal what build_model really trains; the base count equals the loaded model's."""
+    from fitburst.builders import build_model
     from fitburst.data import images_per_record
     from fitburst.memory import estimate, resolve_device
     from fitburst.models import model_family, spec_shape
     from fitburst.settings import settings_from_spec
-    from fitburst.train import build_model
 
     spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
     model, _ = build_model(spec, "cpu", "fp32")
@@ -267,13 +268,14 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
 
     import torch
 
+    from fitburst.builders import build_model, make_optimizer
     from fitburst.data import collate, images_per_record
     from fitburst.memory import resolve_device
     from fitburst.memory.trace import traced_estimate
     from fitburst.models import model_family, resolve_model_ref
     from fitburst.probe import TensorTracker
     from fitburst.settings import settings_from_spec
-    from fitburst.train import build_model, make_optimizer, optimizer_step
+    from fitburst.train import optimizer_step
 
     spec = vl_spec.model_copy(update={"training": vl_spec.training.model_copy(update={"micro_batch_size": 4})})
     rows = [r for r in load_split(prepare_pipeline(spec), "train").to_list() if len(r["input_ids"]) == 40][:4]

@@ -74,7 +74,7 @@ def pad_collate(batch: list[dict], pad_id: int, packed: bool = False) -> dict:
     with no attention mask and position ids restarting at each sample, from which the model's mask keeps attention
     within each sample (sdpa, eager and flash alike); each sample's first label is -100, so no sample is predicted
     from the one before it (its first token is never a target unpacked either). The model must run with
-    ``config.use_cache = False`` (as :func:`fitburst.train.prepare_for_training` sets): transformers looks for
+    ``config.use_cache = False`` (as :func:`fitburst.builders.prepare_for_training` sets): transformers looks for
     packed positions only when no cache is passed, and with one the samples silently attend to each other."""
     import torch  # torch: heavy, only when batches are built (families are on the instant estimate's import path)
 

@@ -3,9 +3,10 @@ gradient buffers FSDP gathers in each phase, and the host RAM a node needs to lo
 
 from __future__ import annotations
 
+from fitburst.hardware import resolve_device
 from fitburst.settings import RunSettings
 
-from .params import DTYPE_BYTES, resolve_targets
+from .params import DTYPE_BYTES, optimizer_bytes, param_counts, resolve_targets, weight_bytes
 from .shapes import ModelShape
 
 
@@ -125,3 +126,13 @@ def host_bytes(params: dict[str, int], s: RunSettings, gpus_per_node: int) -> in
     copies = 1 if loads_once(s.quant) else min(gpus_per_node, s.world_size)
     offloaded = sum(states.values()) // s.world_size * gpus_per_node if s.cpu_offload else 0
     return copies * loaded + offloaded
+
+
+def offload_host_bytes(shape: ModelShape, s: RunSettings, local_size: int, size: int) -> int:
+    """Host RAM a node's ``local_size`` ranks (of ``size``) hold with FSDP's CPU offload: their share of the weights
+    as loaded, of the trainable weights' fp32 gradients and of the optimizer state (the analytic estimate's
+    figures)."""
+    trainable = param_counts(shape, s)["trainable"]
+    state, _, paged = optimizer_bytes(s, [trainable], 4, resolve_device("cpu"))
+    whole = sum(weight_bytes(shape, s).values()) + 4 * trainable + state + paged
+    return whole * local_size // size

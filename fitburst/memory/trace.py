@@ -1,7 +1,7 @@
 """The traced estimate: the project's own model preparation, optimizer and training step run at full size under
 ``FakeTensorMode`` (no memory used), every storage allocation and free recorded in order.
 
-The model is built from config.json on the meta device, wrapped by :func:`fitburst.train.prepare_for_training`
+The model is built from config.json on the meta device, wrapped by :func:`fitburst.builders.prepare_for_training`
 (the loop's own function), materialized as fake CPU tensors (base weights first, then adapters, tied weights
 once), and stepped twice with :func:`fitburst.train.optimizer_step`: a warm-up step (optimizer state appears),
 then the measured step. The ordered events feed :mod:`fitburst.memory.cuda_kernels` (where CUDA kernels
@@ -327,10 +327,11 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
 
+    from fitburst.builders import prepare_for_training
     from fitburst.device import make_amp
     from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
-    from fitburst.train import optimizer_step, prepare_for_training
+    from fitburst.train import optimizer_step
 
     from . import cuda_kernels, sharded
     from .autocast_policy import device_autocast
@@ -396,8 +397,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         for h in hooks:
             h.remove()
         _tag_cpu_resident(rec, opt)
-        trainable = sum(p.numel() for p in params)
-        total = _param_count(model)
+        trainable, total = sum(p.numel() for p in params), _param_count(model)
         loaded = _loaded_bytes(model, s.double_quant, adapter_trains=s.method != "full")
     return StepTrace(events=rec.events, measured_start=start,
                      params={"total": total, "trainable": trainable, "loaded": loaded},
@@ -443,7 +443,7 @@ def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int) -> int:
 
 def _optimizer(sp, params: list, adamw: str):
     """The loop's optimizer over ``params``; ``adamw``: how AdamW steps (fused, foreach, for-loop)."""
-    from fitburst.train import make_optimizer
+    from fitburst.builders import make_optimizer
 
     tr = sp.training
     return make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay, adamw)

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 _CODE = ("memory/trace.py", "memory/recorder.py", "memory/trace_events.py", "memory/sharded.py",
          "memory/allocator.py", "memory/cuda_kernels.py", "memory/mps_kernels.py", "memory/autocast_policy.py",
          "memory/estimator.py", "memory/params.py", "memory/loss_kernels.py",
-         "hardware.py", "models.py", "train.py", "distributed.py", "device.py", "settings.py", "families/*.py")
+         "hardware.py", "models.py", "builders.py", "train.py", "pace.py", "distributed.py", "device.py", "settings.py",
+         "families/*.py")
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 
 

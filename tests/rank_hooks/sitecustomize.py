@@ -1,12 +1,12 @@
 """Test instrumentation for the ranks torchrun starts (they cannot be monkeypatched from the test process): with
-this folder on PYTHONPATH and FITBURST_TEST_RANK_HOOKS set to JSON, every rank wraps fitburst.train.optimizer_step
-as it is imported:
+this folder on PYTHONPATH and FITBURST_TEST_RANK_HOOKS set to JSON, every rank wraps the step its loop calls
+(fitburst.recipe.optimizer_step) as the recipe is imported:
 
     step_sleep   seconds added to each optimizer step, so a test can act mid-run
     oom          {"rank": r, "call": k, "marker": path}: rank r's k-th optimizer step (0-based) fails with the CPU
                  allocator's out-of-memory error once (the marker file, created then, stops it happening again)
     held         a folder: each rank writes rank-<r>.json there, the bytes of parameter storage it holds when
-                 fitburst.train has loaded the base model ("loaded": meta tensors hold none) and when build_model
+                 fitburst.builders has loaded the base model ("loaded": meta tensors hold none) and when build_model
                  returns ("built": a sharded parameter's local shard)
 """
 
@@ -51,7 +51,9 @@ def _held(model) -> int:
 
 
 def _record_held(module, folder: str) -> None:
-    load, build = module.load_pipeline_model, module.build_model
+    import fitburst.builders as builders  # loaded with the recipe: where build_model loads the base model
+
+    load, build = builders.load_pipeline_model, module.build_model
     seen: dict = {}
 
     def write() -> None:
@@ -70,13 +72,13 @@ def _record_held(module, folder: str) -> None:
         write()
         return out
 
-    module.load_pipeline_model = load_pipeline_model
+    builders.load_pipeline_model = load_pipeline_model
     module.build_model = build_model
 
 
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "fitburst.train":
+        if name != "fitburst.recipe":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

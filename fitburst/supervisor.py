@@ -1,0 +1,244 @@
+"""The Supervisor: what wraps the Recipe (:mod:`fitburst.recipe`), as torchtune keeps it apart from the recipe.
+
+- plans the run's place: the run folder (the newest interrupted one with the same config and data, else a new
+  one: :mod:`fitburst.rundir`), its MLflow records (the attempt it replaces linked, metrics through the folder's
+  outbox) and the step-downs an earlier attempt took (``stepdown.json``, :mod:`fitburst.oom`);
+- walks the ladder after an out-of-memory error: the next rung, a resume from the last checkpoint, the records;
+- starts the ranks of a sharded run on this node or every node (:class:`fitburst.ranks.Ranks`: torchrun, whose
+  every rank runs the Recipe directly) or runs the Recipe in this process;
+- evaluates after training and records both (:class:`fitburst.tracking.Tracker`).
+
+Two callers, one path: the flow's train task (:func:`train_local_run`) and ``fitburst train`` on a cloud node
+(:func:`train_and_evaluate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from fitburst.checkpoints import drop_optimizer_state, latest_checkpoint
+from fitburst.data import PreparedData, images_per_record
+from fitburst.device import select_device
+from fitburst.evaluate import EvalResult, evaluate
+from fitburst.hardware import resolve_device
+from fitburst.memory import Device, Estimate, ModelShape, estimate
+from fitburst.memory.ladder import next_rung
+from fitburst.memory.planner import max_seq_len_that_fits
+from fitburst.models import model_family, spec_shape
+from fitburst.oom import StepDown, exhausted, load_stepdowns, record_history, store_stepdowns
+from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
+from fitburst.outbox import replay_outboxes
+from fitburst.ranks import Ranks, RanksFailed, local_ranks
+from fitburst.recipe import train
+from fitburst.rundir import open_run_dir, release, runs_root
+from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
+from fitburst.spec import PipelineSpec
+from fitburst.tracking import Tracker, redact
+from fitburst.train import MetricsFn, TrainResult
+
+log = logging.getLogger(__name__)
+
+
+# --- plan: the run folder --------------------------------------------------------------------------------------
+
+def train_local_run(spec: PipelineSpec, prepared: PreparedData, tracker: Tracker | None, *,
+                    estimate: Estimate | None = None, device: str | None = None, progress: bool = True,
+                    on_metrics: MetricsFn | None = None,
+                    on_stepdown: Callable[[StepDown], None] | None = None, nproc: int | None = None) -> TrainResult:
+    """Train ``spec`` in its run folder (the newest interrupted one with the same config and data, else a new one),
+    linking and closing the records of the attempt it replaces. Each OOM step-down is recorded in MLflow and passed
+    to ``on_stepdown`` (the flow's log). ``nproc``: processes to shard the run over (default
+    :func:`fitburst.ranks.local_ranks`: one per GPU for ``training.distributed: fsdp``); this process keeps the
+    MLflow run and relays rank 0's loss curve."""
+    if tracker is not None:
+        replay_outboxes(runs_root(spec) / spec.name, tracker.uri)
+    run_dir, resumed = open_run_dir(spec, data_hash=prepared.content_hash)
+    log.info("%s run folder %s", "resuming in" if resumed else "training into", run_dir)
+    try:
+        if tracker is not None:
+            tracker.set_tags({"run_dir": str(run_dir)})
+            tracker.link_previous(run_dir)
+            tracker.use_outbox(run_dir)
+        return train_and_record(spec, prepared, run_dir, tracker=tracker, path="local", estimate=estimate,
+                                device=device, progress=progress, on_metrics=on_metrics, on_stepdown=on_stepdown,
+                                ranks=Ranks(nproc or local_ranks(spec)))
+    finally:
+        release(run_dir)
+
+
+# --- train, evaluate, record -----------------------------------------------------------------------------------
+
+def train_and_evaluate(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
+                       tracker: Tracker | None = None, path: str = "local", estimate: Estimate | None = None,
+                       device: str | None = None, evaluate_after: bool = True, progress: bool = True,
+                       ranks: Ranks | None = None) -> tuple[TrainResult, EvalResult | None]:
+    """Train (over ``ranks``, when given), evaluate (when ``evaluate_after`` and ``spec.eval.enabled``) and record;
+    returns both results. What ``fitburst train`` runs (the cloud node's command)."""
+    result = train_and_record(spec, prepared, run_dir, tracker=tracker, path=path, estimate=estimate, device=device,
+                              progress=progress, ranks=ranks)
+    ev = evaluate_and_record(spec, prepared, result, tracker=tracker) if evaluate_after and spec.eval.enabled else None
+    return result, ev
+
+
+def train_and_record(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, tracker: Tracker | None,
+                     path: str, estimate: Estimate | None = None, device: str | None = None,
+                     progress: bool = True, on_metrics: MetricsFn | None = None,
+                     on_stepdown: Callable[[StepDown], None] | None = None,
+                     ranks: Ranks | None = None) -> TrainResult:
+    """Train into ``run_dir`` (the loss curve streamed to ``tracker``, or to ``on_metrics`` when given, which then
+    forwards it; system metrics recorded meanwhile), stepping down on out-of-memory (each step-down recorded and
+    passed to ``on_stepdown``), then record the run: facts, adapter, plots, and measured vs ``estimate`` when there
+    is one. ``path`` is where it trained: local or cloud. ``ranks`` of more than one process: sharded with FSDP over
+    them (:class:`fitburst.ranks.Ranks`: this machine's, or several nodes' with this process as node 0's supervisor)."""
+
+    def stepped_down(record: StepDown) -> None:
+        if tracker is not None:
+            tracker.log_stepdown(record)
+        if on_stepdown is not None:
+            on_stepdown(record)
+
+    metrics_fn = on_metrics or (tracker.log_metrics if tracker else None)
+    with tracker.system_metrics() if tracker is not None else contextlib.nullcontext():
+        result = train_stepping_down(spec, prepared, run_dir, device=device, on_metrics=metrics_fn,
+                                     on_stepdown=stepped_down, progress=progress, ranks=ranks)
+    if tracker is not None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            tracker.log_train(result, path=path)
+            if estimate is not None:
+                tracker.log_memory_comparison(estimate, result)
+        except MlflowException as e:  # the server went away: the trained run must not be lost over its record
+            log.warning("MLflow unreachable after training (%s): the result, adapter and loss curve are in %s; "
+                        "metrics are replayed from its outbox when the server is back", redact(str(e))[:200],
+                        result.run_dir)
+    return result
+
+
+def evaluate_and_record(spec: PipelineSpec, prepared: PreparedData, result: TrainResult, *,
+                        tracker: Tracker | None) -> EvalResult:
+    """Base vs tuned on the validation split, with the device and precision the run trained in; saved as the run
+    folder's ``eval.json`` and recorded."""
+    ev = evaluate(spec, prepared, result.adapter_dir, device=result.device, precision=result.precision)
+    ev.save(result.run_dir)
+    if tracker is not None:
+        tracker.log_eval(ev)
+    return ev
+
+
+# --- walk the ladder after an OOM ----------------------------------------------------------------------------
+
+def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
+                        device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
+                        on_stepdown: Callable[[StepDown], None] | None = None,
+                        progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
+    """:func:`fitburst.recipe.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
+    the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
+    saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
+    rung is left.
+
+    ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
+    node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
+    rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). A rank torchrun
+    started runs the Recipe alone (``fitburst train``): the error ends the rank, and this loop, above torchrun,
+    decides."""
+    run_dir = Path(run_dir)
+    sharded = ranks if ranks is not None and ranks.size > 1 else None
+    device = device or select_device(spec.preflight.device)
+    dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
+    longest = int(prepared.stats["max"])
+
+    def resolved(s: PipelineSpec) -> RunSettings:
+        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model_family(s.model))
+
+    state = load_stepdowns(run_dir, lambda fields: resolved(spec.with_overrides(fields)))
+    settings = RunSettings.from_dict(state["settings"]) if state["settings"] else resolved(spec)
+    current = spec_with_settings(spec, settings) if state["settings"] else spec
+    if state["rungs"]:
+        log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
+    shape = None
+    while True:
+        try:
+            if sharded is not None:
+                sharded.run(current, prepared.dir, run_dir, device=device, on_metrics=on_metrics)
+                return TrainResult.load(run_dir)
+            return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
+        except BaseException as exc:  # noqa: BLE001 - anything but an OOM is re-raised at once
+            kind = oom_kind(exc)
+            if kind is None:
+                raise
+            ckpt = latest_checkpoint(run_dir)
+            step = int(ckpt.name.split("-")[1]) if ckpt else 0
+            record = StepDown(time=time.strftime("%Y-%m-%dT%H:%M:%S"), pipeline=spec.name, device=device,
+                              oom_kind=kind, step=step, measured_peak_bytes=(
+                                  exc.peak_bytes if isinstance(exc, RanksFailed) else measured_peak(device)),
+                              requested_bytes=requested_bytes(exc), error=str(exc).splitlines()[0][:300],
+                              settings=asdict(settings), device_name=dev.name)
+            free_memory(exc)
+            del exc
+            shape = shape or _shape(spec)
+            record.estimated_bytes = _estimated(settings, shape, dev)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=shape)
+            if rung is not None:
+                record.rung, record.change = rung.key, rung.explain(settings, dev)
+            record_history(record)
+            if rung is None:
+                fits = setting_that_would_fit(spec, settings, shape, dev, longest)
+                raise exhausted(current, record, run_dir, fits) from None
+            if rung.key == "optimizer_8bit" and ckpt is not None:
+                drop_optimizer_state(ckpt)
+            settings = rung.take(settings, dev)
+            current = spec_with_settings(spec, settings)
+            state["settings"], state["rungs"] = asdict(settings), [*state["rungs"], rung.key]
+            state["history"].append(record.to_dict())
+            store_stepdowns(run_dir, state)
+            log.warning("out of memory (%s) at step %d, peak %s bytes: stepping down: %s; resuming from %s",
+                        kind, step, record.measured_peak_bytes, record.change, ckpt.name if ckpt else "the start")
+            if on_stepdown:
+                on_stepdown(record)
+
+
+def measured_peak(device: str) -> int | None:
+    """The peak this process reached on ``device``: CUDA max allocated, MPS driver memory, CPU max RSS."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    if device == "mps" and torch.backends.mps.is_available():
+        return int(torch.mps.driver_allocated_memory())
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _estimated(settings: RunSettings, shape: ModelShape | None, dev: Device) -> int | None:
+    """The analytic estimate (no calibration factor) of the figure a measured peak on ``dev`` compares with, for
+    the settings that ran out of memory: what ``fitburst calibrate`` sets against the peak. None for an
+    architecture only the trace knows."""
+    if shape is None:
+        return None
+    est = estimate(shape, settings, dev, calibrate=False)
+    return est.comparable_bytes(dev.kind)
+
+
+def _shape(spec: PipelineSpec) -> ModelShape | None:
+    try:
+        return spec_shape(spec)
+    except (ValueError, OSError):  # a config not readable here: the record keeps the measurement alone
+        return None
+
+
+def setting_that_would_fit(spec: PipelineSpec, settings: RunSettings, shape: ModelShape | None, dev: Device,
+              longest: int) -> str:
+    """The setting that would have fit: the longest sequence the estimate fits on this device at the last rung."""
+    fit = max_seq_len_that_fits(shape, settings, dev, spec.preflight.safety_margin) if shape is not None else 0
+    if fit and fit < longest:
+        return f"data.max_seq_len: {fit} (the longest sample has {longest} tokens)"
+    return "a device with more memory (burst.policy: auto), or fewer trainable parameters (method.rank)"

@@ -153,3 +153,12 @@ def test_validate_refuses_offloaded_checkpoints_the_host_cannot_hold(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "fitburst.cli", "validate", str(f), "--no-data"], capture_output=True,
                         text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_traced_host_peak_counts_host_copies_of_the_measured_step_only():
+    ev = [Event("alloc", 1, 100, "warmup.forward", tag="host"), Event("free", 1, 100, "warmup.backward"),
+          Event("alloc", 2, 7, "forward"), Event("alloc", 3, 40, "forward", tag="host"),
+          Event("alloc", 4, 50, "forward", tag="host"), Event("free", 3, 40, "backward"),
+          Event("alloc", 5, 30, "backward", tag="host"), Event("free", 4, 50, "backward")]
+    assert traced_host_bytes(ev, start=2) == 90  # 40 + 50 at once; the warm-up's 100 and the device's 7 are not
+    assert traced_host_bytes(ev, start=0) == 100

@@ -162,3 +162,27 @@ def test_the_traced_host_peak_counts_host_copies_of_the_measured_step_only():
           Event("alloc", 5, 30, "backward", tag="host"), Event("free", 4, 50, "backward")]
     assert traced_host_bytes(ev, start=2) == 90  # 40 + 50 at once; the warm-up's 100 and the device's 7 are not
     assert traced_host_bytes(ev, start=0) == 100
+
+
+def test_the_planner_combines_rungs_by_fit_then_time():
+    """Llama-3.1-8B QLoRA r32 on a 24 GiB card: a short run keeps checkpointing alone, a longer one adds the fused
+    loss, then offloading, and at the longest length the planner finds it takes every rung that saves memory here
+    (checkpointing, offloaded checkpoints, the fused loss, dropout 0, the 8-bit optimizer) at once."""
+    shape, dev, host = _llama8b(), resolve_device("cuda:24GiB"), host_limit(256 * GiB)
+    s = _settings(micro_batch_size=1, loss="auto", activation_offloading=False, rank=32, dropout=0.05,
+                  optimizer="adamw")
+
+    def planned(n: int) -> RunSettings:
+        p = plan_fit(shape, replace(s, seq_len=n), dev, host_limit=host)
+        assert p.fits, (n, p.changes)
+        return p.settings
+
+    short, mid = planned(2048), planned(4096)
+    assert (short.loss, short.activation_offloading, short.optimizer) == ("auto", False, "adamw")
+    assert mid.loss == "fused" and not mid.activation_offloading and mid.optimizer == "adamw"
+    n, plan = longest_planned(shape, replace(s, seq_len=2048), dev, host_limit=host)
+    assert plan is not None
+    p = plan.settings
+    assert (p.gradient_checkpointing, p.activation_offloading, p.loss, p.dropout, p.optimizer) == (
+        True, True, "fused", 0.0, "adamw8bit"), p
+    assert 4096 < n < 1 << 20

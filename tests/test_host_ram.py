@@ -186,3 +186,35 @@ def test_the_planner_combines_rungs_by_fit_then_time():
     assert (p.gradient_checkpointing, p.activation_offloading, p.loss, p.dropout, p.optimizer) == (
         True, True, "fused", 0.0, "adamw8bit"), p
     assert 4096 < n < 1 << 20
+
+
+def test_a_plan_that_offloads_more_than_the_host_holds_says_so_and_how_long_fits():
+    """Offloading asked for, with every other rung switched off: the host decides, and the miss names it, the fix
+    and the longest sequence whose offloaded checkpoints the host holds."""
+    shape, dev = _llama8b(), resolve_device("A100-80GB")
+    s = _settings(micro_batch_size=1, seq_len=65536, rank=32)
+    off = {k: False for k in ("attention", "packing", "dropout", "fused_loss", "optimizer_8bit", "reduce_batch",
+                              "gradient_checkpointing", "activation_offloading", "quantize", "precision",
+                              "resolution")}
+    small = host_limit(24 * GiB)
+    plan = plan_fit(shape, s, dev, allow=off, host_limit=small)
+    assert not plan.fits and plan.estimate.host_bytes > small
+    text = " ".join(plan.changes)
+    assert "the host RAM does not" in text and "(offloaded activations)" in text
+    assert "training.activation_offloading off" in text and "longest sequence that fits" in text, text
+    n = int(text.split("as configured: ")[1].split(" tokens")[0])
+    assert 0 < n < 65536
+    assert Budget(dev, host_limit=small).judge(estimate(shape, replace(s, seq_len=n), dev)).fits
+
+
+@pytest.mark.parametrize("device", ["cpu", "M2-Max-64GB"])
+def test_validate_refuses_offloading_off_cuda_with_field_and_fix(tmp_path, device):
+    (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
+    f = tmp_path / "pipelines.yaml"
+    f.write_text("pipelines:\n  a:\n    model: {name: llama-3.2-1b}\n    data: {path: d.jsonl}\n"
+                 f"    method: {{type: lora}}\n    preflight: {{device: {device}}}\n    training:\n"
+                 "      activation_offloading: true\n")
+    r = subprocess.run([sys.executable, "-m", "fitburst.cli", "validate", str(f), "--no-data"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "line 8: field 'training.activation_offloading'" in r.stderr and "set it false" in r.stderr, r.stderr

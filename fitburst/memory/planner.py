@@ -223,14 +223,20 @@ def _closest_miss(shape: ModelShape, settings: RunSettings, device: Device, budg
         gpu_fits = budget.needed(base) <= budget.limit
         assert budget.host_limit is not None  # host_fits is False only against a limit
         what = "offloaded state and loading" if settings.cpu_offload else "loading"
+        if settings.activation_offloading:  # each process's offloaded activations, pinned (fitburst.memory.host)
+            what = ("offloaded activations" if settings.world_size == 1 else f"{what}, offloaded activations")
         why = [f"nothing fits {device.name}: the host RAM does not: {_gib(base.host_bytes)} per node ({what}) of "
                f"{_gib(budget.host_limit)}" + (f", while each GPU would hold its part ({_gib(budget.needed(base))} of "
                                                f"{_gib(budget.limit)} at the upper edge)" if gpu_fits else
                                                f", and each GPU needs {_gib(budget.needed(base))} of "
                                                f"{_gib(budget.limit)}")
                + ": a node with more RAM, more GPUs"
-               + (", or training.fsdp.cpu_offload off" if settings.cpu_offload else "")]
-        longest = 0
+               + (", or training.fsdp.cpu_offload off" if settings.cpu_offload else "")
+               + (", a shorter sequence, or training.activation_offloading off" if settings.activation_offloading
+                  else "")]
+        # offloaded activations shrink with the sequence; what FSDP keeps on the host does not
+        longest = max_seq_len_that_fits(shape, settings, device, safety_margin, host_limit=budget.host_limit) \
+            if settings.activation_offloading else 0
     else:
         longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
         why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
@@ -238,7 +244,7 @@ def _closest_miss(shape: ModelShape, settings: RunSettings, device: Device, budg
                f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if rejected:
         why.append(f"the exact estimate rejected the {rejected} cheapest plan(s) the analytic one accepted")
-    if not budget.host_fits(base):
+    if not budget.host_fits(base) and not settings.activation_offloading:
         why.append("a shorter sequence does not help: the host RAM decides")
     else:
         why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"

@@ -24,9 +24,8 @@ LARGE_BUFFER = 20 * MB  # kLargeBuffer: segment for 1-10 MiB requests
 MIN_LARGE_ALLOC = 10 * MB  # kMinLargeAlloc
 ROUND_LARGE = 2 * MB  # kRoundLarge
 # Where the driver maps a new segment relative to earlier ones: "ascending" (each new segment above the last) or
-# "descending" (below). It decides best-fit ties between equal-size free blocks. Chosen on the fitting rows of
-# t4_dev.csv (the SmolLM2-135M rows; benchmarks/preflight_accuracy.py marks them): with "ascending" the eager
-# 4096-token row comes out 6.3 % low (a new b*h*s*s segment instead of reusing one), with "descending" -0.1 %.
+# "descending" (below). It decides best-fit ties between equal-size free blocks; chosen on the T4 archive's fit rows
+# (docs/preflight.md, "How each band was measured").
 PLACEMENT = "descending"
 
 

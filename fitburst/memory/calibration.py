@@ -116,15 +116,16 @@ def _unmeasured_gpu(band: ErrorBand, why: str = "not measured on this GPU") -> E
                      measured=False)
 
 
-# CUDA, a Tesla T4 (../shared/memory/t4_dev.csv, 29 rows, replayed by benchmarks/preflight_accuracy.py --parts t4)
+# CUDA, a Tesla T4: the published archive's 29 runs (each band's rows, edges and evidence file: docs/preflight.md,
+# "Error bands")
 T4_ANALYTIC = _measured(-0.1853, 0.110, "analytic estimate vs a Tesla T4's reserved + context (29 runs of "
                                        "TinyLlama-1.1B and SmolLM2-135M, looked-at)", 29)
 T4_16 = _measured(0.0, 0.0026, "traced estimate vs a Tesla T4's reserved + context, 16-bit LoRA (6 held-out runs "
                                "of TinyLlama-1.1B)", 6)
 T4_4BIT = _measured(-0.0509, 0.0424, "traced estimate vs a Tesla T4's reserved + context, 4-bit QLoRA nf4 (19 "
                                      "in-sample runs of TinyLlama-1.1B and SmolLM2-135M: 4 fit, 15 looked-at)", 19)
-# 4-bit for other models: held-out T4 runs of other models were reported at -12 % .. +15 % of the traced figure; their
-# rows are not in this repository, so they widen only the band of runs outside the measured ones (never a measured band)
+# 4-bit runs of other models on a T4: a reading whose rows are not in this repository, so it sets only the
+# unmeasured 4-bit band (docs/preflight.md), never a measured one
 T4_4BIT_REPORTED = ErrorBand(-0.1304, 0.15, "traced estimate, 4-bit QLoRA: T4 runs of other models reported at "
                                             "-12 % .. +15 % (their rows are not in this repository)", 0,
                              measured=False)
@@ -150,9 +151,8 @@ GPU_BANDS: dict[tuple[str, str, str], ErrorBand] = {
     ("traced", "cuda-kbit", "H100"): _gpu_rows(-0.0169, 0.0433, f"traced estimate vs {_H100}, QLoRA nf4: 2 fit, 1 "
                                                                 "held-out)", 3),
 }
-# What each measured band's runs span, the card's fraction rounded up at two significant digits (tests/test_bands.py
-# and tests/test_gpu_evidence.py replay every row: each lies inside, and no envelope is wider). T4: TinyLlama-1.1B and
-# SmolLM2-135M, eager and SDPA, nf4 without double quantization. H100: demo Llamas (826-token vocabulary), SDPA.
+# What each measured band's runs span (the card's fraction rounded up at two significant digits): a band claims only
+# what its rows span (tests/test_bands.py, tests/test_gpu_evidence.py check each row lies inside, none wider)
 _T4_RUNS = Envelope(params=(134_515_008, 1_100_048_384), vocab=(32_000, 49_152), card=0.76,
                     attention=("eager", "sdpa"), quant=("none", "nf4"))
 _H100_RUNS = Envelope(params=(499_584, 203_036_672), vocab=(826, 826), card=0.028, attention=("sdpa",),
@@ -187,8 +187,8 @@ BANDS: dict[tuple[str, str], ErrorBand] = {  # per device family; on CUDA: no me
                                                           "(benchmarks/analytic_vs_traced.py --mps)", 0),
 }
 
-# the sliced estimate against the full trace of the same run, sliced / traced - 1, reserved
-# (benchmarks/results/sliced_vs_traced_seed*.txt); a sliced estimate's band is the traced band widened by it
+# the sliced estimate against the full trace of the same run, sliced / traced - 1, reserved (docs/preflight.md); a
+# sliced estimate's band is the traced band widened by it
 SLICED_ROWS = {"cpu": 9, "cuda": 27}
 SLICED_CPU = (0.0, 0.0)
 SLICED_CUDA = (-0.081, 0.0308)
@@ -201,11 +201,10 @@ BANDS.update({
     ("sliced-vs-traced", "mps"): _measured(*SLICED_CUDA, _SLICED_SOURCE.format(n=SLICED_ROWS["cuda"]) + ", CUDA's "
                                            "band: nothing compared on MPS", 0, floor=0.0),
 })
-# FSDP, per GPU: benchmarks/results/distributed-accuracy.txt and distributed.csv (estimate / measured - 1 of each
-# rank's live tensor bytes in real gloo runs, gloo's reduce-scatter copy left out); on CUDA nothing sharded was
+# FSDP, per GPU, against each rank of real gloo runs on the CPU (docs/preflight.md); on CUDA nothing sharded was
 # measured: the one-GPU unmeasured band widened by UNMEASURED_SHARDED_HIGH for FSDP's collective streams
 UNMEASURED_SHARDED_HIGH = 0.05
-_SHARDED_VS_TRACE = (-0.224, 0.099)  # traced / analytic - 1 on distributed.csv's 17 rows and tests/test_sharded.py
+_SHARDED_VS_TRACE = (-0.224, 0.099)  # traced / analytic - 1, per GPU (docs/preflight.md)
 SHARDED_BANDS: dict[tuple[str, str], ErrorBand] = {
     ("traced", "cpu"): _measured(0.0, 0.004, "traced estimate (rank 0 of N) vs each rank's live tensor bytes in real "
                                              "gloo runs, FSDP (14 configurations, 4 architectures, 2 and 4 ranks; "

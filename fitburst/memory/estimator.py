@@ -35,15 +35,12 @@ from .shapes import ModelShape
 # CUDA caching allocator: reserved / allocated at a training peak (block rounding, fragmentation), plus a
 # floor of segments; MPS heaps are coarser; on CPU glibc keeps freed memory (RSS above tensor bytes), and the
 # first training step adds a heap of its own (autograd engine, oneDNN scratch, thread pools, lazily imported
-# modules, the batch rows as Python objects): ~25-36 MiB measured with torch 2.13 on small models. On CPU the
-# reserved figure is what fitburst.meter measures (VmHWM minus the RSS at the start, unpinned glibc malloc).
+# modules, the batch rows as Python objects; benchmarks/results/tracker_vs_os.txt). On CPU the reserved figure is
+# what fitburst.meter measures (VmHWM minus the RSS at the start, unpinned glibc malloc).
 # On CUDA the loss's fp32 logits blocks (4 x tokens x vocab each) leave segments the later phases cannot fill:
 # reserved = allocated x 1.064 + 0.363 x fp32 logits + 31 MiB, least squares on the caching-allocator replays of
-# traced steps (fitburst.memory.trace), never on measurements: 50 configurations of 4 models. Scored by
-# benchmarks/analytic_vs_traced.py (100 configurations of 10 models, T4 / L4 / A100, seed 1): reserved from the
-# traced allocated figure on its 40 configurations of 5 held-out models -7.6 % .. +6.2 % (median 3.4 %), where
-# x 1.06 + 64 MiB gives -13.4 % .. +5.9 % (3.4 %); the benchmark's own refit on its 60 fit-model configurations
-# does no better held out (-7.2 % .. +10.3 %), so these are kept.
+# traced steps (fitburst.memory.trace), never on measurements; how it scores against them and why it is kept:
+# docs/preflight.md, "How each band was measured".
 RESERVED_FACTOR = {"cuda": 1.064, "mps": 1.15, "cpu": 1.25}
 RESERVED_FLOOR = {"cuda": 31 * MiB, "mps": 64 * MiB, "cpu": 32 * MiB}
 RESERVED_PER_LOGITS = {"cuda": 0.363, "mps": 0.0, "cpu": 0.0}

@@ -30,9 +30,8 @@ PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 # Micro-batches of an accumulation window the trace steps through. The third and later ones repeat the second's
 # allocations exactly (same shapes, gradients already there, the caching allocator already warm); what each one
 # adds is its own input tensors, held by the loop's micro-batch list for the whole step: the trace builds all of
-# those and keeps them alive, and steps through the first TRACED_MICRO. benchmarks/trace_micro.py against the trace of
-# every micro-batch (10 configurations, grad_accum 3-8, CPU / T4 / A100): allocated identical on all, reserved on
-# 9 of 10 (one gemma-3-270m full fine-tune on the T4 keeps one more 20 MiB segment, +0.30 %); 2-5x faster.
+# those and keeps them alive, and steps through the first TRACED_MICRO (against tracing every micro-batch:
+# benchmarks/trace_micro.py, its figures in docs/preflight.md).
 TRACED_MICRO = 2
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
 

@@ -150,8 +150,8 @@ def traced_rows() -> list[str]:
                                             data=dict(path="unused.jsonl"),
                                             method=dict(type="qlora", quant="nf4", rank=32, double_quant=True)))
     out = ["", "### Traced check (Llama-3.1-8B, best plan at the analytic longest length)", "",
-           "| card | length | analytic device total GiB | traced device total GiB | traced / analytic | fits |",
-           "|---:|---:|---:|---:|---:|---|"]
+           "| card | length | analytic device total GiB | traced device total GiB | traced / analytic | fits (trace) "
+           "| host GiB analytic / traced |", "|---:|---:|---:|---:|---:|---|---:|"]
     for n in (24, 80):
         b = longest(shape, n, True)
         s = best(plain(b), n)
@@ -160,7 +160,8 @@ def traced_rows() -> list[str]:
         t = traced_estimate(spec, s, card(n), seq_len=b)
         out.append(f"| {n} GB | {b:,} | {a.device_total_bytes / GiB:.2f} | {t.device_total_bytes / GiB:.2f} | "
                    f"{t.device_total_bytes / a.device_total_bytes - 1:+.1%} | "
-                   f"{'yes' if t.device_total_bytes <= n * GiB else 'no'} ({time.time() - t0:.0f} s) |")
+                   f"{'yes' if t.device_total_bytes <= n * GiB else 'no'} ({time.time() - t0:.0f} s) | "
+                   f"{a.offloaded_host_bytes / GiB:.2f} / {t.offloaded_host_bytes / GiB:.2f} |")
     return out
 
 

@@ -8,11 +8,14 @@ step-down) writes it back with :func:`spec_with_settings`. Pure Python: no torch
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fitburst.hardware import Device, auto_precision
-from fitburst.spec import PipelineSpec, resolve_quant
+from fitburst.rules import FamilyFacts, problems
+
+if TYPE_CHECKING:  # the schema reads its choices from here; the conversion only reads a spec's fields
+    from fitburst.spec import PipelineSpec
 
 # Label positions whose full-vocabulary fp32 logits exist at once in the eval's loss (fitburst.evaluate): the eval
 # never holds batch x seq x vocab logits, and the estimate's eval phase counts one chunk.
@@ -20,18 +23,33 @@ EVAL_CHUNK_TOKENS = 1024
 # Qwen2-VL: 14-pixel patches, 2 x 2 merged into one language token
 QWEN2_VL_PIXELS_PER_TOKEN = 28 * 28
 
-METHODS = ("full", "lora", "qlora")
-QUANTS = ("none", "int8", "nf4", "fp4")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+# the choices of pipelines.yaml's fields (fitburst.spec), RunSettings and `fitburst estimate`'s arguments
+Method = Literal["full", "lora", "qlora"]
+Quant = Literal["none", "int8", "nf4", "fp4"]
+Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Attention = Literal["eager", "sdpa", "flash"]
+Vision = Literal["frozen", "projector", "tower"]
+# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
+Loss = Literal["auto", "standard", "fused"]
+Distributed = Literal["auto", "none", "fsdp"]
+METHODS: tuple[str, ...] = get_args(Method)
+QUANTS: tuple[str, ...] = get_args(Quant)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 # how torch's AdamW steps: auto (the loop's choice for the device, fitburst.memory.cuda_kernels.adamw_impl), or the
 # implementation a measured run used (a replay of a run from before the loop fused AdamW on CUDA)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "for-loop")
-DTYPES = ("bf16", "fp16", "fp32")
-ATTENTIONS = ("eager", "sdpa", "flash")
-VISION = ("frozen", "projector", "tower")
-# the training loss: "auto" runs the standard one and lets the planner's fused_loss rung switch it
-LOSSES = ("auto", "standard", "fused")
-DISTRIBUTED = ("auto", "none", "fsdp")
+DTYPES: tuple[str, ...] = get_args(Precision)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+VISION: tuple[str, ...] = get_args(Vision)
+LOSSES: tuple[str, ...] = get_args(Loss)
+DISTRIBUTED: tuple[str, ...] = get_args(Distributed)
+
+
+def resolve_quant(method: str, quant: str | None) -> str:
+    """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
+    spec and :class:`RunSettings` share)."""
+    return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
 
 # the field names of settings stored by an earlier fitburst (RunSettings.from_dict reads them)
 STORED_BEFORE_RENAME = {"batch": "micro_batch_size", "dtype": "precision", "targets": "target_modules",
@@ -88,12 +106,8 @@ class RunSettings:
             if v not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(ok)} (got {v!r})")
         self.quant = resolve_quant(self.method, self.quant)
-        if self.method == "full" and self.quant != "none":
-            raise ValueError("full fine-tuning cannot train quantized weights")
         if self.method == "lora" and self.quant != "none":
             self.method = "qlora"
-        if self.sharded and self.quant == "int8":
-            raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
         if min(self.micro_batch_size, self.seq_len, self.grad_accum, self.rank, self.world_size) < 1:
             raise ValueError("batch, seq_len, grad_accum, rank and world_size must be >= 1")
 
@@ -147,17 +161,19 @@ class RunSettings:
 
 
 def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len: int | None = None, *,
-                       images: int = 0) -> RunSettings:
-    """The settings ``spec`` trains with, as fitburst's loop runs it: ``precision: auto`` resolved for ``device``
-    (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample (default
-    ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``: the most
-    images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline."""
+                       images: int = 0, family: FamilyFacts | None = None) -> RunSettings:
+    """The settings ``spec`` trains with, resolved once, as fitburst's loop runs it: ``precision: auto`` resolved
+    for ``device`` (bf16 when no device is given: a cloud GPU resolves its own), ``seq_len`` the longest sample
+    (default ``data.max_seq_len``), the model output dropped after the loss, the eval after training. ``images``:
+    the most images one record holds (:func:`fitburst.data.images_per_record`), for a vision-language pipeline.
+    ``family``: the model's (:func:`fitburst.models.model_family`); where the rule table refuses it the fused loss,
+    ``loss: auto`` resolves to the standard loss (the planner then never offers the fused_loss rung)."""
     m, t = spec.method, spec.training
     dtype: str = t.precision
     if dtype == "auto":
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
-    return RunSettings(
+    s = RunSettings(
         method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
         dropout=m.dropout, target_modules=m.target_modules, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum,
@@ -170,6 +186,10 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
         distributed=t.distributed, reshard_after_forward=t.fsdp.reshard_after_forward, cpu_offload=t.fsdp.cpu_offload)
+    if s.loss == "auto" and family is not None and any(
+            p.rule == "family_fused_loss" for p in problems(replace(s, loss="fused"), None, family)):
+        s = replace(s, loss="standard")
+    return s
 
 
 def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:

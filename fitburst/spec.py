@@ -21,7 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from fitburst.errors import UserError
-from fitburst.hardware import SKY_NAMES, check_gpus, gpu_entry, named_device, split_count
+from fitburst.hardware import SKY_NAMES, check_gpus, gpu_entry
+from fitburst.rules import declared_device, problems
+from fitburst.settings import (
+    Attention,
+    Distributed,
+    Loss,
+    Method,
+    Optimizer,
+    Precision,
+    Quant,
+    Vision,
+    resolve_quant,
+    settings_from_spec,
+)
 
 # What ``data.template: chatml`` renders a conversation with (and the demo tokenizer's own template)
 CHATML_TEMPLATE = (
@@ -110,25 +123,19 @@ class DataSpec(Strict):
         return self
 
 
-def resolve_quant(method: str, quant: str | None) -> str:
-    """The base weights' quantization: as given, else nf4 for qlora and none for lora and full (the one rule the
-    spec and :class:`fitburst.settings.RunSettings` share)."""
-    return quant if quant not in (None, "none") else ("nf4" if method == "qlora" else "none")
-
-
 class MethodSpec(Strict):
-    type: Literal["lora", "qlora", "full"] = "lora"
+    type: Method = "lora"
     rank: int = Field(default=8, ge=1, le=4096)
     alpha: float = Field(default=16, gt=0)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     # peft's all-linear: every linear layer but the output head (a vision-language model's language model only,
     # unless ``vision`` says otherwise); the QLoRA paper's recipe, and valid for every architecture
     target_modules: list[str] | Literal["all-linear"] = Field(default="all-linear", min_length=1)
-    quant: Literal["none", "int8", "nf4", "fp4"] | None = Field(
+    quant: Quant | None = Field(
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )
     double_quant: bool = True
-    vision: Literal["frozen", "projector", "tower"] = Field(
+    vision: Vision = Field(
         default="frozen", description="vision-language models: the vision tower stays frozen, or its projector "
         "(the merger) trains too, or all of it (LoRA on those layers, or full weights with type: full)")
     init_from: str = Field(
@@ -155,9 +162,7 @@ class MethodSpec(Strict):
         if self.type == "qlora" and self.quant == "none":
             raise ValueError("qlora needs a quantized base: set quant to nf4, fp4 or int8 (or use type: lora)")
         object.__setattr__(self, "quant", resolve_quant(self.type, self.quant))
-        if self.type == "full" and self.quant != "none":
-            raise ValueError("full fine-tuning cannot train quantized weights: set quant: none or use qlora")
-        return self
+        return self  # full fine-tuning of quantized weights: a row of fitburst.rules
 
 
 class FsdpSpec(Strict):
@@ -180,14 +185,14 @@ class TrainingSpec(Strict):
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", Precision] = "auto"
     pure_bf16: bool = Field(default=False, description="opt-in: step bf16 weights directly (no fp32 master copy)")
     gradient_checkpointing: bool = False
-    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "sgd"] = "adamw"
-    attention: Literal["auto", "eager", "sdpa", "flash"] = "auto"
+    optimizer: Optimizer = "adamw"
+    attention: Literal["auto", Attention] = "auto"
     packing: bool = Field(default=False, description="padding-free batches: each micro-batch's samples in one row, "
                           "positions restarting and attention kept within each sample")
-    loss: Literal["auto", "standard", "fused"] = Field(
+    loss: Loss = Field(
         default="auto", description="standard: the model's output head and cross-entropy (full logits); fused: a "
         "linear cross-entropy that never holds the logits (Cut Cross-Entropy or Liger Kernel on CUDA, CCE's "
         "torch.compile path elsewhere); auto: standard unless the preflight needs the memory (preflight.allow)")
@@ -196,7 +201,7 @@ class TrainingSpec(Strict):
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
-    distributed: Literal["auto", "none", "fsdp"] = Field(
+    distributed: Distributed = Field(
         default="auto", description="auto: one device unless the plan needs more; none: one device; fsdp: shard "
         "the run over the GPUs it gets with torch's FSDP2 (one process per GPU, started by torchrun)")
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
@@ -678,45 +683,12 @@ def _check_defaults(doc: dict, lines: dict) -> list[str]:
 
 
 def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
-    """Settings that validate one by one but cannot run together here (field path, why and the fix)."""
-    out: list[tuple[tuple[str, ...], str]] = []
-    device = spec.preflight.device
-    named = named_device(device)
-    kind = "mps" if split_count(device)[0].lower() == "mps" else (named.kind if named else None)
-    if named is not None and kind == "cuda" and not named.supports_bf16 and spec.training.precision == "bf16":
-        out.append((("training", "precision"), f"{named.name} has no bf16 support: set training.precision: fp16 (or "
-                                               "auto, which picks fp16 there)"))
-    if kind == "mps" and spec.method.quant != "none":
-        out.append((("method", "quant"), f"{spec.method.quant} weights need bitsandbytes, which has no MPS backend: "
-                                         "use method.type: lora with quant: none on MPS, or a CUDA device"))
-    fsdp = spec.training.distributed == "fsdp"
-    if fsdp and kind == "mps":
-        out.append((("training", "distributed"), "an Apple GPU is one device and torch has no MPS process group: "
-                                                 "set training.distributed: none (or auto) on MPS, or a CUDA device"))
-    if fsdp and spec.method.quant == "int8":
-        out.append((("method", "quant"), "int8 weights (bitsandbytes Int8Params) cannot be sharded by FSDP: use "
-                                         "quant: nf4 (its 4-bit weights shard in the compute dtype), or "
-                                         "training.distributed: none"))
-    if fsdp and spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        out.append((("training", "optimizer"), "bitsandbytes' 8-bit optimizers do not run on FSDP's sharded "
-                                               "parameters: use optimizer: adamw (FSDP shards its state over the "
-                                               "GPUs already), or training.distributed: none"))
-    if fsdp and spec.training.loss == "fused":
-        out.append((("training", "loss"), "the fused loss reads the output head's weight outside the model's forward, "
-                                          "where FSDP holds only a shard of it: set training.loss: standard (or "
-                                          "auto), or training.distributed: none"))
-    if spec.training.fsdp.cpu_offload and spec.training.distributed == "none":
-        out.append((("training", "fsdp", "cpu_offload"), "CPU offload is FSDP's: set training.distributed: fsdp "
-                                                         "(or auto), or cpu_offload: false"))
-    if (device.lower() in ("cpu", "mps") or kind in ("cpu", "mps")) and spec.training.activation_offloading:
-        out.append((("training", "activation_offloading"), "activation offloading moves saved activations from a "
-                                                          "CUDA GPU to pinned host memory: set it false on "
-                                                          f"{device}"))
-    if spec.data.image_max_pixels is not None and spec.training.packing:
-        out.append((("training", "packing"), "packed batches carry no images: set training.packing: false for a "
-                                             "pipeline with data.image_max_pixels (a vision-language one)"))
-    out += [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
-    return out
+    """Settings that validate one by one but cannot run together here (field path, what is wrong and the fix): the
+    rule table's problems (:func:`fitburst.rules.problems`) on the device ``preflight.device`` names, and a local
+    model folder that cannot load."""
+    device = declared_device(spec.preflight.device)
+    out = [(p.field, str(p)) for p in problems(settings_from_spec(spec, device), device)]
+    return out + [(("model", "name"), why) for why in _model_folder_problems(spec.model)]
 
 
 def _model_folder_problems(model: ModelSpec) -> list[str]:

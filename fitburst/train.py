@@ -19,7 +19,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +40,8 @@ from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
 from fitburst.models import load_pipeline_model, model_family, tokenizer_for
+from fitburst.rules import device_of_kind, explain, problems
+from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ def prepare_for_training(model, spec: PipelineSpec):
         if method.type != "full":
             model.enable_input_require_grads()
     family = family_for(model.config)
-    refuse_packing(spec, family)
+    refuse_problems(spec, family)
     init = spec.init_folder()
     if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
         from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training
@@ -190,12 +192,10 @@ def loss_kernel(spec: PipelineSpec, device: str, precision: str) -> str:
 
 def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.AbstractContextManager | None:
     """TRL's activation-offloading context for ``model`` (saved tensors to pinned host memory, copied on a side
-    stream) when ``training.activation_offloading`` asks for it: CUDA only, a TrainError elsewhere."""
+    stream) when ``training.activation_offloading`` asks for it (CUDA only: :func:`refuse_problems` refused it
+    elsewhere before the model loaded)."""
     if not spec.training.activation_offloading:
         return None
-    if device != "cuda":
-        raise TrainError(f"pipeline '{spec.name}': training.activation_offloading moves saved activations from a "
-                         f"CUDA GPU to pinned host memory; this run is on {device}: set it false")
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
@@ -206,16 +206,14 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
 
 
-def refuse_fused_loss(spec: PipelineSpec, family: Family) -> None:
-    """A TrainError where ``training.loss: fused`` asks for a loss the model's family cannot train with."""
-    if spec.training.loss == "fused" and family.fused_loss_refusal:
-        raise TrainError(f"pipeline '{spec.name}': {family.fused_loss_refusal}")
-
-
-def refuse_packing(spec: PipelineSpec, family: Family) -> None:
-    """A TrainError where ``training.packing`` asks for packed batches and the family cannot train on them."""
-    if spec.training.packing and family.packing_refusal:
-        raise TrainError(f"pipeline '{spec.name}': {family.packing_refusal}")
+def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None) -> None:
+    """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on a
+    ``kind`` device: cuda | mps | cpu, None: not known) breaks a row of the rule table
+    (:func:`fitburst.rules.problems`)."""
+    s = replace(settings_from_spec(spec), world_size=world_size)
+    found = problems(s, device_of_kind(kind) if kind else None, family)
+    if found:
+        raise TrainError(explain(spec.name, found))
 
 
 def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
@@ -644,18 +642,15 @@ def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, de
     run_dir.mkdir(parents=True, exist_ok=True)
     tr = spec.training
     family = model_family(spec.model)
-    refuse_packing(spec, family)  # before the model loads
-    refuse_fused_loss(spec, family)
     w = distributed.world()
     device = device or select_device(spec.preflight.device)
+    refuse_problems(spec, family, w.size, device.split(":")[0])  # before the model loads
     if w.sharded:
-        refuse_sharding(spec, w)
+        refuse_offload_beyond_host_ram(spec, w)
         device = distributed.start(w, device)
     kind = device.split(":")[0]  # a rank's GPU is cuda:<local rank>
     precision = resolve_precision(tr.precision, kind)
     kernel = loss_kernel(spec, kind, precision)
-    if tr.activation_offloading and kind != "cuda":
-        activation_offloading(spec, None, kind)  # refused before the model loads
     warn_pure_bf16(tr.pure_bf16, tr.learning_rate)
     ckpt = latest_checkpoint(run_dir) if w.main else None
     meta = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else None
@@ -805,22 +800,9 @@ def save_trained(model, tok, dest: Path, spec: PipelineSpec, w: World) -> None:
     distributed.barrier()
 
 
-def refuse_sharding(spec: PipelineSpec, w: World) -> None:
-    """What cannot be sharded, refused before the model loads (the spec refuses it too, where it can tell)."""
-    if spec.method.quant == "int8":
-        raise TrainError(f"pipeline '{spec.name}': {w.size} processes were started, but int8 weights cannot be "
-                         "sharded by FSDP: use method.quant: nf4, or train in one process")
-    if spec.training.distributed == "none":
-        raise TrainError(f"pipeline '{spec.name}': training.distributed is none but torchrun started {w.size} "
-                         "processes: start one process, or set training.distributed: fsdp (or auto)")
-    if spec.training.loss == "fused":
-        raise TrainError(f"pipeline '{spec.name}': training.loss fused reads the output head's weight outside the "
-                         "model's forward, where FSDP holds only a shard of it: set training.loss: standard, or "
-                         "train in one process")
-    if spec.training.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        raise TrainError(f"pipeline '{spec.name}': training.optimizer {spec.training.optimizer} (bitsandbytes) does "
-                         "not run on FSDP's sharded parameters: use optimizer: adamw (its state is sharded "
-                         f"{w.size} ways already), or train in one process")
+def refuse_offload_beyond_host_ram(spec: PipelineSpec, w: World) -> None:
+    """FSDP's CPU offload refused before the model loads where this node's host RAM cannot hold its ranks' shards
+    (what cannot be sharded at all is the rule table's: :func:`refuse_problems`)."""
     if spec.training.fsdp.cpu_offload:
         need, have = offload_host_bytes(spec, w), available_host_bytes()
         if need is not None and have is not None and need > have:
@@ -837,7 +819,6 @@ def offload_host_bytes(spec: PipelineSpec, w: World) -> int | None:
     architecture it does not model."""
     from fitburst.memory.params import optimizer_bytes, param_counts, weight_bytes
     from fitburst.models import spec_shape
-    from fitburst.settings import settings_from_spec
 
     shape = spec_shape(spec)
     if shape is None:

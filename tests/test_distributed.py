@@ -102,10 +102,11 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     import fitburst.train as train_mod
     from fitburst.distributed import World
     from fitburst.errors import UserError
+    from fitburst.families import CAUSAL
 
     four = World(rank=0, size=4, local_rank=0, local_size=4)
     with pytest.raises(UserError, match="training.distributed is none but torchrun started 4"):
-        train_mod.refuse_sharding(spec_for(pipelines_file, "demo", training__distributed="none"), four)
+        train_mod.refuse_problems(spec_for(pipelines_file, "demo", training__distributed="none"), CAUSAL, four.size)
     offload = spec_for(pipelines_file, "qwen7b-lora", training__distributed="fsdp", training__fsdp__cpu_offload=True)
     two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
     need = train_mod.offload_host_bytes(offload, two_nodes)
@@ -114,9 +115,9 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     assert train_mod.offload_host_bytes(offload, four) == pytest.approx(2 * need, abs=1)  # one node holds it all
     monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need - 1)
     with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
-        train_mod.refuse_sharding(offload, two_nodes)
+        train_mod.refuse_offload_beyond_host_ram(offload, two_nodes)
     monkeypatch.setattr(train_mod, "available_host_bytes", lambda: need)
-    train_mod.refuse_sharding(offload, two_nodes)
+    train_mod.refuse_offload_beyond_host_ram(offload, two_nodes)
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
@@ -139,8 +140,11 @@ def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
     back = spec_with_settings(spec, s)
     assert back.training.distributed == "fsdp" and back.training.fsdp == spec.training.fsdp
     assert spec.config_hash() == spec_for(pipelines_file, "demo").config_hash()  # the same run folder, any sharding
-    with pytest.raises(ValueError, match="int8 weights cannot be sharded"):
-        RunSettings(method="qlora", quant="int8", distributed="fsdp")
+    from fitburst.rules import problems
+
+    assert [str(p) for p in problems(RunSettings(method="qlora", quant="int8", distributed="fsdp"))] == [
+        "int8 weights cannot be sharded by FSDP (bitsandbytes Int8Params): use quant: nf4 (its 4-bit weights shard "
+        "in the compute dtype), or training.distributed: none"]
 
 
 # --- N ranks x b train as one process x N*b ----------------------------------------------------------------

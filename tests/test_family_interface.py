@@ -36,15 +36,16 @@ def test_each_family_provides_every_member(family):
 
 
 def test_the_trainer_refuses_packing_where_the_family_does(demo_spec):
-    from fitburst.train import TrainError, refuse_packing
+    from fitburst.train import TrainError, refuse_problems
 
     packed = demo_spec.model_copy(update={"training": demo_spec.training.model_copy(update={"packing": True})})
-    refuse_packing(packed, CAUSAL)
-    refuse_packing(demo_spec, SEQ2SEQ)
-    with pytest.raises(TrainError, match=r"pipeline 'demo': packed batches are for decoder-only models"):
-        refuse_packing(packed, SEQ2SEQ)
+    refuse_problems(packed, CAUSAL)
+    refuse_problems(demo_spec, SEQ2SEQ)
+    with pytest.raises(TrainError, match=r"pipeline 'demo': field 'training.packing': packed batches are for "
+                                         "decoder-only models"):
+        refuse_problems(packed, SEQ2SEQ)
     with pytest.raises(TrainError, match=r"packed batches carry no images"):
-        refuse_packing(packed, VISION_LANGUAGE)
+        refuse_problems(packed, VISION_LANGUAGE)
 
 
 def test_samples_are_collated_by_their_family():

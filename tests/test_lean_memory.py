@@ -55,8 +55,8 @@ def test_rungs_are_ordered_by_cost_fused_loss_before_checkpointing_offloading_af
     s = settings(loss="auto", optimizer="adamw8bit", micro_batch_size=1)
     assert next_rung(s, a6000).key == "fused_loss"
     assert next_rung(replace(s, loss="standard"), a6000).key == "gradient_checkpointing"  # the user's choice kept
-    assert not RUNGS["activation_offloading"].applies(s, cpu)  # CUDA only
-    assert RUNGS["activation_offloading"].applies(s, a6000)
+    assert not RUNGS["activation_offloading"].allowed(s, cpu)  # CUDA only (fitburst.rules)
+    assert RUNGS["activation_offloading"].allowed(s, a6000)
 
 
 def test_settings_round_trip_through_the_spec(model_dir):

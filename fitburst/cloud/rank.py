@@ -21,6 +21,7 @@ from fitburst.history import Spend, monthly_budget_problems
 from fitburst.hours import estimate_hours, throughput, train_tokens
 from fitburst.memory import Estimate, ModelShape, RunSettings, resolve_device
 from fitburst.memory.planner import EstimateFn, Plan, plan_gpus, world_sizes
+from fitburst.rules import problems
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,13 @@ def _plan_on(gpu: str, shape: ModelShape | None, settings: RunSettings, spec, ex
     None when it cannot run there, device changes, reason)."""
     device = resolve_device(gpu)
     changes: list[str] = []
-    if not device.supports_bf16 and settings.precision == "bf16":
+    found = problems(dataclasses.replace(settings, world_size=counts[0]), device)  # the fewest GPUs it may use
+    if any(p.rule == "bf16_unsupported" for p in found):  # the one the cloud plan resolves: fp16 on that card
         settings = dataclasses.replace(settings, precision="fp16")
         changes.append(f"dtype bf16 -> fp16 ({gpu} has no bf16)")
-    if not device.supports_bnb and settings.kbit:
-        return None, changes, f"{gpu} cannot run bitsandbytes quantization"
+        found = problems(dataclasses.replace(settings, world_size=counts[0]), device)
+    if found:
+        return None, changes, f"{gpu}: " + "; ".join(f"{p.path}: {p}" for p in found)
     host = int(host_gib * GiB) - CPU_RESERVE - per_node * CPU_CONTEXT if host_gib else None
     plan = plan_gpus(shape, settings, device, counts, spec.preflight.safety_margin,
                      spec.preflight.allow.model_dump(), exact=exact, gpus_per_node=per_node, host_limit=host)

@@ -4,6 +4,8 @@ The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs befo
 (:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
+A rung applies where its own condition holds (what it changes is not on already) and the settings it makes break
+no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, and what FSDP refuses).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
+from fitburst.rules import new_problems
 from fitburst.settings import RunSettings
 
 Check = Callable[[RunSettings, Device], bool]
@@ -34,7 +37,8 @@ class Rung:
     explain: Explain  # what the change does, said of the settings it is taken from
 
     def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
-        return (allow or {}).get(self.key, True) and self.applies(s, device)
+        return ((allow or {}).get(self.key, True) and self.applies(s, device)
+                and not new_problems(s, self.take(s, device), device))
 
 
 def smaller_batch(s: RunSettings) -> RunSettings:
@@ -83,22 +87,20 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, attention=_fast_attention(s, d)),
          lambda s, d: f"attention eager -> {_fast_attention(s, d)}: no seq x seq probability matrix kept"),
     Rung("packing", 0.9, False,
-         lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash" and not s.images,
+         lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash",
          lambda s, d: replace(s, packed_fill=1.0),
          lambda s, d: "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"),
     Rung("dropout", 0.98, False,
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
-    # not for a sharded run: the fused loss reads the output head's weight outside forward, where FSDP holds a
-    # shard, and bitsandbytes' 8-bit optimizers do not step FSDP's sharded parameters (both refused by training)
     Rung("fused_loss", 1.01, True,
-         lambda s, d: s.loss == "auto" and not s.sharded and fused_loss_installed(d, s.precision),
+         lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
     Rung("optimizer_8bit", 1.02, True,
-         lambda s, d: s.optimizer == "adamw" and not s.sharded and d.supports_bnb,
+         lambda s, d: s.optimizer == "adamw",
          lambda s, d: replace(s, optimizer="adamw8bit"),
          lambda s, d: "optimizer adamw -> adamw8bit: 2 bytes of state per parameter instead of 8"),
     Rung("reduce_batch", 1.12, True,
@@ -111,16 +113,16 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: "gradient checkpointing on: keep one tensor per layer, recompute the rest in backward "
                       "(~30 % slower)"),
     Rung("activation_offloading", 1.35, True,
-         lambda s, d: d.kind == "cuda" and not s.activation_offloading,
+         lambda s, d: not s.activation_offloading,
          lambda s, d: replace(s, activation_offloading=True),
          lambda s, d: "activation offloading on: the tensors saved for backward wait in pinned host memory "
                       "(copied on a side stream)"),
     Rung("quantize", 1.4, True,
-         lambda s, d: d.supports_bnb and s.method == "lora" and s.quant == "none",
+         lambda s, d: s.method == "lora" and s.quant == "none",
          lambda s, d: replace(s, method="qlora", quant="nf4", double_quant=True),
          lambda s, d: "QLoRA: base weights in 4-bit nf4 with double quant (~0.53 bytes per weight)"),
     Rung("precision", 1.5, False,
-         lambda s, d: s.precision == "fp32" and d.supports_bf16,
+         lambda s, d: s.precision == "fp32",
          lambda s, d: replace(s, precision="bf16"),
          lambda s, d: "precision fp32 -> bf16 mixed: base weights and activations in 2 bytes (adapters and what "
                       "trains stay fp32)"),

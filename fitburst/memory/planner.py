@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
+from fitburst.rules import new_problems
 from fitburst.settings import RunSettings
 from fitburst.spec import SAFETY_MARGIN
 
@@ -281,7 +282,12 @@ def plan_gpus(shape: ModelShape | None, settings: RunSettings, device: Device, c
         raise ValueError("no GPU count to plan for")
     plan: Plan | None = None
     for n in counts:
-        plan = plan_fit(shape, replace(settings, world_size=n), device, safety_margin, allow, exact=exact,
+        spread = replace(settings, world_size=n)
+        if n > 1 and (refused := new_problems(settings, spread, device)):  # what FSDP refuses (fitburst.rules)
+            if plan is None and n == counts[-1]:
+                raise ValueError(f"{n} GPUs: {refused[0]}")
+            continue
+        plan = plan_fit(shape, spread, device, safety_margin, allow, exact=exact,
                         quick=quick, gpus_per_node=gpus_per_node or n, host_limit=host_limit)
         if plan.fits:
             break

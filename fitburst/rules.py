@@ -1,0 +1,169 @@
+"""The one rule table: which settings can run together, and where. :func:`problems` reads it.
+
+Each row is one rule, written once, over :class:`fitburst.settings.RunSettings` (and the device, and the model
+family's refusals, where the rule needs them): ``validate`` and spec loading locate its problems in pipelines.yaml
+(:mod:`fitburst.spec`), the planner and the ladder take no rung and no GPU count that would break a row
+(:func:`new_problems`), the loop refuses before the model loads, and the cloud ranking plans each GPU by it. A rule
+whose fact is not known (no device named, no family looked up) is not checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from fitburst.hardware import Device, named_device, resolve_device, split_count
+
+if TYPE_CHECKING:
+    from fitburst.settings import RunSettings
+
+OPTIMIZERS_8BIT = ("adamw8bit", "paged_adamw8bit")
+
+
+class FamilyFacts(Protocol):
+    """What a model family (:class:`fitburst.families.Family`) refuses, in its own words (None: nothing)."""
+
+    @property
+    def packing_refusal(self) -> str | None: ...
+
+    @property
+    def fused_loss_refusal(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: ``field`` its pipelines.yaml path, ``wrong`` what cannot run, ``fix`` what to write."""
+
+    rule: str
+    field: tuple[str, ...]
+    wrong: str
+    fix: str = ""
+
+    @property
+    def path(self) -> str:
+        return ".".join(self.field)
+
+    def __str__(self) -> str:
+        return f"{self.wrong}: {self.fix}" if self.fix else self.wrong
+
+
+When = Callable[["RunSettings", Device | None, FamilyFacts | None], bool]
+Says = Callable[["RunSettings", Device | None, FamilyFacts | None], tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A row: ``broken`` says whether the settings break it (False where a fact it needs is unknown), ``says`` what
+    is wrong and the fix."""
+
+    key: str
+    field: tuple[str, ...]
+    broken: When
+    says: Says
+
+
+def _bnb_where(d: Device | None) -> tuple[str, str]:
+    """How a device without bitsandbytes is named in a message: the backend it lacks, and where to train instead."""
+    assert d is not None
+    return ("has no MPS backend", "on MPS") if d.kind == "mps" else (f"does not run on {d.name}", f"on {d.name}")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("full_quantized", ("method", "quant"),
+         lambda s, d, f: s.method == "full" and s.kbit,
+         lambda s, d, f: ("full fine-tuning cannot train quantized weights", "set quant: none or use qlora")),
+    Rule("bf16_unsupported", ("training", "precision"),
+         lambda s, d, f: d is not None and not d.supports_bf16 and s.precision == "bf16",
+         lambda s, d, f: (f"{d.name if d else ''} has no bf16 support",
+                          "set training.precision: fp16 (or auto, which picks fp16 there)")),
+    Rule("kbit_needs_bnb", ("method", "quant"),
+         lambda s, d, f: d is not None and not d.supports_bnb and s.kbit,
+         lambda s, d, f: (f"{s.quant} weights need bitsandbytes, which {_bnb_where(d)[0]}",
+                          f"use method.type: lora with quant: none {_bnb_where(d)[1]}, or a CUDA device")),
+    Rule("optimizer_8bit_needs_bnb", ("training", "optimizer"),
+         lambda s, d, f: d is not None and not d.supports_bnb and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f: (f"{s.optimizer} is bitsandbytes' optimizer, which {_bnb_where(d)[0]}",
+                          f"use optimizer: adamw {_bnb_where(d)[1]}, or a CUDA device")),
+    Rule("fsdp_on_mps", ("training", "distributed"),
+         lambda s, d, f: s.sharded and d is not None and d.kind == "mps",
+         lambda s, d, f: ("an Apple GPU is one device and torch has no MPS process group",
+                          "set training.distributed: none (or auto) on MPS, or a CUDA device")),
+    Rule("processes_without_fsdp", ("training", "distributed"),
+         lambda s, d, f: s.world_size > 1 and s.distributed == "none",
+         lambda s, d, f: (f"training.distributed is none but torchrun started {s.world_size} processes",
+                          "start one process, or set training.distributed: fsdp (or auto)")),
+    Rule("fsdp_int8", ("method", "quant"),
+         lambda s, d, f: s.sharded and s.quant == "int8",
+         lambda s, d, f: ("int8 weights cannot be sharded by FSDP (bitsandbytes Int8Params)",
+                          "use quant: nf4 (its 4-bit weights shard in the compute dtype), or training.distributed: "
+                          "none")),
+    Rule("fsdp_optimizer_8bit", ("training", "optimizer"),
+         lambda s, d, f: s.sharded and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f: ("bitsandbytes' 8-bit optimizers do not run on FSDP's sharded parameters",
+                          "use optimizer: adamw (FSDP shards its state over the GPUs already), or "
+                          "training.distributed: none")),
+    Rule("fsdp_fused_loss", ("training", "loss"),
+         lambda s, d, f: s.sharded and s.loss == "fused",
+         lambda s, d, f: ("the fused loss reads the output head's weight outside the model's forward, where FSDP "
+                          "holds only a shard of it", "set training.loss: standard (or auto), or "
+                          "training.distributed: none")),
+    Rule("cpu_offload_without_fsdp", ("training", "fsdp", "cpu_offload"),
+         lambda s, d, f: s.cpu_offload and s.distributed == "none",
+         lambda s, d, f: ("CPU offload is FSDP's", "set training.distributed: fsdp (or auto), or cpu_offload: false")),
+    Rule("activation_offloading_off_cuda", ("training", "activation_offloading"),
+         lambda s, d, f: s.activation_offloading and d is not None and d.kind != "cuda",
+         lambda s, d, f: ("activation offloading moves saved activations from a CUDA GPU to pinned host memory, "
+                          f"and this run is on {d.name if d else ''}", "set it false")),
+    Rule("packing_images", ("training", "packing"),
+         lambda s, d, f: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
+         lambda s, d, f: ("packed batches carry no images", "set training.packing: false for a pipeline with "
+                          "data.image_max_pixels (a vision-language one)")),
+    Rule("family_packing", ("training", "packing"),
+         lambda s, d, f: s.packed_fill > 0 and f is not None and f.packing_refusal is not None,
+         lambda s, d, f: ((f.packing_refusal if f else None) or "", "")),
+    Rule("family_fused_loss", ("training", "loss"),
+         lambda s, d, f: s.loss == "fused" and f is not None and f.fused_loss_refusal is not None,
+         lambda s, d, f: ((f.fused_loss_refusal if f else None) or "", "")),
+)
+RULE_KEYS = {r.key for r in RULES}
+
+
+def problems(s: RunSettings, device: Device | None = None, family: FamilyFacts | None = None) -> list[Problem]:
+    """Every row of the table ``s`` breaks on ``device`` (None: not known) for a model of ``family`` (None: not
+    looked up), in the table's order."""
+    out = []
+    for r in RULES:
+        if r.broken(s, device, family):
+            wrong, fix = r.says(s, device, family)
+            out.append(Problem(r.key, r.field, wrong, fix))
+    return out
+
+
+def new_problems(before: RunSettings, after: RunSettings, device: Device | None,
+                 family: FamilyFacts | None = None) -> list[Problem]:
+    """The problems a change from ``before`` to ``after`` brings (a rung, a GPU count): those ``before`` had already
+    are the user's, refused where the run is validated, not the change's."""
+    had = {p.rule for p in problems(before, device, family)}
+    return [p for p in problems(after, device, family) if p.rule not in had]
+
+
+def explain(pipeline: str, found: list[Problem]) -> str:
+    """Problems as one message: the pipeline, each field and its fix."""
+    return f"pipeline '{pipeline}': " + "; ".join(f"field '{p.path}': {p}" for p in found)
+
+
+def declared_device(name: str) -> Device | None:
+    """The device ``preflight.device`` names, known without probing this machine: a named or sized device, or the
+    kind alone for ``mps`` and ``cpu`` (what the rules ask of a device: its kind, bf16, bitsandbytes); None for
+    ``auto``, ``cuda`` and ``cuda:0,1`` (only a probe can tell)."""
+    raw = split_count(name)[0]
+    if raw.lower() in ("mps", "cpu"):
+        return device_of_kind(raw.lower(), raw)
+    return named_device(name)
+
+
+def device_of_kind(kind: str, name: str | None = None) -> Device:
+    """A device of ``kind`` (cuda | mps | cpu) with the facts every device of that kind has and no others (a CUDA
+    GPU of unknown capability counts as having bf16)."""
+    return replace(resolve_device(f"{kind}:1GiB"), name=name or kind)

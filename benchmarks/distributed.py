@@ -136,10 +136,11 @@ def speed() -> None:
 def plans() -> None:
     from fitburst.cloud.gpus import offers
     from fitburst.cloud.rank import rank_candidates
-    from fitburst.data import run_settings
+    from fitburst.data import images_per_record
     from fitburst.hardware import Gpus, resolve_device
-    from fitburst.models import spec_shape
+    from fitburst.models import model_family, spec_shape
     from fitburst.preflight import conclude, exact_estimate, plan_checked
+    from fitburst.settings import settings_from_spec
     from fitburst.spec import load_pipeline
 
     seeds = {
@@ -154,7 +155,7 @@ def plans() -> None:
         spec = load_pipeline(REPO / "pipelines.yaml", name, {**over, "training.max_steps": None})
         shape = spec_shape(spec)
         seq = spec.data.max_seq_len
-        settings = run_settings(spec, None, seq)
+        settings = settings_from_spec(spec, None, seq, images=images_per_record(spec), family=model_family(spec.model))
         offer_list = [o for n in (1, 2, 4, 8) for o in offers(spec.burst.gpu_names(), spec.burst.providers,
                                                                 use_catalog=False, count=n)]
         t0 = time.perf_counter()
@@ -165,7 +166,10 @@ def plans() -> None:
         for offload in (False, True):
             local = spec.with_overrides({"training.fsdp.cpu_offload": offload})
             box = Gpus(resolve_device("RTX4090"), 2, 1, 128 * GiB)
-            checked = plan_checked(local, shape, run_settings(local, box.device, seq), box.device, seq, box)
+            checked = plan_checked(local, shape, settings_from_spec(local, box.device, seq,
+                                                                    images=images_per_record(local),
+                                                                    family=model_family(local.model)),
+                box.device, seq, box)
             rep = conclude(local.with_overrides({"burst.policy": "never"}), shape, box.device, checked, seq, TOKENS,
                            gpus=box)
             e, n = rep.estimate, rep.world_size

@@ -18,10 +18,10 @@ the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.c
 beside the CSV, the allocator's history recorded from the start, so the peak's state can be rebuilt),
 ``max_memory_allocated`` / ``max_memory_reserved`` (reset after the warm-up step, as the estimate's measured step
 is) and ``mem_get_info`` (device memory in use, CUDA context included). The estimates are the preflight's: the
-analytic and the traced estimate of the settings the run trains with (``fitburst.data.run_settings`` on the probed
-GPU). One CSV row per configuration and stage goes to ``benchmarks/results/gpu_check-<gpu>.csv``, with the GPU's
-facts (memory, context after initialisation, compute capability); a table is printed. Without CUDA it says so and
-exits 2.
+analytic and the traced estimate of the settings the run trains with (``fitburst.settings.settings_from_spec``
+on the probed GPU). One CSV row per configuration and stage goes to ``benchmarks/results/gpu_check-<gpu>.csv``,
+with the GPU's facts (memory, context after initialisation, compute capability); a table is printed. Without CUDA it
+says so and exits 2.
 
 ``--at-scale``: real-size models on one H100 or H200, in one device run of at most 8 minutes (``--budget`` seconds,
 450 by default, builds included; the configurations in priority order, those out of time named as such): Qwen2.5-7B
@@ -246,12 +246,15 @@ def estimates(spec, seq_len: int, device, adamw: str = "auto") -> dict[str, obje
     """The preflight's analytic and traced estimates of the run ``spec`` trains on ``device`` (one micro-batch of
     ``seq_len`` tokens, unpadded); ``adamw``: how the measured run's AdamW stepped, where not today's rule
     (:func:`fitburst.memory.cuda_kernels.adamw_impl`)."""
-    from fitburst.data import run_settings
+    from fitburst.data import images_per_record
     from fitburst.memory import Budget, estimate
     from fitburst.memory.trace import TraceUnsupported, traced_estimate
-    from fitburst.models import spec_shape
+    from fitburst.models import model_family, spec_shape
+    from fitburst.settings import settings_from_spec
 
-    s = replace(run_settings(spec, device, seq_len), padded=False, adamw=adamw)
+    s = replace(settings_from_spec(spec, device, seq_len,
+                                   images=images_per_record(spec),
+                                   family=model_family(spec.model)), padded=False, adamw=adamw)
     out: dict[str, object] = {}
     shape = spec_shape(spec)
     if shape is not None:
@@ -307,10 +310,12 @@ def run_fsdp(n: int, data: Path, steps: int, results: Path, device) -> list[dict
     (:class:`fitburst.ranks.Ranks`: torchrun, one ``fitburst train`` per rank, NCCL), each rank's peak as
     the loop records it (``TrainResult.rank_peaks``: max_memory_allocated / reserved of the whole run), against the
     traced per-GPU estimate (rank 0 of ``n``) of the same settings."""
-    from fitburst.data import prepare_pipeline, run_settings
+    from fitburst.data import images_per_record, prepare_pipeline
     from fitburst.memory import Budget
     from fitburst.memory.trace import traced_estimate
+    from fitburst.models import model_family
     from fitburst.ranks import Ranks
+    from fitburst.settings import settings_from_spec
     from fitburst.spec import load_pipeline
     from fitburst.train import TrainResult
 
@@ -322,7 +327,9 @@ def run_fsdp(n: int, data: Path, steps: int, results: Path, device) -> list[dict
     run_dir = results / "gpu_check" / f"fsdp-{n}"
     Ranks(n).run(spec, prepared.dir, run_dir, device="cuda")
     peaks = TrainResult.load(run_dir).rank_peaks
-    s = replace(run_settings(spec, device, seq), padded=False, world_size=n)
+    s = replace(settings_from_spec(spec, device, seq,
+                                   images=images_per_record(spec),
+                                   family=model_family(spec.model)), padded=False, world_size=n)
     e = Budget(device, gpus_per_node=n).judge(traced_estimate(_local_ref(spec), s, device, seq_len=seq))
     rows = []
     for rank, p in enumerate(peaks):

@@ -96,7 +96,8 @@ def cmd_validate(args) -> int:
         sched = f", nightly {s.schedule.cron} {s.schedule.timezone}" if s.schedule.cron else ""
         what = f"{s.model.name}, {s.method.type} r{s.method.rank}, burst {s.burst.policy}{sched}"
         if not args.no_data:
-            from fitburst.data import DataUnreachable, check_pipeline_data
+            from fitburst.data import check_pipeline_data
+            from fitburst.raw_records import DataUnreachable
 
             try:
                 n, skipped = check_pipeline_data(s)

@@ -18,14 +18,13 @@ image + conversation records carry their pixels.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fitburst.cache import cache_root
@@ -33,21 +32,23 @@ from fitburst.errors import DataError, UserError
 from fitburst.families import CAUSAL, IGNORE_INDEX, Family
 from fitburst.families import collate as family_collate
 from fitburst.families.vision_language import RecordImages, load_image_processor
-from fitburst.hardware import Device
 from fitburst.models import model_family, resolve_model_ref, tokenizer_for
-from fitburst.settings import RunSettings, settings_from_spec
-from fitburst.spec import DataSpec, PipelineSpec, resolve_env
+from fitburst.raw_records import (
+    DATA_SUFFIXES,
+    is_saved,
+    load_error,
+    map_columns,
+    raw_records,
+    refuse_or_skip,
+    source_name,
+)
+from fitburst.spec import DataSpec, resolve_env
 
 log = logging.getLogger(__name__)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "model": "assistant"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")  # what chat templates take
-
-
-class DataUnreachable(DataError):
-    """A hub dataset that cannot be fetched from here (offline, or the hub refused): its records are unknown, not
-    known bad."""
 
 
 @dataclass
@@ -147,12 +148,6 @@ def to_messages(record: object, fmt: str) -> list[dict]:
     return out
 
 
-JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-TABLE_BUILDERS = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}  # read through datasets' builders
-DATA_SUFFIXES = JSON_SUFFIXES + tuple(TABLE_BUILDERS)
-MAX_LINE_BYTES = 16 << 20  # a record this long is cut to data.max_seq_len tokens anyway; refuse it before tokenizing
-
-
 def iter_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, list[dict] | DataError]]:
     """Each record of ``source`` as (where it is, its messages or the DataError saying what is wrong with it).
 
@@ -160,11 +155,11 @@ def iter_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, list
     them and folders written by ``save_to_disk`` give row indices) or a hub dataset id / hub-style folder when
     ``data.dataset`` is set (``load_dataset`` with subset, split and revision; rows read lazily with
     ``data.streaming``). ``data.columns`` renames the data's columns to the record fields first."""
-    for where, rec in _raw_records(source, data):
+    for where, rec in raw_records(source, data):
         try:
             if isinstance(rec, Exception):
                 raise rec
-            rec = _map_columns(rec, data.columns)
+            rec = map_columns(rec, data.columns)
             fmt = detect_format(rec) if data.format == "auto" and isinstance(rec, dict) else data.format
             yield where, to_messages(rec, fmt)
         except ValueError as e:
@@ -180,11 +175,11 @@ def read_records(source: Path | str, fmt: str = "auto", skip_invalid: bool = Fal
     out, skipped = [], 0
     for _, item in iter_records(source, spec):
         if isinstance(item, DataError):
-            skipped += _refuse_or_skip(item, skip_invalid)
+            skipped += refuse_or_skip(item, skip_invalid)
         else:
             out.append(item)
     if not out:
-        raise DataError(f"{_name(source, spec)}: no usable records")
+        raise DataError(f"{source_name(source, spec)}: no usable records")
     return out, skipped
 
 
@@ -193,175 +188,13 @@ def count_records(source: Path | str, data: DataSpec) -> tuple[int, int]:
     n = skipped = 0
     for _, item in iter_records(source, data):
         if isinstance(item, DataError):
-            skipped += _refuse_or_skip(item, data.skip_invalid)
+            skipped += refuse_or_skip(item, data.skip_invalid)
         else:
             n += 1
     if not n:
-        raise DataError(f"{_name(source, data)}: no usable records")
+        raise DataError(f"{source_name(source, data)}: no usable records")
     return n, skipped
 
-
-def _refuse_or_skip(err: DataError, skip_invalid: bool) -> int:
-    if not skip_invalid:
-        raise DataError(f"{err} (fix it, or set data.skip_invalid: true to count and skip bad records)") from None
-    log.warning("skipping %s", err)
-    return 1
-
-
-def _map_columns(rec: object, columns: dict[str, str]) -> object:
-    """The record with ``data.columns`` applied (record field <- the data's column)."""
-    if not columns or not isinstance(rec, dict):
-        return rec
-    missing = [f"'{col}' (data.columns.{key})" for key, col in columns.items() if col not in rec]
-    if missing:
-        raise ValueError(f"no column {', '.join(missing)}; this record has {sorted(rec)}")
-    out = {k: v for k, v in rec.items() if k not in columns.values()}
-    out.update({key: rec[col] for key, col in columns.items()})
-    return out
-
-
-def _name(source: Path | str, data: DataSpec) -> str:
-    if data.dataset is None:
-        return str(source)
-    return f"{source} ({f'subset {data.subset}, ' if data.subset else ''}split {data.split})"
-
-
-def _raw_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, object]]:
-    """(where, raw record or the exception reading it) for every record of ``source``."""
-    if data.dataset is not None or isinstance(source, str):
-        yield from _rows(_open_dataset(source, data), _name(source, data))
-        return
-    if not source.exists():
-        raise DataError(f"{source}: data not found (data.path is relative to pipelines.yaml)")
-    if source.is_dir() and _is_saved(source):
-        yield from _rows(_open_dataset(source, data), str(source))
-        return
-    if source.is_file() and source.suffix.lower() not in DATA_SUFFIXES:
-        raise DataError(f"{source}: data.path must name a .jsonl, .json, .csv, .parquet or .arrow file, a folder "
-                        f"of them or a save_to_disk folder; convert the {source.suffix or 'extension-less'} file first")
-    files = sorted(f for f in source.rglob("*") if f.is_file() and f.suffix.lower() in DATA_SUFFIXES) \
-        if source.is_dir() else [source]
-    if not files:
-        raise DataError(f"{source}: the folder holds no {', '.join(DATA_SUFFIXES)} files")
-    for f in files:
-        if f.suffix.lower() in TABLE_BUILDERS:
-            yield from _rows(_open_table(f, data.streaming), str(f))
-        else:
-            yield from _json_records(f)
-
-
-def _is_saved(folder: Path) -> bool:
-    """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
-    return (folder / "state.json").exists() or (folder / "dataset_dict.json").exists()
-
-
-def _rows(ds, where: str) -> Iterator[tuple[str, object]]:
-    for i, rec in enumerate(ds):
-        yield f"{where}: row {i}", rec
-
-
-def _open_table(path: Path, streaming: bool):
-    from datasets import Features, Value, load_dataset  # datasets: heavy, only to read data
-    from datasets.exceptions import DatasetsError
-
-    kw = {}
-    if path.suffix.lower() == ".csv":  # every cell text: a reply "42" stays a string, not an inferred int
-        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:
-            kw["features"] = Features({col: Value("string") for col in next(csv.reader(f), [])})
-    try:
-        return load_dataset(TABLE_BUILDERS[path.suffix.lower()], data_files=str(path), split="train",
-                            streaming=streaming, **kw)
-    except (DatasetsError, ValueError, OSError) as e:
-        cause = e.__cause__ or e
-        raise DataError(f"{path}: cannot read it as {path.suffix[1:]}: {type(cause).__name__}: {cause}") from None
-
-
-def _open_dataset(source: Path | str, data: DataSpec):
-    """The split of a saved folder, hub-style folder or hub id (an IterableDataset with ``data.streaming``)."""
-    from datasets import DatasetDict, load_dataset, load_from_disk  # datasets: heavy, only to read data
-    from datasets.exceptions import DatasetsError
-
-    try:
-        if isinstance(source, Path) and _is_saved(source):
-            ds = load_from_disk(str(source))
-            if isinstance(ds, DatasetDict):
-                if data.split not in ds:
-                    raise ValueError(f"no split {data.split!r} (splits: {', '.join(ds)}): set data.split")
-                ds = ds[data.split]
-            return ds.to_iterable_dataset() if data.streaming else ds
-        ds = load_dataset(str(source), data.subset, split=data.split, revision=data.revision,
-                          streaming=data.streaming)
-    except (DatasetsError, ValueError, OSError, RuntimeError) as e:  # RuntimeError: the hub client after a failure
-        raise _load_error(source, data, e) from None
-    if data.columns and ds.column_names is not None:
-        missing = [f"'{col}' (data.columns.{key})" for key, col in data.columns.items() if col not in ds.column_names]
-        if missing:
-            raise DataError(f"{_name(source, data)}: no column {', '.join(missing)}; its columns: "
-                            f"{', '.join(ds.column_names)}")
-    return ds
-
-
-def _load_error(source: Path | str, data: DataSpec, e: Exception) -> DataError:
-    if isinstance(source, str) and isinstance(e, (OSError, RuntimeError)):
-        hint = (" (is the hub reachable from here? offline, use a saved or hub-style local folder, or a dataset "
-                "already in the datasets cache with HF_HUB_OFFLINE=1)")
-        return DataUnreachable(f"{_name(source, data)}: cannot load the dataset: {e}{hint}")
-    return DataError(f"{_name(source, data)}: cannot load the dataset: {e}")
-
-
-def _json_records(path: Path) -> Iterator[tuple[str, object]]:
-    """A .jsonl/.json file's records with their line (record index for .json); file-level problems raise."""
-    with path.open("rb") as f:
-        if not any(line.strip() for line in f):
-            raise DataError(f"{path}: the file is empty: add records (one JSON object per line) or fix data.path")
-    if path.suffix.lower() == ".json":
-        raw = path.read_bytes()
-        try:
-            doc = json.loads(_decode(raw, path, 0))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(doc, list):
-            raise DataError(f"{path}: a .json data file must hold a list of records (or write one record per line "
-                            "as .jsonl)")
-        for i, r in enumerate(doc):
-            yield f"{path}: record {i + 1}", r
-        return
-    with path.open("rb") as f:  # line by line: a large file is never held whole
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield from _json_line(path, lineno, line.rstrip(b"\r\n"))
-
-
-def _json_line(path: Path, lineno: int, line: bytes) -> Iterator[tuple[str, object]]:
-    where = f"{path}:{lineno}"
-    if len(line) > MAX_LINE_BYTES:
-        yield where, DataError(
-            f"the line is {len(line) / (1 << 20):.0f} MiB (limit {MAX_LINE_BYTES >> 20} MiB): a record "
-            "that long is cut to data.max_seq_len tokens anyway; split it or drop it")
-        return
-    try:
-        yield where, json.loads(_decode(line, path, lineno))
-    except json.JSONDecodeError as e:
-        yield where, DataError(f"not valid JSON: {e.msg} (column {e.colno})")
-    except DataError as e:
-        yield where, e
-
-
-def _decode(raw: bytes, path: Path, lineno: int) -> str:
-    """UTF-8 text (a leading BOM dropped); a DataError naming the line and the bad byte otherwise."""
-    try:
-        return raw.decode("utf-8-sig" if lineno <= 1 else "utf-8")
-    except UnicodeDecodeError as e:
-        where = lineno or raw.count(b"\n", 0, e.start) + 1
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        msg = (f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}): re-save the file as UTF-8, e.g. "
-               "`iconv -f latin1 -t utf-8`")
-        if lineno:
-            raise DataError(msg) from None
-        raise DataError(f"{path}:{where}: {msg}") from None
-
-
-# --- cache keys and length statistics -----------------------------------------------------------------
 
 def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
@@ -375,14 +208,14 @@ def source_fingerprint(source: Path | str, data: DataSpec) -> str:
     """What identifies the records' content: a file's bytes, a folder's files (a saved dataset's fingerprints),
     or a hub dataset's id, subset, split, revision and builder hash (data files at the revision)."""
     h = hashlib.sha256()
-    if isinstance(source, str) or (data.dataset is not None and not _is_saved(source)):  # as _raw_records reads it
+    if isinstance(source, str) or (data.dataset is not None and not is_saved(source)):  # as raw_records reads it
         from datasets import load_dataset_builder  # datasets: heavy, only for a hub dataset
         from datasets.exceptions import DatasetsError
 
         try:
             builder = load_dataset_builder(str(source), data.subset, revision=data.revision)
         except (DatasetsError, ValueError, OSError, RuntimeError) as e:
-            raise _load_error(source, data, e) from None
+            raise load_error(source, data, e) from None
         h.update(json.dumps([str(source), data.subset, data.split, data.revision, builder.hash]).encode())
         return h.hexdigest()
     files = [source] if source.is_file() else sorted(
@@ -489,7 +322,7 @@ def prepare(data: DataSpec, data_path: Path | str, tokenizer, cache_dir: Path,
                     seen["no_target"], data.max_seq_len)
     if ds is None or not len(ds):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"{_name(data_path, data)}: every record lost its reply to truncation: raise "
+        raise DataError(f"{source_name(data_path, data)}: every record lost its reply to truncation: raise "
                         "data.max_seq_len")
     if data.streaming:
         train = ds.filter(lambda v: not v, input_columns="val").remove_columns("val")
@@ -524,7 +357,7 @@ def _good_records(source: Path | str, data: DataSpec) -> Iterator[tuple[str, lis
     """The usable records, lazily (bad ones refused or, with skip_invalid, skipped)."""
     for where, item in iter_records(source, data):
         if isinstance(item, DataError):
-            _refuse_or_skip(item, data.skip_invalid)
+            refuse_or_skip(item, data.skip_invalid)
         else:
             yield where, item
 
@@ -635,40 +468,32 @@ def read_image_records(source: Path | str, data: DataSpec) -> tuple[list[tuple[l
         raise DataError(f"{source}: data.streaming is for text records; image records are read whole")
     base = source if source.is_dir() else source.parent
     out, skipped = [], 0
-    for where, rec in _raw_records(source, data):
+    for where, rec in raw_records(source, data):
         try:
             if isinstance(rec, Exception):
                 raise rec
-            out.append(image_messages(_map_columns(rec, data.columns), base))
+            out.append(image_messages(map_columns(rec, data.columns), base))
         except ValueError as e:
-            skipped += _refuse_or_skip(e if isinstance(e, DataError) else DataError(f"{where}: {e}"),
+            skipped += refuse_or_skip(e if isinstance(e, DataError) else DataError(f"{where}: {e}"),
                                        data.skip_invalid)
     if not out:
         raise DataError(f"{source}: no usable records")
     return out, skipped
 
 
-def run_settings(spec: PipelineSpec, device: Device | None, seq_len: int) -> RunSettings:
-    """:func:`fitburst.settings.settings_from_spec` with the data's images per record (vision-language) and, for a
-    family the fused loss cannot train (:attr:`fitburst.families.Family.fused_loss_refusal`), ``loss: auto`` read as
-    the standard loss: the settings the preflight plans and the OOM step-down walks from."""
-    images = images_per_record(spec) if spec.data.image_max_pixels is not None else 0
-    s = settings_from_spec(spec, device, seq_len, images=images)
-    if s.loss == "auto" and model_family(spec.model).fused_loss_refusal:
-        s = replace(s, loss="standard")
-    return s
-
-
 def images_per_record(spec) -> int:
     """The most image parts one record of the pipeline's data holds (a pass over the records that opens no image;
-    1 for data that is not a local file or folder). What the preflight plans the vision tower for."""
+    1 for data that is not a local file or folder; 0 for a pipeline without images, data.image_max_pixels unset).
+    What the preflight plans the vision tower for (:func:`fitburst.settings.settings_from_spec`'s ``images``)."""
+    if spec.data.image_max_pixels is None:
+        return 0
     source = spec.data_source()
     if not isinstance(source, Path) or not source.exists():
         return 1
     most = 0
-    for _, raw in _raw_records(source, spec.data):
+    for _, raw in raw_records(source, spec.data):
         try:
-            rec = _map_columns(raw, spec.data.columns)  # data.columns names the messages field as prep reads it
+            rec = map_columns(raw, spec.data.columns)  # data.columns names the messages field as prep reads it
         except ValueError:  # a record prep would reject: it holds no images the run plans for
             continue
         msgs = rec.get("messages") if isinstance(rec, dict) else None

@@ -28,6 +28,13 @@ def resolve_model_ref(name: str) -> str:
     return name
 
 
+def spec_with_model_ref(spec: PipelineSpec) -> PipelineSpec:
+    """``spec`` with ``model.name`` as :func:`resolve_model_ref` resolves it (a demo model's folder, built on first
+    use): what the traced and sliced estimates build the model from, outside this module."""
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(
+        spec.model.name)})})
+
+
 def load_tokenizer(name: str, revision: str | None = None, token: str | None = None,
                    trust_remote_code: bool = False):
     """Load the tokenizer; give it a pad token when it has none (the eos token)."""

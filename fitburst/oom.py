@@ -22,17 +22,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fitburst import distributed
-from fitburst.data import PreparedData, run_settings
+from fitburst.data import PreparedData, images_per_record
 from fitburst.device import select_device
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, ModelShape, estimate
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
-from fitburst.models import spec_shape
+from fitburst.models import model_family, spec_shape
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
 from fitburst.ranks import Ranks, RanksFailed
-from fitburst.settings import RunSettings, spec_with_settings
+from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import TrainError, TrainResult, drop_optimizer_state, latest_checkpoint, train
 
@@ -87,13 +87,17 @@ class StepDown:
         return asdict(self)
 
 
-def load_stepdowns(run_dir: Path) -> dict:
-    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken), the rungs
-    taken and their records."""
+def load_stepdowns(run_dir: Path, resolve: Callable[[dict], RunSettings] | None = None) -> dict:
+    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken; read with
+    :meth:`RunSettings.from_dict`, which takes old field names), the rungs taken and their records. A folder stepped
+    down by an earlier fitburst holds the changed spec fields as dotted keys ("fields"): ``resolve`` turns them
+    into the settings they stand for."""
     p = Path(run_dir) / STEPDOWN_FILE
-    state = json.loads(p.read_text()) if p.exists() else {}
-    # a folder stepped down by an earlier fitburst holds the changed spec fields as dotted keys ("fields")
-    return {"settings": None, "rungs": [], "history": [], "fields": {}, **state}
+    state = {"settings": None, "rungs": [], "history": [], **(json.loads(p.read_text()) if p.exists() else {})}
+    fields = state.pop("fields", None)
+    if fields and not state["settings"] and resolve is not None:
+        state["settings"] = asdict(resolve(fields))
+    return state
 
 
 def _record_history(entry: StepDown) -> None:
@@ -149,12 +153,13 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
-    state = load_stepdowns(run_dir)
-    if state["settings"]:
-        settings = RunSettings.from_dict(state["settings"])
-    else:  # none taken, or taken by an earlier fitburst that kept the changed fields
-        settings = run_settings(spec.with_overrides(state["fields"]), dev, longest)
-    current = spec_with_settings(spec, settings) if state["settings"] or state["fields"] else spec
+
+    def resolved(s: PipelineSpec) -> RunSettings:
+        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model_family(s.model))
+
+    state = load_stepdowns(run_dir, lambda fields: resolved(spec.with_overrides(fields)))
+    settings = RunSettings.from_dict(state["settings"]) if state["settings"] else resolved(spec)
+    current = spec_with_settings(spec, settings) if state["settings"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
     shape = None

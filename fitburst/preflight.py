@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from fitburst.cloud.rank import Candidate, rank_candidates
-from fitburst.data import PreparedData, run_settings
+from fitburst.data import PreparedData, images_per_record
 from fitburst.errors import UserError
 from fitburst.hardware import CPU_CONTEXT, CPU_RESERVE, Gpus, resolve_gpus
 from fitburst.history import month_spend
@@ -25,9 +25,9 @@ from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate
 from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
 from fitburst.memory.planner import plan_gpus, world_sizes
-from fitburst.models import resolve_model_ref, spec_shape
+from fitburst.models import model_family, spec_shape, spec_with_model_ref
 from fitburst.probe import probe
-from fitburst.settings import RunSettings, spec_with_settings
+from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 
 if TYPE_CHECKING:
@@ -183,15 +183,9 @@ def exact_estimate(spec: PipelineSpec, seq_len: int) -> EstimateFn | None:
     from fitburst.memory.trace import traced_estimate
 
     cache: dict = {}
-    local = local_spec(spec)
+    local = spec_with_model_ref(spec)
     # a plan with fewer image tokens (memory.planner's resolution rung) has a shorter sequence than the data's
     return lambda s, d: traced_estimate(local, s, d, seq_len=min(seq_len, s.seq_len), cache=cache)
-
-
-def local_spec(spec: PipelineSpec) -> PipelineSpec:
-    """``spec`` with its model named as the estimates read it (a demo model's folder, built on first use)."""
-    return spec.model_copy(update={"model": spec.model.model_copy(update={"name": resolve_model_ref(
-        spec.model.name)})})
 
 
 @dataclass
@@ -251,7 +245,7 @@ def plan_checked(spec: PipelineSpec, shape: ModelShape | None, settings: RunSett
         from fitburst.memory.sliced import quick_estimate
 
         try:
-            return Checked(plan(exact, quick_estimate(local_spec(spec), seq_len)), exact)
+            return Checked(plan(exact, quick_estimate(spec_with_model_ref(spec), seq_len)), exact)
         except TraceUnsupported as e:
             raise PreflightFailed(f"{what}, and it cannot run: {e}") from None
     if exact is None:
@@ -331,7 +325,8 @@ def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, token
     monthly budget, against this month's spend so far as MLflow holds it."""
     from fitburst.memory.trace import TraceUnsupported
 
-    cloud = run_settings(spec, None, seq_len)  # precision: auto resolves per GPU, not for here
+    # precision: auto resolves per GPU, not for here
+    cloud = settings_from_spec(spec, None, seq_len, images=images_per_record(spec), family=model_family(spec.model))
     b = spec.burst
     spent = None
     if b.max_monthly_usd is not None or b.max_monthly_usd_all is not None:
@@ -367,7 +362,9 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     gpus = resolve_gpus(device_name or spec.preflight.device)
     device = gpus.device
     shape = spec_shape(spec)
-    settings, tokens = run_settings(spec, device, seq_len), train_tokens(spec, n_train, mean_len)
+    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec),
+                                  family=model_family(spec.model))
+    tokens = train_tokens(spec, n_train, mean_len)
     if shape is not None and (why := reason_to_burst_anyway(spec, shape, settings, device, tokens)) is not None:
         unchecked = replace(plan_checked(spec, shape, settings, device, seq_len, gpus, trace=False), unchecked=why,
                             exact=exact_estimate(spec, seq_len))
@@ -403,8 +400,9 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     device = replace(report.device, budget_bytes=budget_bytes)
     gpus = replace(report.gpus, device=device) if report.gpus else None
     shape = spec_shape(spec)
-    checked = plan_checked(spec, shape, run_settings(report.planned, device, report.seq_len), device,
-                           report.seq_len, gpus)
+    planned = settings_from_spec(report.planned, device, report.seq_len, images=images_per_record(spec),
+                                 family=model_family(spec.model))
+    checked = plan_checked(spec, shape, planned, device, report.seq_len, gpus)
     checked.plan.changes[:0] = [*report.changes, why]
     return conclude(report.planned, shape, device, checked, report.seq_len, report.tokens,
                     measured_tokens_per_s=measured_tokens_per_s, gpus=gpus)
@@ -425,7 +423,9 @@ def plan_here(spec: PipelineSpec, seq_len: int, gpus: Gpus | None = None) -> tup
     Returns the planned spec, the changes and the estimate; raises PreflightFailed when nothing allowed fits."""
     gpus = gpus or resolve_gpus(spec.preflight.device)
     device = gpus.device
-    plan = plan_checked(spec, spec_shape(spec), run_settings(spec, device, seq_len), device, seq_len, gpus).plan
+    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec),
+                                  family=model_family(spec.model))
+    plan = plan_checked(spec, spec_shape(spec), settings, device, seq_len, gpus).plan
     if not plan.fits:
         raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "

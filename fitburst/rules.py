@@ -113,8 +113,8 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f: ("CPU offload is FSDP's", "set training.distributed: fsdp (or auto), or cpu_offload: false")),
     Rule("activation_offloading_off_cuda", ("training", "activation_offloading"),
          lambda s, d, f: s.activation_offloading and d is not None and d.kind != "cuda",
-         lambda s, d, f: ("activation offloading moves saved activations from a CUDA GPU to pinned host memory, "
-                          f"and this run is on {d.name if d else ''}", "set it false")),
+         lambda s, d, f: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
+                          f"memory, and this run is on {d.name if d else ''}", "set it false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f: ("packed batches carry no images", "set training.packing: false for a pipeline with "

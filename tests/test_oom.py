@@ -300,3 +300,22 @@ def test_settings_stored_with_the_old_field_names_resume_as_the_same_settings():
     old = {new_to_old.get(k, k): v for k, v in asdict(s).items()}
     assert "batch" in old and "micro_batch_size" not in old
     assert RunSettings.from_dict(old) == s == RunSettings.from_dict(asdict(s))
+
+
+def test_both_older_step_down_formats_resume_through_the_one_adapter(tmp_path):
+    """stepdown.json with changed spec fields as dotted keys becomes the settings they stand for (the resolution
+    the caller passes); settings stored with the old field names read as the same settings."""
+    from fitburst.oom import load_stepdowns
+    from fitburst.settings import RunSettings
+
+    (tmp_path / STEPDOWN_FILE).write_text(json.dumps({"fields": {"training.micro_batch_size": 2},
+                                                      "rungs": ["reduce_batch"], "history": []}))
+    state = load_stepdowns(tmp_path, lambda fields: RunSettings(micro_batch_size=fields["training.micro_batch_size"],
+                                                                grad_accum=2))
+    assert "fields" not in state and state["rungs"] == ["reduce_batch"]
+    assert (RunSettings.from_dict(state["settings"]).micro_batch_size, state["settings"]["grad_accum"]) == (2, 2)
+    (tmp_path / STEPDOWN_FILE).write_text(json.dumps({"settings": {"batch": 2, "dtype": "fp16"}, "rungs": []}))
+    s = RunSettings.from_dict(load_stepdowns(tmp_path)["settings"])
+    assert (s.micro_batch_size, s.precision) == (2, "fp16")
+    (tmp_path / STEPDOWN_FILE).unlink()
+    assert load_stepdowns(tmp_path) == {"settings": None, "rungs": [], "history": []}

@@ -148,14 +148,16 @@ def test_tiny_vl_trains_through_the_dag(vl_run):
 def test_estimate_counts_what_trains(vl_spec, method, vision):
     """The estimator's trainable parameters (LoRA on the vision side as method.vision asks; a full fine-tune's
     frozen tower left out) equal what build_model really trains; the base count equals the loaded model's."""
-    from fitburst.data import run_settings
+    from fitburst.data import images_per_record
     from fitburst.memory import estimate, resolve_device
-    from fitburst.models import spec_shape
+    from fitburst.models import model_family, spec_shape
+    from fitburst.settings import settings_from_spec
     from fitburst.train import build_model
 
     spec = vl_spec.model_copy(update={"method": vl_spec.method.model_copy(update={"type": method, "vision": vision})})
     model, _ = build_model(spec, "cpu", "fp32")
-    s = run_settings(spec, resolve_device("cpu"), 40)
+    s = settings_from_spec(spec, resolve_device("cpu"), 40,
+                           images=images_per_record(spec), family=model_family(spec.model))
     assert (s.images, s.image_tokens, s.vision) == (1, 16, vision)
     e = estimate(spec_shape(spec), s, resolve_device("cpu"))
     assert e.params["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -188,14 +190,16 @@ def test_vision_terms_follow_images_and_what_trains(vl_spec):
 def test_seed_qwen2_vl_7b_fp32_on_m2_max(pipelines_file):
     """The seed: Qwen2-VL-7B LoRA in fp32 with 1280-token images does not fit an M2 Max's 42.43 GiB MPS budget; the
     planner proposes a plan that does, with no bitsandbytes (none on MPS)."""
-    from fitburst.data import run_settings
+    from fitburst.data import images_per_record
     from fitburst.memory import Budget, estimate, resolve_device
-    from fitburst.models import spec_shape
+    from fitburst.models import model_family, spec_shape
     from fitburst.preflight import preflight
+    from fitburst.settings import settings_from_spec
 
     spec = load_pipeline(pipelines_file, "qwen2vl-7b-lora", {"preflight.exact": False})  # the trace: minutes at 7B
     dev = resolve_device(spec.preflight.device)
-    s = run_settings(spec, dev, spec.data.max_seq_len)
+    s = settings_from_spec(spec, dev, spec.data.max_seq_len,
+                           images=images_per_record(spec), family=model_family(spec.model))
     assert not Budget(dev, 0.03).judge(estimate(spec_shape(spec), s, dev)).fits
     report = preflight(spec, spec.data.max_seq_len)
     assert report.verdict.placement == "local" and report.plan.fits
@@ -208,15 +212,17 @@ def test_planner_lowers_the_resolution_and_the_data_follows(vl_spec):
     the planned resolution are 4 tokens each and every sample is exactly as much shorter as the plan assumed."""
     from dataclasses import replace
 
-    from fitburst.data import run_settings
+    from fitburst.data import images_per_record
     from fitburst.memory import Budget, estimate, plan_fit, resolve_device
-    from fitburst.models import spec_shape
-    from fitburst.settings import spec_with_settings
+    from fitburst.models import model_family, spec_shape
+    from fitburst.settings import settings_from_spec, spec_with_settings
 
     full = prepare_pipeline(vl_spec)
     seq = full.stats["max"]
     shape = spec_shape(vl_spec)
-    s = replace(run_settings(vl_spec, resolve_device("cpu"), seq), micro_batch_size=64, eval_batch=0)
+    s = replace(settings_from_spec(vl_spec, resolve_device("cpu"), seq,
+                                   images=images_per_record(vl_spec),
+                                   family=model_family(vl_spec.model)), micro_batch_size=64, eval_batch=0)
     cpu = resolve_device("cpu:64GiB")
     need = Budget(cpu).needed  # the estimate's upper band edge, what a plan must keep within the limit
     low = need(estimate(shape, replace(s, image_tokens=4, seq_len=seq - 12), cpu))
@@ -261,11 +267,12 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
 
     import torch
 
-    from fitburst.data import collate, run_settings
+    from fitburst.data import collate, images_per_record
     from fitburst.memory import resolve_device
     from fitburst.memory.trace import traced_estimate
-    from fitburst.models import resolve_model_ref
+    from fitburst.models import model_family, resolve_model_ref
     from fitburst.probe import TensorTracker
+    from fitburst.settings import settings_from_spec
     from fitburst.train import build_model, make_optimizer, optimizer_step
 
     spec = vl_spec.model_copy(update={"training": vl_spec.training.model_copy(update={"micro_batch_size": 4})})
@@ -281,7 +288,10 @@ def test_traced_estimate_of_a_step_with_images_is_the_measured_peak(vl_spec):
         for _ in range(2):
             optimizer_step(model, opt, params, [batch], device="cpu", max_grad_norm=1.0)
     dev = resolve_device("cpu:64GiB")
-    s = replace(run_settings(spec, dev, 40), padded=False)  # four samples of 40 tokens: no padding
+    s = replace(settings_from_spec(spec, dev, 40,
+                                   images=images_per_record(spec),
+                                   family=model_family(spec.model)),
+        padded=False)  # four samples of 40 tokens: no padding
     ref = resolve_model_ref(spec.model.name)
     local = spec.model_copy(update={"model": spec.model.model_copy(update={"name": ref})})
     traced = traced_estimate(local, s, dev, seq_len=40)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pydantic import ValidationError
 
 from fitburst.hardware import Device, GiB, host_ram_bytes, resolve_device
-from fitburst.settings import settings_from_spec
+from fitburst.settings import ATTENTIONS, DTYPES, LOSSES, METHODS, OPTIMIZERS, QUANTS, VISION, settings_from_spec
 from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
@@ -25,10 +25,10 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, help="hub id, local model dir, config.json path, or a bundled name"
     )
-    p.add_argument("--method", choices=["full", "lora", "qlora"], default="lora")
+    p.add_argument("--method", choices=METHODS, default="lora")
     p.add_argument(
         "--quant",
-        choices=["none", "int8", "nf4", "fp4"],
+        choices=QUANTS,
         default=None,
         help="weight quantization (default: nf4 for qlora, none otherwise)",
     )
@@ -43,14 +43,14 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=512, help="padded length (longest sample in a batch)")
     p.add_argument("--grad-checkpointing", action="store_true")
-    p.add_argument("--optimizer", choices=["adamw", "adamw8bit", "paged_adamw8bit", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument(
         "--dtype",
-        choices=["bf16", "fp16", "fp32"],
+        choices=DTYPES,
         default=None,
         help="default: bf16, or fp16 on devices without bf16",
     )
-    p.add_argument("--attention", choices=["eager", "sdpa", "flash"], default="sdpa")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
     p.add_argument(
         "--device",
         default="auto",
@@ -65,9 +65,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=0, help="vision-language models: images per sample")
     p.add_argument("--image-max-pixels", type=int, default=1003520,
                    help="vision-language models: pixels per image (data.image_max_pixels; sets tokens per image)")
-    p.add_argument("--vision", choices=["frozen", "projector", "tower"], default="frozen",
+    p.add_argument("--vision", choices=VISION, default="frozen",
                    help="vision-language models: what of the vision side trains (method.vision)")
-    p.add_argument("--loss", choices=["auto", "standard", "fused"], default="auto",
+    p.add_argument("--loss", choices=LOSSES, default="auto",
                    help="training.loss: the standard loss, a fused linear cross-entropy, or auto (standard unless "
                         "the plan needs the memory)")
     p.add_argument("--activation-offloading", action="store_true",

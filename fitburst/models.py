@@ -217,6 +217,75 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
                       empty=empty)
 
 
+def prepare_kbit(model, *, gradient_checkpointing: bool, frozen_fp32: bool = True):
+    """peft's ``prepare_model_for_kbit_training`` (base frozen, unquantized weights cast to fp32, checkpointing on).
+
+    ``frozen_fp32`` false: the frozen input embeddings and output head (tied or not) keep the 16-bit dtype they were
+    loaded in: the same values as the fp32 copies peft would make of them, in half the bytes. The embeddings' output
+    is cast to fp32, so the residual stream, the norms and the adapters stay fp32 as peft makes them; under autocast
+    the head's matmul takes the 16-bit weight that autocast would otherwise copy from the fp32 one. peft 0.21 has no
+    argument for it, and casting back afterwards would still hold every fp32 copy at once while loading (4.2 GB for
+    Llama-3.1-8B beside its 3.9 GB of 4-bit weights): peft's own function runs with those weights viewed as int16 (no
+    copy), which its cast passes by, and they are viewed back after it."""
+    import torch
+    from peft import prepare_model_for_kbit_training  # heavy: loaded only when training
+
+    kept = [] if frozen_fp32 else [(p, p.dtype) for p in _frozen_16bit_weights(model)]
+    for p, _ in kept:
+        p.requires_grad_(False)
+        p.data = p.data.view(torch.int16)
+    try:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    finally:
+        for p, dtype in kept:
+            p.data = p.data.view(dtype)
+    if kept:
+        model.get_input_embeddings().register_forward_hook(_to_fp32)
+    return model
+
+
+def _frozen_16bit_weights(model) -> list:
+    """The input embeddings' and output head's 16-bit weights (a tied one once)."""
+    import torch
+
+    out: dict[int, torch.nn.Parameter] = {}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.nn.Parameter) and w.dtype in (torch.bfloat16, torch.float16):
+            out[id(w)] = w
+    return list(out.values())
+
+
+def _to_fp32(module, args, output):
+    """Forward hook: the 16-bit embeddings' output as fp32, the residual stream k-bit preparation makes."""
+    return output.float()
+
+
+def tile_mlps(model, shape: ModelShape | None) -> int:
+    """Each decoder block's gated MLP run by liger-kernel's ``apply_tiled_mlp`` (pure torch: an autograd function
+    that runs the MLP's own forward, LoRA adapters included, over ceil(seq / hidden) sequence shards without
+    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A ValueError
+    where ``shape`` (the model's architecture, :attr:`ModelShape.tiled_mlp_refusal`) has no gated MLP."""
+    if shape is None:
+        raise ValueError("the tiled MLP needs an architecture the estimate models (its gated MLP's layer names)")
+    if (why := shape.tiled_mlp_refusal) is not None:
+        raise ValueError(f"the tiled MLP runs over a gated MLP: {why}")
+    from liger_kernel.ops import apply_tiled_mlp  # heavy, optional: the lean extra
+
+    names = {lin.name for lin in shape.mlp_linears()}
+    mlps = [m for n, m in model.named_modules()
+            if names <= {c for c, _ in m.named_children()} and not any(v in n for v in ("visual", "vision"))]
+    for mlp in mlps:
+        mlp.forward = _tiled(apply_tiled_mlp, mlp, mlp.forward)
+    return len(mlps)
+
+
+def _tiled(apply_tiled_mlp, mlp, forward):
+    """``mlp``'s ``forward`` over sequence shards (Liger's default count: ceil(seq / hidden))."""
+    return lambda x: apply_tiled_mlp(lambda _module, shard: forward(shard), mlp, x)
+
+
 def _disable_bnb_cpu_repack(model) -> None:
     """bitsandbytes on CPUs with avx512_bf16 repacks 4-bit weights after an eval forward, which breaks later
     training steps (see shared stack notes); turn that path off on every 4-bit layer."""

@@ -184,7 +184,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             del exc
             shape = shape or _shape(spec)
             record.estimated_bytes = _estimated(settings, shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=shape)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             _record_history(record)

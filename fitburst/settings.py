@@ -63,6 +63,9 @@ class RunSettings:
     method: str = "lora"  # full | lora | qlora (LoRA on a quantized base; a quantized "lora" becomes "qlora")
     quant: str = "none"  # none | int8 | nf4 | fp4
     double_quant: bool = True
+    # k-bit: fp32 copies of the frozen embeddings and head, as peft's k-bit preparation makes them (the default here:
+    # what runs stored before the field existed did); pipelines.yaml's method.frozen_fp32 defaults to false
+    frozen_fp32: bool = True
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
@@ -87,6 +90,7 @@ class RunSettings:
     vision: str = "frozen"
     loss: str = "auto"  # auto | standard | fused (fitburst.families.loss; auto trains as standard)
     activation_offloading: bool = False  # saved activations offloaded to pinned host memory (CUDA)
+    tiled_mlp: bool = False  # each block's gated MLP over sequence shards, recomputed in backward (liger-kernel)
     # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
     # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
     distributed: str = "auto"
@@ -136,6 +140,13 @@ class RunSettings:
         return self.loss == "fused"
 
     @property
+    def frozen_16bit(self) -> bool:
+        """k-bit preparation leaves the frozen embeddings and head in the 16-bit compute dtype
+        (:func:`fitburst.models.prepare_kbit`): k-bit weights, 16-bit precision, one device (FSDP's mixed precision
+        gathers every weight in 16 bits anyway)."""
+        return self.kbit and not self.frozen_fp32 and self.precision != "fp32" and not self.sharded
+
+    @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.grad_accum
 
@@ -151,6 +162,8 @@ class RunSettings:
         q = f" {self.quant}{dq}" if self.kbit else ""
         ck = (" ckpt" if self.gradient_checkpointing else "") + (" packed" if self.packed_fill else "")
         ck += f" img{self.images}x{self.image_tokens}" if self.images else ""
+        ck += " frozen16" if self.frozen_16bit else ""
+        ck += " tiled-mlp" if self.tiled_mlp else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.activation_offloading else "")
         shape = f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
@@ -174,14 +187,15 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         dtype = auto_precision(device.kind, device.supports_bf16) if device is not None else "bf16"
     px = spec.data.image_max_pixels
     s = RunSettings(
-        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, rank=m.rank, alpha=m.alpha,
+        method=m.type, quant=m.quant or "none", double_quant=m.double_quant, frozen_fp32=m.frozen_fp32,
+        rank=m.rank, alpha=m.alpha,
         dropout=m.dropout, target_modules=m.target_modules, micro_batch_size=t.micro_batch_size,
         grad_accum=t.grad_accum,
         seq_len=seq_len or spec.data.max_seq_len, gradient_checkpointing=t.gradient_checkpointing,
         optimizer=t.optimizer, precision=dtype, attention="sdpa" if t.attention == "auto" else t.attention,
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
-        pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading,
+        pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading, tiled_mlp=t.tiled_mlp,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
@@ -197,7 +211,8 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
     stays auto for SDPA (the loader picks the device's SDPA variant); a lowered image resolution becomes
     ``data.image_max_pixels``."""
     method = spec.method.model_copy(update={
-        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "rank": s.rank, "alpha": s.alpha,
+        "type": s.method, "quant": s.quant, "double_quant": s.double_quant, "frozen_fp32": s.frozen_fp32,
+        "rank": s.rank, "alpha": s.alpha,
         "dropout": s.dropout, "target_modules": s.target_modules})
     attention = "auto" if spec.training.attention == "auto" and s.attention == "sdpa" else s.attention
     training = spec.training.model_copy(update={
@@ -205,6 +220,7 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
         "gradient_checkpointing": s.gradient_checkpointing,
         "optimizer": s.optimizer, "precision": s.precision, "attention": attention, "packing": s.packed_fill > 0,
         "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.activation_offloading,
+        "tiled_mlp": s.tiled_mlp,
         "distributed": "fsdp" if s.world_size > 1 else s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})

@@ -131,6 +131,11 @@ class MethodSpec(Strict):
         default=None, description="weight quantization; defaults to nf4 for qlora and none otherwise"
     )
     double_quant: bool = True
+    frozen_fp32: bool = Field(
+        default=False, description="k-bit only: keep fp32 copies of the frozen input embeddings and output head, as "
+        "peft's prepare_model_for_kbit_training makes them (true); false keeps them in the compute dtype they were "
+        "loaded in (the same values, half the bytes: 2.1 GB less for Llama-3.1-8B) and casts the embedding output to "
+        "fp32, so the residual stream, the norms and the adapters stay fp32 as peft makes them")
     vision: Vision = Field(
         default="frozen", description="vision-language models: the vision tower stays frozen, or its projector "
         "(the merger) trains too, or all of it (LoRA on those layers, or full weights with type: full)")
@@ -194,6 +199,9 @@ class TrainingSpec(Strict):
         "torch.compile path elsewhere); auto: standard unless the preflight needs the memory (preflight.allow)")
     activation_offloading: bool = Field(default=False, description="CUDA only: keep the activations saved for "
                                         "backward in pinned host memory (TRL's offloading context)")
+    tiled_mlp: bool = Field(default=False, description="run each block's gated MLP over sequence shards, its forward "
+                            "recomputed in backward (liger-kernel's apply_tiled_mlp): backward never holds a whole "
+                            "layer's MLP intermediates at full length; slower (one more MLP forward per step)")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -235,6 +243,8 @@ class AllowSpec(Strict):
     precision: bool = True  # fp32 -> bf16 mixed precision where the device has bf16
     fused_loss: bool = True  # training.loss: auto -> fused (a fused linear cross-entropy)
     activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
+    tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
+    frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
@@ -413,7 +423,25 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     model folder that cannot load."""
     device = declared_device(spec.preflight.device)
     out = [(p.field, str(p)) for p in problems(settings_from_spec(spec, device), device)]
+    if spec.training.tiled_mlp and (why := _tiled_mlp_refusal(spec.model)) is not None:
+        out.append((("training", "tiled_mlp"), f"the tiled MLP shards a gated MLP (gate, up, down) and {why}: set "
+                                               "training.tiled_mlp: false"))
     return out + [(("model", "name"), why) for why in model_folder_problems(spec.model)]
+
+
+def _tiled_mlp_refusal(model: ModelSpec) -> str | None:
+    """Why a tiled MLP cannot run on a model whose config.json is here (a local folder or a bundled config; a hub
+    model's or an unreadable one's is not fetched here: the trainer refuses it before loading, as
+    ``fitburst.models.tile_mlps`` does)."""
+    from fitburst.memory.shapes import ModelConfigError, bundled_config, load_shape
+
+    p = Path(model.name).expanduser()
+    if not ((p / "config.json").is_file() or bundled_config(model.name, model.revision) is not None):
+        return None
+    try:
+        return load_shape(str(p) if p.is_dir() else model.name, model.revision).tiled_mlp_refusal
+    except ModelConfigError:  # an unreadable or unmodelled config: _model_folder_problems or the trainer says why
+        return None
 
 
 def _build(

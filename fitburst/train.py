@@ -39,7 +39,7 @@ from fitburst.hardware import resolve_device
 from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.meter import MemoryMeter, MemoryPeak
-from fitburst.models import load_pipeline_model, model_family, tokenizer_for
+from fitburst.models import load_pipeline_model, model_family, prepare_kbit, tokenizer_for
 from fitburst.rules import device_of_kind, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -134,11 +134,9 @@ def prepare_for_training(model, spec: PipelineSpec):
     method, tr = spec.method, spec.training
     model.config.use_cache = False
     if method.quant != "none":
-        from peft import prepare_model_for_kbit_training  # heavy: loaded only when training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=tr.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        # FSDP's mixed precision gathers every weight in 16 bits: a sharded run keeps peft's preparation as it is
+        model = prepare_kbit(model, gradient_checkpointing=tr.gradient_checkpointing,
+                             frozen_fp32=method.frozen_fp32 or tr.distributed == "fsdp")
     elif tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
@@ -167,6 +165,13 @@ def prepare_for_training(model, spec: PipelineSpec):
             target_modules=targets if targets == "all-linear" else list(targets)))
     else:
         family.freeze(model, method)
+    if tr.tiled_mlp:
+        from fitburst.models import spec_shape, tile_mlps
+
+        try:
+            tile_mlps(model, spec_shape(spec))
+        except ValueError as e:
+            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp: {e}: set it false") from None
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:

@@ -9,8 +9,9 @@ tensors by name (shared tensors share a name), whether its output needs grad, an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, expands_kv
 from fitburst.settings import RunSettings
@@ -49,6 +50,7 @@ class StepContext:
     fsdp_mp: bool = False  # FSDP's mixed precision: LoRA adapters gathered in 16 bits (no fp32 copy of their input)
     dtype_bytes: int = 2  # bytes of the compute dtype
     logit_bytes: int = 2  # bytes of an element of the head's output (k-bit's fp32 head outside autocast: 4)
+    mlp_shard: int = 0  # the tiled MLP (fitburst.models.tile_mlps): tokens of one sequence shard (0: not tiled)
 
 
 def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepContext:
@@ -83,7 +85,16 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
         master=s.master_weights and not mp, lora16=d if s.amp and not full else 0, gpu_amp=gpu_amp,
         norm32=gpu_amp and not full and not s.kbit and shape.norm_style == "layernorm",
         half_to_float=device.kind == "cuda" and s.precision == "fp16" and a == 2, fsdp_mp=mp, dtype_bytes=d,
-        logit_bytes=4 if s.kbit and not s.amp else d)  # k-bit's fp32 head; under autocast its output is 16-bit
+        logit_bytes=4 if s.kbit and not s.amp else d,  # k-bit's fp32 head; under autocast its output is 16-bit
+        mlp_shard=mlp_shard_tokens(shape, s, tokens, seq))
+
+
+def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:
+    """Tokens of one shard of the tiled MLP (0: not tiled): liger-kernel's apply_tiled_mlp cuts each row's sequence
+    into ceil(seq / hidden) shards (its default), and its backward the flattened rows into as many."""
+    if not s.tiled_mlp or shape.tiled_mlp_refusal is not None:
+        return 0
+    return -(-tokens // math.ceil(seq / shape.hidden))
 
 
 def norm(saved: dict, key: str, in_key: str, rg_in: bool, c: StepContext, shape: ModelShape, width: int) -> bool:
@@ -165,6 +176,10 @@ def decoder_block(shape: ModelShape, c: StepContext, rg_in: bool, decoder: bool 
         n2 = "n2"
     if shape.experts:
         rg_m = _moe(sv, shape, c, n2, rg_n2)
+    elif c.mlp_shard:  # the tiled MLP keeps its input alone; backward recomputes it shard by shard
+        rg_m = _gated_mlp({}, shape, c, n2, rg_n2)
+        if rg_m:
+            sv[n2] = _mlp_input_bytes(c) * c.tokens * h
     elif shape.mlp == "gated":
         rg_m = _gated_mlp(sv, shape, c, n2, rg_n2)
     else:
@@ -412,6 +427,25 @@ def _moe(sv: dict, shape: ModelShape, c: StepContext, in_key: str, rg_in: bool) 
     return True
 
 
+def _mlp_input_bytes(c: StepContext) -> int:
+    """Bytes of an element of the MLP's input (its norm's output: the stream's dtype, fp32 with master weights or
+    autocast's fp32 LayerNorm)."""
+    return 4 if c.master or c.norm32 else c.act_bytes
+
+
+def _tiled_mlp_backward(shape: ModelShape, c: StepContext) -> int:
+    """The tiled MLP's backward beyond its saved input: the input's gradient (zeros, filled shard by shard), and one
+    shard's recomputed forward (what it saves, its output) with that shard's backward transient; the shard's input
+    is a view of the saved input."""
+    shard = replace(c, tokens=c.mlp_shard, mlp_shard=0)
+    saved: dict[str, int] = {}
+    _gated_mlp(saved, shape, shard, "n2", True)
+    saved.pop("n2", None)
+    mlp_t = block_backward_transient(shape, shard)[0]
+    return _mlp_input_bytes(c) * c.tokens * shape.hidden + sum(saved.values()) + mlp_t + \
+        c.act_bytes * c.mlp_shard * shape.hidden
+
+
 def block_backward_transient(shape: ModelShape, c: StepContext) -> tuple[int, int]:
     """Gradient tensors alive inside one block's backward beyond its saved tensors: (during the MLP's backward, its
     input grads while its own saved inputs are released node by node; during the attention's, its grads)."""
@@ -430,7 +464,7 @@ def block_backward_transient(shape: ModelShape, c: StepContext) -> tuple[int, in
     )
     if shape.act == "gelu_new" and c.gpu_amp and a != 4:  # its fp32 tail (CUDA or MPS autocast) runs backward in fp32
         mlp = max(mlp, (12 + a) * T * i - down_saved)
-    mlp += a * T * h
+    mlp = _tiled_mlp_backward(shape, c) if c.mlp_shard else mlp + a * T * h
     if c.attention == "flash":
         att = 4 * T * (shape.q_dim + 2 * shape.kv_dim) + 2 * a * T * shape.q_dim
     else:  # the probabilities' grad in fp32 and the softmax backward's output, the probabilities' 16-bit copy
@@ -451,7 +485,10 @@ def forward_transient(shape: ModelShape, c: StepContext) -> int:
     upcast = 4 if a != 4 and not c.half_to_float else 0
     m = c.lora16 or a
     att = {"flash": 0, "math": 4}.get(c.attention, max(0, a + upcast - (0 if m == 4 else m)))
-    return max(2 * a * T * shape.intermediate, att * c.rows * shape.heads * c.seq * c.seq)
+    # the tiled MLP: one shard's intermediates beside the output shards made so far, then their concatenation
+    mlp = (max(2 * a * c.mlp_shard * shape.intermediate + a * T * shape.hidden, 2 * a * T * shape.hidden)
+           if c.mlp_shard else 2 * a * T * shape.intermediate)
+    return max(mlp, att * c.rows * shape.heads * c.seq * c.seq)
 
 
 def attention_bytes(c: StepContext) -> int:

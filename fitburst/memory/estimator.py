@@ -269,7 +269,7 @@ def loss_head(shape: ModelShape, s: RunSettings, device: Device, c: StepContext,
     logits = c.logit_bytes * c.tokens * shape.vocab
     kept_logits = logits if s.keep_logits and not fused else 0
     head_copy = (c.dtype_bytes * shape.vocab * shape.hidden
-                 if (s.master_weights or (s.kbit and s.amp)) and not c.fsdp_mp else 0)
+                 if (s.master_weights or (s.kbit and s.amp and not s.frozen_16bit)) and not c.fsdp_mp else 0)
     if fused:
         peak = _fused_loss_peak(shape, c, kernel, states)
     else:

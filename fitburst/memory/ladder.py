@@ -18,6 +18,8 @@ from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
 from fitburst.rules import new_problems
 from fitburst.settings import RunSettings
 
+from .shapes import ModelShape
+
 Check = Callable[[RunSettings, Device], bool]
 Step = Callable[[RunSettings, Device], RunSettings]
 Explain = Callable[[RunSettings, Device], str]
@@ -35,9 +37,13 @@ class Rung:
     applies: Check
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
+    # what the model must be for the change to run (None: any model); asked without a model, such a rung is not taken
+    model: Callable[[ModelShape], bool] | None = None
 
-    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> bool:
-        return ((allow or {}).get(self.key, True) and self.applies(s, device)
+    def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                shape: ModelShape | None = None) -> bool:
+        fits_model = self.model is None or (shape is not None and self.model(shape))
+        return ((allow or {}).get(self.key, True) and fits_model and self.applies(s, device)
                 and not new_problems(s, self.take(s, device), device))
 
 
@@ -80,6 +86,14 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # (CUDA): saved tensors cross PCIe twice per step; TRL overlaps the copies on a side stream, but without prefetch
 # PyTorch's offloading "causes a major performance degradation" (AWS SageMaker model-parallel docs), and nothing
 # here measured it on a GPU: ranked right after checkpointing (1.35), before the rungs that change the weights.
+# Frozen embeddings and head in 16 bits (k-bit): the same matmuls in the same dtype (under autocast the head ran in
+# 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
+# as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
+
+# The tiled MLP recomputes each MLP's forward in backward, shard by shard: measured on this project's 2-core CPU box
+# (tiny Llama h128 i1024, s2048 in 16 shards, LoRA all-linear, fp32, median of 10 steps beside other work): x1.30
+# without checkpointing, x1.41 with it; no GPU measurement here. Right before checkpointing (1.33).
+TILED_MLP_COST = 1.3
 
 LADDER: tuple[Rung, ...] = (
     Rung("attention", 0.9, True,
@@ -94,6 +108,11 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    Rung("frozen_16bit", 1.0, True,
+         lambda s, d: s.kbit and s.frozen_fp32 and s.precision != "fp32" and not s.sharded,
+         lambda s, d: replace(s, frozen_fp32=False),
+         lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
+                      "values: they were loaded in 16 bits)"),
     Rung("fused_loss", 1.01, True,
          lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
@@ -107,6 +126,12 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.micro_batch_size > 1,
          lambda s, d: smaller_batch(s),
          _batch_text),
+    Rung("tiled_mlp", TILED_MLP_COST, True,
+         lambda s, d: not s.tiled_mlp and importlib.util.find_spec("liger_kernel") is not None,
+         lambda s, d: replace(s, tiled_mlp=True),
+         lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
+                      "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",
+         model=lambda shape: shape.tiled_mlp_refusal is None),
     Rung("gradient_checkpointing", 1.33, True,
          lambda s, d: not s.gradient_checkpointing,
          lambda s, d: replace(s, gradient_checkpointing=True),
@@ -139,6 +164,7 @@ EVAL_HALVING_COST = 1.001
 
 
 def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
-              *, midrun: bool = False) -> Rung | None:
-    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run)."""
-    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow)), None)
+              *, midrun: bool = False, shape: ModelShape | None = None) -> Rung | None:
+    """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run); a rung that
+    depends on the model only with its ``shape``."""
+    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow, shape)), None)

@@ -125,6 +125,9 @@ def weight_bytes(shape: ModelShape, s: RunSettings) -> dict[str, int]:
         q = lin_w + rows * 4  # int8 weight + fp32 row scale (SCB)
     else:
         q = four_bit_bytes(lin_w, s.double_quant)
+    if s.frozen_16bit:  # the frozen embeddings and head stay in the compute dtype (fitburst.models.prepare_kbit)
+        frozen = embed_head_params(shape)
+        return {"weights_quantized": int(q), "weights_fp32": (rest - frozen) * 4, "weights_16bit": frozen * d}
     return {"weights_quantized": int(q), "weights_fp32": rest * 4}
 
 

@@ -95,10 +95,11 @@ class _Combination:
     cost: float
 
 
-def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool]) -> Iterator[_Combination]:
-    """Every combination of the rungs that apply to ``settings`` and every number of micro-batch steps, the run
-    as configured first."""
-    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed)]
+def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool],
+                  shape: ModelShape | None = None) -> Iterator[_Combination]:
+    """Every combination of the rungs that apply to ``settings`` (and to the model ``shape``) and every number of
+    micro-batch steps, the run as configured first."""
+    rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed, shape)]
     steps = 0
     while allowed["reduce_batch"] and _batch_steps(settings, steps).micro_batch_size > 1:
         steps += 1
@@ -153,7 +154,7 @@ def plan_fit(
     def search() -> list[tuple[float, RunSettings, list[str], Estimate]]:
         """Every rung combination and micro-batch step that fits (analytic), cheapest first."""
         out = []
-        for c in _combinations(settings, device, allowed):  # every one that fits (more for the exact check)
+        for c in _combinations(settings, device, allowed, shape):  # every one that fits (more for the exact check)
             sk, e, ev, ek = judged(c.settings)
             if e.fits:
                 out.append((c.cost * EVAL_HALVING_COST**ek, sk, c.texts + ev, e))

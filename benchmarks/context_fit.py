@@ -6,9 +6,10 @@ Usage: PYTHONPATH=$PWD python benchmarks/context_fit.py [--traced] > benchmarks/
 The runs are Unsloth's (QLoRA nf4 with double quant, rank 32 on all linear layers, batch 1, bf16, sequences padded
 to the length) on ``cuda:<N>GiB`` cards. A length fits when the analytic estimate's device total (reserved +
 context, the point estimate, no error band) is within the card, as the issue measures. Plain: gradient
-checkpointing only (lora dropout 0.05, the standard loss, AdamW). Best: the planner's most frugal plan, every rung
-of the ladder that applies taken (fitburst.memory.planner.most_frugal): whatever rungs this checkout has. The host
-RAM is not limited here (Unsloth's numbers assume a host that holds the offloaded checkpoints): the host column
+checkpointing only (lora dropout 0.05, the standard loss, AdamW). Best: the least of the planner's most frugal
+plans, every rung of the ladder that applies taken, or all but one (fitburst.memory.planner.frugal_plans):
+whatever rungs this checkout has. The host RAM is not limited here (Unsloth's numbers assume a host that holds
+the offloaded checkpoints): the host column
 says what the best plan pins there. Beside it, ``planned``: what `fitburst estimate` plans on that card (the
 estimate's error band's upper edge within the budget less 3 % headroom, host RAM 256 GiB), which is what a user
 gets. ``--traced`` also traces the best plan at its longest length on the 24 GB and 80 GB rows (FakeTensorMode:
@@ -26,7 +27,7 @@ import time
 from fitburst.hardware import GiB, resolve_device
 from fitburst.memory.estimator import Estimate, estimate
 from fitburst.memory.host import host_limit
-from fitburst.memory.planner import _longest, longest_planned, most_frugal
+from fitburst.memory.planner import _longest, frugal_plans, longest_planned
 from fitburst.memory.shapes import ModelConfigError, ModelShape, bundled_names, load_shape
 from fitburst.settings import RunSettings
 
@@ -49,8 +50,9 @@ def card(n: int):
     return resolve_device(f"cuda:{n}GiB")
 
 
-def best(s: RunSettings, n: int) -> RunSettings:
-    return most_frugal(s, card(n))
+def best(s: RunSettings, n: int, shape: ModelShape) -> RunSettings:
+    """Of the most frugal plans (every rung, and every rung but one), the one that needs least here."""
+    return min(frugal_plans(s, card(n), shape=shape), key=lambda t: estimate(shape, t, card(n)).device_total_bytes)
 
 
 def point_fits(shape: ModelShape, s: RunSettings, n: int) -> bool:
@@ -60,7 +62,7 @@ def point_fits(shape: ModelShape, s: RunSettings, n: int) -> bool:
 def longest(shape: ModelShape, n: int, frugal: bool) -> int:
     def fits(t: int) -> bool:
         s = plain(t)
-        return point_fits(shape, best(s, n) if frugal else s, n)
+        return point_fits(shape, best(s, n, shape) if frugal else s, n)
     return _longest(fits, LONGEST)
 
 
@@ -90,7 +92,7 @@ def context_table(model: str, published: bool) -> list[str]:
         row = f"| {n} GB | {fmt(p)} | {fmt(b)} | {fmt(planned)} |"
         if published:
             row += f" {UNSLOTH[n]:,} | {fmt(HF_FA2[n])} | {b / UNSLOTH[n]:.2f} |"
-        e = estimate(shape, best(plain(max(b, 64)), n), card(n))
+        e = estimate(shape, best(plain(max(b, 64)), n, shape), card(n))
         row += f" {e.offloaded_host_bytes / GiB:.1f} | {where(e) if b else '-'} |"
         out.append(row)
     return out
@@ -102,11 +104,11 @@ def gap_lines(model: str) -> list[str]:
     out = ["", f"At Unsloth's length, {shape.name}'s best plan needs (device total, point estimate) and spends it on:",
            ""]
     for n in CARDS:
-        e = estimate(shape, best(plain(UNSLOTH[n]), n), card(n))
+        e = estimate(shape, best(plain(UNSLOTH[n]), n, shape), card(n))
         out.append(f"- {n} GB at {UNSLOTH[n]:,} tokens: {e.device_total_bytes / GiB:.1f} GiB "
                    f"({e.device_total_bytes / (n * GiB):.2f} x the card); {where(e, 6)}")
-    s = best(plain(UNSLOTH[24]), 24)  # describe() leaves dropout out: said beside it
-    e8 = best(plain(2048), 8)
+    s = best(plain(UNSLOTH[24]), 24, shape)  # describe() leaves dropout out: said beside it
+    e8 = best(plain(2048), 8, shape)
     out += ["", f"Best plan's settings (24 GB row): {s.describe()}, lora dropout {s.dropout:g}",
             f"Best plan's settings (8 GB row): {e8.describe()}, lora dropout {e8.dropout:g}"]
     return out
@@ -128,7 +130,7 @@ def largest_models() -> list[str]:
             fit = []
             for sh in shapes:
                 try:
-                    s = best(plain(2048), n) if frugal else plain(2048)
+                    s = best(plain(2048), n, sh) if frugal else plain(2048)
                     e = estimate(sh, s, card(n))
                 except (ValueError, KeyError):
                     continue
@@ -154,7 +156,7 @@ def traced_rows() -> list[str]:
            "| host GiB analytic / traced |", "|---:|---:|---:|---:|---:|---|---:|"]
     for n in (24, 80):
         b = longest(shape, n, True)
-        s = best(plain(b), n)
+        s = best(plain(b), n, shape)
         a = estimate(shape, s, card(n))
         t0 = time.time()
         t = traced_estimate(spec, s, card(n), seq_len=b)

@@ -336,18 +336,34 @@ def _longest(fits: Callable[[int], bool], hi: int) -> int:
 LONGEST_SEARCHED = 1 << 20
 
 
-def most_frugal(settings: RunSettings, device: Device, allow: Mapping[str, bool] | None = None) -> RunSettings:
+def most_frugal(settings: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                shape: ModelShape | None = None) -> RunSettings:
     """``settings`` with every allowed rung that applies taken, in the ladder's order (a rung that applies only
     after another, such as the 8-bit optimizer after quantizing, is taken too), and the micro-batch at its
     smallest: what the planner would need at most of each rung."""
     allowed = {r.key: True for r in LADDER} | dict(allow or {})
     s = settings
     for r in LADDER:
-        if r.key != "reduce_batch" and r.allowed(s, device, allowed):
+        if r.key != "reduce_batch" and r.allowed(s, device, allowed, shape):
             s = r.take(s, device)
     while allowed["reduce_batch"] and s.micro_batch_size > 1:
         s = smaller_batch(s)
     return s
+
+
+def frugal_plans(settings: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                 shape: ModelShape | None = None) -> list[RunSettings]:
+    """The most frugal allowed plan (:func:`most_frugal`), then it without each of its rungs in turn: a rung that
+    saves memory at one length may cost some at another (the tiled MLP's shards at a short sequence), and
+    offloading spends host RAM the host may not have."""
+    allowed = {r.key: True for r in LADDER} | dict(allow or {})
+    out = [most_frugal(settings, device, allowed, shape)]
+    for r in LADDER:
+        if r.key != "reduce_batch" and allowed[r.key]:
+            without = most_frugal(settings, device, allowed | {r.key: False}, shape)
+            if without not in out:
+                out.append(without)
+    return out
 
 
 def longest_planned(shape: ModelShape, settings: RunSettings, device: Device, margin: float = SAFETY_MARGIN,
@@ -355,16 +371,13 @@ def longest_planned(shape: ModelShape, settings: RunSettings, device: Device, ma
                     longest: int = LONGEST_SEARCHED) -> tuple[int, Plan | None]:
     """The longest padded length (multiple of 64, up to ``longest``) at which the planner finds a plan that fits
     ``device`` (the analytic estimate at its band's upper edge, the host side against ``host_limit``), and that plan
-    (None when no length fits). Bisected on the most frugal allowed plan (:func:`most_frugal`), and on it without
-    activation offloading, which spends host RAM instead: when the host cannot hold the offloaded activations
-    the run may still fit the GPU without them; the plan itself is :func:`plan_fit`'s at that length (the fastest
-    that fits there)."""
+    (None when no length fits). Bisected on the most frugal allowed plans (:func:`frugal_plans`: when the host
+    cannot hold the offloaded activations the run may still fit the GPU without them); the plan itself is
+    :func:`plan_fit`'s at that length (the fastest that fits there)."""
     budget = Budget(device, margin, host_limit=host_limit)
 
     def fits(n: int) -> bool:
-        frugal = most_frugal(replace(settings, seq_len=n), device, allow)
-        tries = [frugal] + ([replace(frugal, activation_offloading=False)]
-                            if frugal.activation_offloading and not settings.activation_offloading else [])
+        tries = frugal_plans(replace(settings, seq_len=n), device, allow, shape)
         return any(bool(budget.judge(estimate(shape, t, device)).fits) for t in tries)
 
     n = _longest(fits, longest)

@@ -165,9 +165,10 @@ def test_the_traced_host_peak_counts_host_copies_of_the_measured_step_only():
 
 
 def test_the_planner_combines_rungs_by_fit_then_time():
-    """Llama-3.1-8B QLoRA r32 on a 24 GiB card: a short run keeps checkpointing alone, a longer one adds the fused
-    loss, then offloading, and at the longest length the planner finds it takes every rung that saves memory here
-    (checkpointing, offloaded checkpoints, the fused loss, dropout 0, the 8-bit optimizer) at once."""
+    """Llama-3.1-8B QLoRA r32 on a 24 GiB card: a short run keeps checkpointing alone, a longer one adds a cheap
+    rung, not offloading nor the 8-bit optimizer, and at the longest length the planner finds it takes every rung
+    that saves memory here (checkpointing, offloaded checkpoints, the fused loss, dropout 0, the 8-bit optimizer)
+    at once."""
     shape, dev, host = _llama8b(), resolve_device("cuda:24GiB"), host_limit(256 * GiB)
     s = _settings(micro_batch_size=1, loss="auto", activation_offloading=False, rank=32, dropout=0.05,
                   optimizer="adamw")
@@ -179,7 +180,8 @@ def test_the_planner_combines_rungs_by_fit_then_time():
 
     short, mid = planned(2048), planned(4096)
     assert (short.loss, short.activation_offloading, short.optimizer) == ("auto", False, "adamw")
-    assert mid.loss == "fused" and not mid.activation_offloading and mid.optimizer == "adamw"
+    # a cheap rung (the fused loss, or frozen weights kept 16-bit where that rung exists), not a slow one
+    assert mid != replace(short, seq_len=4096) and not mid.activation_offloading and mid.optimizer == "adamw"
     n, plan = longest_planned(shape, replace(s, seq_len=2048), dev, host_limit=host)
     assert plan is not None
     p = plan.settings

@@ -88,6 +88,8 @@ def cmd_validate(args) -> int:
     if not Path(args.file).is_file():  # the loader's advice names --file, which validate does not take
         raise SpecError(str(args.file), ["file not found (create it, or give its path: fitburst validate PATH)"])
     specs = load_all(args.file)
+    if offload := _offload_problems(args.file, specs):
+        raise SpecError(str(args.file), offload)
     con = _console()
     bad = 0
     for name, s in specs.items():
@@ -116,6 +118,23 @@ def cmd_validate(args) -> int:
     checked = "settings" if args.no_data else "settings and data"
     con.print(f"{args.file}: {len(specs)} pipeline(s) valid ({checked})")
     return 0
+
+
+def _offload_problems(path, specs: dict) -> list[str]:
+    """Pipelines whose offloaded activations do not fit this machine's RAM (fitburst.memory.host), located as
+    every other settings problem is: pipeline, line, field, value, fix."""
+    from fitburst.hardware import host_ram_bytes
+    from fitburst.memory.host import offload_problem
+    from fitburst.spec import _locate, load_file
+
+    _, lines = load_file(path)
+    field = ("training", "activation_offloading")
+    out = []
+    for name, spec in specs.items():
+        if why := offload_problem(spec, host_ram_bytes()):
+            out.append(f"pipeline '{name}': line {_locate(lines, name, field)}: field '{'.'.join(field)}' (got True): "
+                       f"{why}")
+    return out
 
 
 def cmd_prepare(args) -> int:

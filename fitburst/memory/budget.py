@@ -38,13 +38,17 @@ class Budget:
 
     def judge(self, e: Estimate) -> Estimate:
         """Mark ``e`` with its band, the headroom and whether it fits (for a scout: whether it is worth tracing); a
-        sharded run also with its nodes and the host RAM each needs (:func:`host_bytes`), which must fit too."""
+        sharded run also with its nodes and the host RAM each needs (:func:`host_bytes`), and an offloaded one with
+        the pinned host RAM its offloaded activations take (fitburst.memory.host): the host side must fit too."""
         e.band = band_for(e.method, self.device.kind, _kbit(e), self.device.name, e.world_size, self.facts(e))
         e.safety_margin = self.headroom
+        per_node = 1
         if e.world_size > 1:
             per_node = min(e.world_size, self.gpus_per_node)
             e.nodes = -(-e.world_size // per_node)
             e.host_bytes = host_bytes(e.params, RunSettings.from_dict(e.settings), per_node)
+        if e.offloaded_host_bytes:  # activation offloading: each process's offloaded activations, pinned
+            e.host_bytes = (e.host_bytes if e.world_size > 1 else 0) + e.offloaded_host_bytes * per_node
         e.fits = self.needed(e) <= self.limit and self.host_fits(e)
         return e
 

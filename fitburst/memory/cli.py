@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from pydantic import ValidationError
 
-from fitburst.hardware import Device, GiB, resolve_device
+from fitburst.hardware import Device, GiB, host_ram_bytes, resolve_device
 from fitburst.rules import problems
 from fitburst.settings import (
     ATTENTIONS,
@@ -25,8 +25,9 @@ from fitburst.settings import (
 from fitburst.spec import SAFETY_MARGIN, PipelineSpec
 
 from .budget import Budget
-from .estimator import estimate
-from .planner import EstimateFn, plan_fit
+from .estimator import Estimate, estimate
+from .host import host_limit, offload_words, parse_host_ram
+from .planner import LONGEST_SEARCHED, EstimateFn, Plan, longest_planned, max_seq_len_that_fits, plan_fit
 from .shapes import ModelShape, UnmodelledArchitecture, load_shape
 
 
@@ -82,6 +83,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                         "the plan needs the memory)")
     p.add_argument("--activation-offloading", action="store_true",
                    help="training.activation_offloading (CUDA): saved activations in pinned host memory")
+    p.add_argument("--host-ram", default=None, metavar="SIZE",
+                   help="the RAM of the machine the run trains on (e.g. 64GiB; default: this machine's): offloaded "
+                        "activations must fit it, less the system's reserve and each process")
     p.add_argument("--gpus", type=int, default=1, help="GPUs per node the run is sharded over with FSDP (figures "
                    "are per GPU; totals across all GPUs are shown beside them)")
     p.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each (multi-node FSDP)")
@@ -140,6 +144,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ValueError(f"--activation-offloading: {offload[0]}")
         if args.gpus < 1 or args.nodes < 1:
             raise ValueError("--gpus and --nodes: 1 or more")
+        ram = parse_host_ram(args.host_ram) if args.host_ram is not None else host_ram_bytes()
+        host = host_limit(ram, args.gpus)
         if (args.offload or args.keep_gathered) and args.gpus * args.nodes == 1:
             raise ValueError("--offload and --keep-gathered are FSDP's: shard over --gpus 2 or more")
         try:
@@ -159,7 +165,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         exact = _traced(spec, args.seq_len) if args.exact or (shape is None and quick is None) else quick
         # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
         plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact,
-                        quick=quick if args.exact else None, gpus_per_node=args.gpus)
+                        quick=quick if args.exact else None, gpus_per_node=args.gpus, host_limit=host)
         if exact is not None:
             est = exact(settings, device)
         else:
@@ -176,21 +182,70 @@ def run_estimate(args: argparse.Namespace) -> int:
         est.notes.append(f"{why}: traced instead (the real model built by transformers on the meta device and "
                          "stepped on fake tensors; seconds, not instant)")
         est.notes += [n for n in plan.estimate.notes if n.startswith("planned by")]
-    est = Budget(device, args.safety_margin, gpus_per_node=args.gpus).judge(est)
+    budget = Budget(device, args.safety_margin, gpus_per_node=args.gpus, host_limit=host)
+    est = budget.judge(est)
     est.plan = [] if est.fits else list(plan.changes)
+    longest = _longest(shape, settings, device, args, host)
     if args.json:
         d = est.to_dict()
         d["error_band"] = d.pop("band")  # the band the fit was judged by (fitburst.memory.calibration)
         d["verdict"] = "local" if plan.fits else "burst"
-        d["needed_bytes"] = Budget(device, args.safety_margin, gpus_per_node=args.gpus).needed(est)
+        d["needed_bytes"] = budget.needed(est)
         d["planned_settings"] = plan.to_dict()["settings"] if plan.changes else None
         # the planned settings' own breakdown beside the as-configured one above
         d["planned_components"] = plan.estimate.components if plan.changes else None
         d["planned_device_total_bytes"] = plan.estimate.device_total_bytes if plan.changes else None
+        d["host_ram"] = _host_ram(ram, host, est, plan)
+        d["longest_seq_len"] = longest
         print(json.dumps(d, indent=2))
         return 0 if est.fits or plan.fits else 1
     _print_human(shape.name if shape is not None else args.model, settings, device, est, plan)
+    _print_host_and_longest(est, plan, host, longest)
     return 0 if est.fits or plan.fits else 1
+
+
+def _longest(shape: ModelShape | None, settings, device: Device, args: argparse.Namespace,
+             host: int) -> dict | None:
+    """The longest sequence that fits as configured and with the plan the planner would choose there (the
+    analytic estimate, searched up to LONGEST_SEARCHED tokens); None for an architecture it does not model, or a
+    sharded run (planned per GPU count)."""
+    if shape is None or settings.world_size > 1:
+        return None
+    as_configured = max_seq_len_that_fits(shape, settings, device, args.safety_margin, longest=LONGEST_SEARCHED,
+                                          host_limit=host)
+    n, plan = longest_planned(shape, settings, device, args.safety_margin, host_limit=host)
+    return {"as_configured": as_configured, "planned": n, "searched_up_to": LONGEST_SEARCHED,
+            "planned_changes": plan.changes if plan is not None else [],
+            "planned_settings": plan.settings.describe() if plan is not None else None,
+            "planned_device_total_bytes": plan.estimate.device_total_bytes if plan is not None else None,
+            "planned_host_bytes": plan.estimate.host_bytes if plan is not None else None,
+            "by": "analytic"}
+
+
+def _host_ram(ram: int, limit: int, est: Estimate, plan: Plan) -> dict:
+    """The host side of the run as configured and as planned: what offloading pins there against the limit."""
+    return {"ram_bytes": ram, "limit_bytes": limit, "host_bytes": est.host_bytes,
+            "offloaded_bytes": est.offloaded_host_bytes, "fits": est.host_bytes <= limit,
+            "planned_host_bytes": plan.estimate.host_bytes if plan.changes else None,
+            "planned_offloaded_bytes": plan.estimate.offloaded_host_bytes if plan.changes else None}
+
+
+def _print_host_and_longest(est: Estimate, plan: Plan, host: int, longest: dict | None) -> None:
+    """The host side of the run (offloaded activations against the host's limit) and the longest sequence that
+    fits, as configured and with the plan the planner would choose."""
+    from rich.console import Console
+
+    con = Console()
+    for e, what in ((est, "as configured"), (plan.estimate, "as planned")):
+        if e.offloaded_host_bytes and (e is est or plan.changes):
+            con.print(f"{what}: {offload_words(e.host_bytes, host)}")
+    if longest is None:
+        return
+    cap = longest["searched_up_to"]
+    words = lambda n: "none" if not n else (f"{n:,} tokens or more" if n >= cap else f"{n:,} tokens")  # noqa: E731
+    con.print(f"longest sequence that fits (analytic estimate, batch {est.settings['micro_batch_size']}): as "
+              f"configured {words(longest['as_configured'])}; with the plan it would choose "
+              f"{words(longest['planned'])}" + (f" ({longest['planned_settings']})" if longest["planned"] else ""))
 
 
 def _traced(spec: PipelineSpec, seq_len: int) -> EstimateFn:

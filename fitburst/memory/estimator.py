@@ -77,6 +77,9 @@ class Estimate:
     world_size: int = 1
     nodes: int = 1
     host_bytes: int = 0
+    # activation offloading: what one GPU's process keeps in pinned host memory (fitburst.memory.host); part of
+    # ``host_bytes`` once judged
+    offloaded_host_bytes: int = 0
     vocab: int = 0  # the model's vocabulary (0: not known); with the rest, what decides which band applies
 
     def to_dict(self) -> dict:
@@ -153,6 +156,13 @@ class Activations:
         """Of the blocks' kept tensors, what the device holds at the forward's end: offloaded, one block's worth
         (the forward's stash being copied out, the block whose tensors came back in backward)."""
         return max(self.kept, default=0) if self.offloaded else sum(self.kept)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """What waits in pinned host memory at the forward's end when offloaded (0 otherwise): every block's
+        saved tensors (with checkpointing: its input, the checkpoint), the head input and a trained vision
+        tower's."""
+        return sum(self.kept) + self.head_input + self.vision_saved if self.offloaded else 0
 
     @property
     def at_forward_end(self) -> int:
@@ -452,7 +462,18 @@ def estimate(shape: ModelShape, settings: RunSettings, device: Device, calibrate
         phases = per_rank_phases(shape, s, phases)
         notes.append(f"FSDP over {s.world_size} GPUs: per-GPU figures (model states / {s.world_size}, activations of "
                      "this GPU's micro-batch, gathered blocks and gradient buffers)")
-    return _summed(shape, s, device, phases, c.tokens, notes, calibrate)
+    est = _summed(shape, s, device, phases, c.tokens, notes, calibrate)
+    est.offloaded_host_bytes = acts.offloaded_bytes + (offloaded_loss(shape, c, head) if acts.offloaded else 0)
+    return est
+
+
+def offloaded_loss(shape: ModelShape, c: StepContext, head: Loss) -> int:
+    """What the loss saves for backward under activation offloading, which the loop runs inside the offloading
+    context (TRL leaves only the output head's own forward on the device): the fused kernel's hidden states in the
+    matmul dtype; the standard loss's fp32 log-softmax output and, from 16-bit logits, their fp32 copy."""
+    if head.fused:
+        return c.logit_bytes * c.tokens * shape.hidden
+    return (4 if c.logit_bytes == 4 else 8) * c.tokens * shape.vocab
 
 
 def _summed(shape: ModelShape, s: RunSettings, device: Device, phases: Phases,

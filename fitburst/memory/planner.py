@@ -225,14 +225,20 @@ def _closest_miss(shape: ModelShape, settings: RunSettings, device: Device, budg
         gpu_fits = budget.needed(base) <= budget.limit
         assert budget.host_limit is not None  # host_fits is False only against a limit
         what = "offloaded state and loading" if settings.cpu_offload else "loading"
+        if settings.activation_offloading:  # each process's offloaded activations, pinned (fitburst.memory.host)
+            what = ("offloaded activations" if settings.world_size == 1 else f"{what}, offloaded activations")
         why = [f"nothing fits {device.name}: the host RAM does not: {_gib(base.host_bytes)} per node ({what}) of "
                f"{_gib(budget.host_limit)}" + (f", while each GPU would hold its part ({_gib(budget.needed(base))} of "
                                                f"{_gib(budget.limit)} at the upper edge)" if gpu_fits else
                                                f", and each GPU needs {_gib(budget.needed(base))} of "
                                                f"{_gib(budget.limit)}")
                + ": a node with more RAM, more GPUs"
-               + (", or training.fsdp.cpu_offload off" if settings.cpu_offload else "")]
-        longest = 0
+               + (", or training.fsdp.cpu_offload off" if settings.cpu_offload else "")
+               + (", a shorter sequence, or training.activation_offloading off" if settings.activation_offloading
+                  else "")]
+        # offloaded activations shrink with the sequence; what FSDP keeps on the host does not
+        longest = max_seq_len_that_fits(shape, settings, device, safety_margin, host_limit=budget.host_limit) \
+            if settings.activation_offloading else 0
     else:
         longest = max_seq_len_that_fits(shape, settings, device, safety_margin)
         why = [f"nothing fits {device.name}: as configured it needs {_gib(budget.needed(base))} at the estimate's "
@@ -240,7 +246,7 @@ def _closest_miss(shape: ModelShape, settings: RunSettings, device: Device, budg
                f"{_gib(budget.limit)} (budget less {safety_margin:.0%} headroom)"]
     if rejected:
         why.append(f"the exact estimate rejected the {rejected} cheapest plan(s) the analytic one accepted")
-    if not budget.host_fits(base):
+    if not budget.host_fits(base) and not settings.activation_offloading:
         why.append("a shorter sequence does not help: the host RAM decides")
     else:
         why.append(f"longest sequence that fits {device.name} as configured: {longest} tokens"
@@ -300,19 +306,84 @@ def plan_gpus(shape: ModelShape | None, settings: RunSettings, device: Device, c
 
 
 def max_seq_len_that_fits(shape: ModelShape, s: RunSettings, device: Device,
-                          margin: float = SAFETY_MARGIN) -> int:
-    """Longest padded length (multiple of 64) that fits as configured; 0 if none."""
-    budget = Budget(device, margin)
-    lo, hi = 0, s.seq_len
+                          margin: float = SAFETY_MARGIN, *, longest: int | None = None,
+                          host_limit: int | None = None) -> int:
+    """Longest padded length (multiple of 64) up to ``longest`` (default: ``s.seq_len``) that fits as configured,
+    the host side against ``host_limit`` included; 0 if none."""
+    budget = Budget(device, margin, host_limit=host_limit)
+    return _longest(lambda n: bool(budget.judge(estimate(shape, replace(s, seq_len=n), device)).fits),
+                    longest or s.seq_len)
+
+
+def _longest(fits: Callable[[int], bool], hi: int) -> int:
+    """The longest multiple of 64 up to ``hi`` (``hi`` itself when it fits) for which ``fits`` holds, by bisection
+    (``fits`` must hold for every length below one that fits); 0 if none."""
+    if fits(hi):
+        return hi
+    lo = 0
     while hi - lo > 64:
         mid = (lo + hi) // 2 // 64 * 64 or 64
         if mid <= lo:
             break
-        if budget.judge(estimate(shape, replace(s, seq_len=mid), device)).fits:
+        if fits(mid):
             lo = mid
         else:
             hi = mid
     return lo
+
+
+# how far `fitburst estimate` looks for the longest sequence a plan fits (tokens); a run that fits this long says so
+LONGEST_SEARCHED = 1 << 20
+
+
+def most_frugal(settings: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                shape: ModelShape | None = None) -> RunSettings:
+    """``settings`` with every allowed rung that applies taken, in the ladder's order (a rung that applies only
+    after another, such as the 8-bit optimizer after quantizing, is taken too), and the micro-batch at its
+    smallest: what the planner would need at most of each rung."""
+    allowed = {r.key: True for r in LADDER} | dict(allow or {})
+    s = settings
+    for r in LADDER:
+        if r.key != "reduce_batch" and r.allowed(s, device, allowed, shape):
+            s = r.take(s, device)
+    while allowed["reduce_batch"] and s.micro_batch_size > 1:
+        s = smaller_batch(s)
+    return s
+
+
+def frugal_plans(settings: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
+                 shape: ModelShape | None = None) -> list[RunSettings]:
+    """The most frugal allowed plan (:func:`most_frugal`), then it without each of its rungs in turn: a rung that
+    saves memory at one length may cost some at another (the tiled MLP's shards at a short sequence), and
+    offloading spends host RAM the host may not have."""
+    allowed = {r.key: True for r in LADDER} | dict(allow or {})
+    out = [most_frugal(settings, device, allowed, shape)]
+    for r in LADDER:
+        if r.key != "reduce_batch" and allowed[r.key]:
+            without = most_frugal(settings, device, allowed | {r.key: False}, shape)
+            if without not in out:
+                out.append(without)
+    return out
+
+
+def longest_planned(shape: ModelShape, settings: RunSettings, device: Device, margin: float = SAFETY_MARGIN,
+                    allow: Mapping[str, bool] | None = None, *, host_limit: int | None = None,
+                    longest: int = LONGEST_SEARCHED) -> tuple[int, Plan | None]:
+    """The longest padded length (multiple of 64, up to ``longest``) at which the planner finds a plan that fits
+    ``device`` (the analytic estimate at its band's upper edge, the host side against ``host_limit``), and that plan
+    (None when no length fits). Bisected on the most frugal allowed plans (:func:`frugal_plans`: when the host
+    cannot hold the offloaded activations the run may still fit the GPU without them); the plan itself is
+    :func:`plan_fit`'s at that length (the fastest that fits there)."""
+    budget = Budget(device, margin, host_limit=host_limit)
+
+    def fits(n: int) -> bool:
+        tries = frugal_plans(replace(settings, seq_len=n), device, allow, shape)
+        return any(bool(budget.judge(estimate(shape, t, device)).fits) for t in tries)
+
+    n = _longest(fits, longest)
+    if not n:
+        return 0, None
+    return n, plan_fit(shape, replace(settings, seq_len=n), device, margin, allow, host_limit=host_limit)
 
 
 def _plan_exact_only(settings: RunSettings, budget: Budget, allowed: Mapping[str, bool],

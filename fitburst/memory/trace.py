@@ -524,6 +524,7 @@ def traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: int
 def _traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: int,
                      cache: dict | None) -> Estimate:
     from . import allocator, cuda_kernels
+    from .host import traced_host_bytes
 
     s = settings
     adamw = cuda_kernels.adamw_impl(device.kind, s.world_size, s.adamw)
@@ -571,4 +572,4 @@ def _traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: in
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0),
                 "loaded": trace.params.get("loaded", 0)},  # 0: a trace cached before it was counted
         phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size,
-        vocab=trace.vocab)
+        vocab=trace.vocab, offloaded_host_bytes=traced_host_bytes(trace.events, trace.measured_start))

@@ -156,3 +156,20 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+def config_folder(tmp_path_factory, name: str, config: dict) -> Path:
+    """A model folder holding only ``config``'s config.json: what the estimates and the trace read."""
+    import json
+
+    d = tmp_path_factory.mktemp(name)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """A CPU where inductor finds no C++ compiler: the fused loss is fitburst's chunked one (traced as it runs)."""
+    from fitburst import hardware
+
+    monkeypatch.setattr(hardware, "cpu_compiler", lambda: False)

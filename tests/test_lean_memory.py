@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import config_folder
 
-from fitburst import hardware
 from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.ladder import LADDER, RUNGS, next_rung
 from fitburst.memory.trace import trace_step, traced_estimate
@@ -20,15 +20,7 @@ S = 256
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    (d / "config.json").write_text(json.dumps(CFG))
-    return d
-
-
-@pytest.fixture
-def no_compiler(monkeypatch):
-    """A CPU where inductor finds no C++ compiler: the fused loss is fitburst's chunked one."""
-    monkeypatch.setattr(hardware, "cpu_compiler", lambda: False)
+    return config_folder(tmp_path_factory, "tiny", CFG)
 
 
 def spec_for(path, **training):

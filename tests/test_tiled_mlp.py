@@ -3,12 +3,11 @@ gradients, both estimates against the real CPU step, the refusals, the ladder an
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
+from conftest import config_folder
 
-from fitburst import hardware
 from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.budget import Budget
 from fitburst.memory.ladder import RUNGS, next_rung
@@ -24,15 +23,7 @@ SEQ = 2048  # ceil(2048 / 128) = 16 shards of 128 tokens
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiled")
-    (d / "config.json").write_text(json.dumps(CFG))
-    return d
-
-
-@pytest.fixture
-def no_compiler(monkeypatch):
-    """A CPU where inductor finds no C++ compiler: the fused loss is fitburst's chunked one (traced as it runs)."""
-    monkeypatch.setattr(hardware, "cpu_compiler", lambda: False)
+    return config_folder(tmp_path_factory, "tiled", CFG)
 
 
 def settings(tiled: bool, **kw) -> RunSettings:

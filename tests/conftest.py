@@ -27,8 +27,16 @@ _TMP = Path(tempfile.mkdtemp(prefix="fitburst-tests-"))
 tempfile.tempdir = str(_TMP)
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # one cache of built demo models and prepared data for the session, xdist workers included: they start after this
-# ran in the controller and inherit it (writes into it are atomic, see fitburst.cache; builds are locked below)
-os.environ.setdefault("FITBURST_TEST_CACHE", str(_TMP / "cache"))
+# ran in the controller and inherit it (writes into it are atomic, see fitburst.cache; builds are locked below).
+# Everything else under FITBURST_CACHE (the calibration file, the OOM history, data facts, offers, traces) is what a
+# test writes and reads back: each process keeps its own, and links the shared folders into it.
+_SHARED_CACHE = Path(os.environ.setdefault("FITBURST_TEST_CACHE", str(_TMP / "cache")))
+_CACHE = _TMP / "cache"
+for _shared in ("models", "data"):
+    (_SHARED_CACHE / _shared).mkdir(parents=True, exist_ok=True)
+    if not (_CACHE / _shared).exists():
+        _CACHE.mkdir(exist_ok=True)
+        (_CACHE / _shared).symlink_to(_SHARED_CACHE / _shared, target_is_directory=True)
 # and one torch.compile cache, as a single process has (its default lives in TMPDIR, which is per worker below)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_TMP / "torchinductor"))
 os.environ.update({
@@ -37,7 +45,7 @@ os.environ.update({
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
     "MLFLOW_TRACKING_URI": f"sqlite:///{_TMP / 'mlflow.db'}",
-    "FITBURST_CACHE": os.environ["FITBURST_TEST_CACHE"],
+    "FITBURST_CACHE": str(_CACHE),
     "FITBURST_RUNS_DIR": str(_TMP / "runs"),
     "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
     "HF_HUB_OFFLINE": "1",

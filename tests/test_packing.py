@@ -93,14 +93,14 @@ def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
 
     shape = load_shape("Qwen/Qwen2.5-7B-Instruct")
     s = RunSettings(method="lora", rank=16, target_modules="all-linear", micro_batch_size=8, seq_len=2048,
-                    precision="bf16",
-                      attention="flash", dropout=0.0)
+                    precision="bf16", attention="flash", dropout=0.0)
     big = resolve_device("cuda:200GiB")
     need = {fill: Budget(big).needed(estimate(shape, replace(s, packed_fill=fill), big)) for fill in (0.0, 1.0, 0.5)}
     assert need[0.5] < need[1.0] < need[0.0]  # no padding bias; then fewer real tokens, less memory
     between = resolve_device(f"cuda:{(need[0.0] + need[1.0]) / 2 / 0.97 / GiB + 0.3:.2f}GiB")
     off = {k: False for k in ("gradient_checkpointing", "optimizer_8bit", "quantize", "reduce_batch", "attention",
-                              "dropout", "fused_loss", "activation_offloading")}  # packing alone
+                              "dropout", "fused_loss", "activation_offloading", "tiled_mlp",
+                              "frozen_16bit")}  # packing alone
     plan = plan_fit(shape, s, between, 0.03, off)
     assert plan.fits and plan.settings.packed_fill == 1.0 and any("packed" in c for c in plan.changes)
     assert not plan_fit(shape, s, between, 0.03, {**off, "packing": False}).fits

@@ -14,7 +14,7 @@ import re
 import socket
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -56,6 +56,17 @@ class RunRecord(TypedDict):
     run_id: str
     metrics: dict[str, float]
     tags: dict[str, str]
+
+
+def first_use_lock(uri: str) -> AbstractContextManager:
+    """A lock beside a sqlite store, held while a run finds or creates its experiment: MLflow creates the store's
+    tables on first use, and two runs starting together on a fresh file (two deployments triggered at once) would
+    otherwise both create them, one failing with sqlite's OperationalError. Other stores need none."""
+    if not uri.startswith("sqlite:///"):
+        return nullcontext()
+    from filelock import FileLock
+
+    return FileLock(uri[len("sqlite:///"):] + ".lock")
 
 
 def memory_runs(uri: str, experiment: str | None = None) -> list[RunRecord]:
@@ -112,10 +123,11 @@ class Tracker:
         from mlflow.tracking import MlflowClient  # heavy: loaded only to log
 
         uri = tracking_uri(spec)
-        client = MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name(spec.tracking.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(spec.tracking.experiment)
-        mark_model_training(client, exp_id, exp.tags if exp else {})
+        with first_use_lock(uri):
+            client = MlflowClient(tracking_uri=uri)
+            exp = client.get_experiment_by_name(spec.tracking.experiment)
+            exp_id = exp.experiment_id if exp else client.create_experiment(spec.tracking.experiment)
+            mark_model_training(client, exp_id, exp.tags if exp else {})
         base = {"pipeline": spec.name, "fitburst.version": __version__, "config_hash": spec.config_hash(),
                 "model": spec.model.name, "method": spec.method.type, **spec.tags}
         if sha := git_sha():

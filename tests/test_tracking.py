@@ -162,3 +162,35 @@ def test_memory_comparison_and_loss_plots_render(tmp_path):
     loss = loss_curve(metrics, tmp_path / "l.png", eval_points={"base": 3.2, "tuned": 2.1})
     for p in (png, loss):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_two_runs_starting_together_on_a_fresh_sqlite_store_both_start(tmp_path):
+    """Two flow runs triggered at once on a store that does not exist yet: each finds or creates the experiment
+    under the store's lock, so neither fails while the other creates MLflow's tables."""
+    import subprocess
+    import sys
+    import textwrap
+
+    uri = f"sqlite:///{tmp_path / 'fresh.db'}"
+    go = tmp_path / "go"
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from fitburst.spec import PipelineSpec
+        from fitburst.tracking import Tracker
+        spec = PipelineSpec.model_validate(dict(name="p", model=dict(name="fitburst/tiny-demo"),
+                                                data=dict(path="x.jsonl"), tracking=dict(uri={uri!r})))
+        import os
+        Path({str(tmp_path)!r}, f"ready-{{os.getpid()}}").touch()
+        while not Path({str(go)!r}).exists():
+            time.sleep(0.01)
+        print(Tracker.start(spec).run_id)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "MLFLOW_TRACKING_URI": uri}) for _ in range(2)]
+    while len(list(tmp_path.glob("ready-*"))) < 2 and all(p.poll() is None for p in procs):
+        subprocess.run(["sleep", "0.05"])  # both imported, each waiting for the other
+    go.touch()
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 2

@@ -252,3 +252,14 @@ def test_frozen_16bit_under_fsdp_is_the_rungs_precondition_not_a_conflict(pipeli
     assert not rung.applies(peft, A6000) and not rung.applies(replace(peft, distributed="auto", world_size=2), A6000)
     one = replace(peft, distributed="auto")  # its neighbour: one device
     assert rung.applies(one, A6000) and rung.take(one, A6000).frozen_16bit
+
+
+def test_the_analytic_estimate_refuses_sharded_int8_weights_with_the_rows_message():
+    from fitburst.memory import estimate
+    from fitburst.rules import located
+
+    shape, s = load_shape("meta-llama/llama-3.1-8b"), RunSettings(method="qlora", quant="int8", world_size=2)
+    with pytest.raises(ValueError) as e:
+        estimate(shape, s, A6000)
+    assert str(e.value) == located(problems(s))
+    assert estimate(shape, replace(s, quant="nf4"), A6000).allocated_peak_bytes > 0  # its neighbour

@@ -254,12 +254,11 @@ def test_frozen_16bit_under_fsdp_is_the_rungs_precondition_not_a_conflict(pipeli
     assert rung.applies(one, A6000) and rung.take(one, A6000).frozen_16bit
 
 
-def test_the_analytic_estimate_refuses_sharded_int8_weights_with_the_rows_message():
+def test_the_analytic_estimate_refuses_what_the_fsdp_int8_row_refuses():
+    """It asks the row (its own shorter words: tests/fixtures' golden estimates record them)."""
     from fitburst.memory import estimate
-    from fitburst.rules import located
 
     shape, s = load_shape("meta-llama/llama-3.1-8b"), RunSettings(method="qlora", quant="int8", world_size=2)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="int8 weights cannot be sharded by FSDP"):
         estimate(shape, s, A6000)
-    assert str(e.value) == located(problems(s))
     assert estimate(shape, replace(s, quant="nf4"), A6000).allocated_peak_bytes > 0  # its neighbour

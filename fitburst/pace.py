@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fitburst.hardware import resolve_device
-from fitburst.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from fitburst.memory.shapes import ModelShape
 
 
 def to_device(t, device: str):
@@ -84,14 +87,12 @@ def lengths_of(batch: dict) -> list[int]:
     return [int(n) for n in mask.reshape(mask.shape[0], -1).sum(-1).tolist()]
 
 
-def pace_for(spec: PipelineSpec, device: str, total_params: int) -> Pace:
-    """The :class:`Pace` of ``spec``'s run on ``device``: the model's parameters and attention width from its shape
-    (its loaded parameter count where the analytic estimate does not model it: attention then not counted), the
+def pace_for(shape: ModelShape | None, device: str, total_params: int) -> Pace:
+    """The :class:`Pace` of a run on ``device``: the model's parameters and attention width from its ``shape`` (its
+    loaded parameter count where the analytic estimate does not model it, None: attention then not counted), the
     peak of a CUDA GPU or Apple chip."""
     from fitburst.hours import peak_tflops
-    from fitburst.models import spec_shape
 
-    shape = spec_shape(spec)
     kind = device.split(":")[0]
     peak = peak_tflops(resolve_device(device)) if kind in ("cuda", "mps") else None
     if shape is None:

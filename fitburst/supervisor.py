@@ -29,12 +29,12 @@ from fitburst.hardware import resolve_device
 from fitburst.memory import Device, Estimate, ModelShape, estimate
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
-from fitburst.models import model_family, spec_shape
+from fitburst.models import resolve_model
 from fitburst.oom import StepDown, exhausted, load_stepdowns, record_history, store_stepdowns
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
 from fitburst.outbox import replay_outboxes
 from fitburst.ranks import Ranks, RanksFailed, local_ranks
-from fitburst.recipe import train
+from fitburst.recipe import Recipe
 from fitburst.rundir import open_run_dir, release, runs_root
 from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
@@ -137,37 +137,41 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
                         progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
-    """:func:`fitburst.recipe.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
-    the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
-    saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
-    rung is left.
+    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder
+    (:func:`fitburst.memory.ladder.next_rung`, the rungs a resumed run can take) on each out-of-memory error and
+    resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record (for MLflow / Prefect).
+    Raises :class:`OOMLadderExhausted` when no rung is left.
 
     ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
     node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
     rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). A rank torchrun
     started runs the Recipe alone (``fitburst train``): the error ends the rank, and this loop, above torchrun,
-    decides."""
+    decides.
+
+    The model (its reference, family and shape: :func:`fitburst.models.resolve_model`) is resolved once here, for
+    the settings, each attempt's Recipe and the step-down's estimate (a rung changes settings, never the model)."""
     run_dir = Path(run_dir)
     sharded = ranks if ranks is not None and ranks.size > 1 else None
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
+    model = resolve_model(spec)
 
     def resolved(s: PipelineSpec) -> RunSettings:
-        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model_family(s.model))
+        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model.family)
 
     state = load_stepdowns(run_dir, lambda fields: resolved(spec.with_overrides(fields)))
     settings = RunSettings.from_dict(state["settings"]) if state["settings"] else resolved(spec)
     current = spec_with_settings(spec, settings) if state["settings"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
-    shape = None
     while True:
         try:
             if sharded is not None:
                 sharded.run(current, prepared.dir, run_dir, device=device, on_metrics=on_metrics)
                 return TrainResult.load(run_dir)
-            return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
+            return Recipe(current, prepared, run_dir, resolved=model, device=device, on_metrics=on_metrics,
+                          progress=progress).run()
         except BaseException as exc:  # noqa: BLE001 - anything but an OOM is re-raised at once
             kind = oom_kind(exc)
             if kind is None:
@@ -181,14 +185,13 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                               settings=asdict(settings), device_name=dev.name)
             free_memory(exc)
             del exc
-            shape = shape or _shape(spec)
-            record.estimated_bytes = _estimated(settings, shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=shape)
+            record.estimated_bytes = _estimated(settings, model.shape, dev)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=model.shape)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             record_history(record)
             if rung is None:
-                fits = setting_that_would_fit(spec, settings, shape, dev, longest)
+                fits = setting_that_would_fit(spec, settings, model.shape, dev, longest)
                 raise exhausted(current, record, run_dir, fits) from None
             if rung.key == "optimizer_8bit" and ckpt is not None:
                 drop_optimizer_state(ckpt)
@@ -226,13 +229,6 @@ def _estimated(settings: RunSettings, shape: ModelShape | None, dev: Device) -> 
         return None
     est = estimate(shape, settings, dev, calibrate=False)
     return est.comparable_bytes(dev.kind)
-
-
-def _shape(spec: PipelineSpec) -> ModelShape | None:
-    try:
-        return spec_shape(spec)
-    except (ValueError, OSError):  # a config not readable here: the record keeps the measurement alone
-        return None
 
 
 def setting_that_would_fit(spec: PipelineSpec, settings: RunSettings, shape: ModelShape | None, dev: Device,

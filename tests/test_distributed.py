@@ -120,9 +120,9 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need - 1)
     with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
-        builders.refuse_offload_beyond_host_ram(offload, two_nodes)
+        builders.refuse_offload_beyond_host_ram(offload, shape, two_nodes)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need)
-    builders.refuse_offload_beyond_host_ram(offload, two_nodes)
+    builders.refuse_offload_beyond_host_ram(offload, shape, two_nodes)
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):

@@ -1,6 +1,6 @@
 """The run's pace: optimizer steps, tokens and model FLOPs per second after the warm-up step (MFU where the
-device's peak is known), the progress line's fields, and the two device helpers the loop's timing rests on
-(a pinned non-blocking host-to-device copy, a wait for the device's queued work)."""
+device's peak is known), the progress line's fields, and the wait for the device's queued work that the loop's
+timing rests on (the step's pinned non-blocking host-to-device copy is the step's: :func:`fitburst.train.to_device`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,6 @@ from fitburst.hardware import resolve_device
 
 if TYPE_CHECKING:
     from fitburst.memory.shapes import ModelShape
-
-
-def to_device(t, device: str):
-    """A host tensor on ``device``. On CUDA through pinned (page-locked) memory and a non-blocking copy: the host
-    goes on queueing kernels while the copy runs, where a pageable copy would stage it and wait. Elsewhere ``.to``
-    as is (on the CPU the tensor itself, no copy)."""
-    if not device.startswith("cuda"):
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def synchronize(device: str) -> None:

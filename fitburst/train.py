@@ -20,7 +20,6 @@ from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
 from fitburst.families import Family, family_for
 from fitburst.meter import MemoryPeak
-from fitburst.pace import to_device
 from fitburst.spec import PipelineSpec
 
 MetricsFn = Callable[[dict, int], None]
@@ -99,6 +98,15 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         for i in range(offset, per_epoch):
             yield collate([rows[j] for j in order[i * batch_size:(i + 1) * batch_size]], pad_id, packed)
         epoch, offset = epoch + 1, 0
+
+
+def to_device(t, device: str):
+    """A host tensor on ``device``. On CUDA through pinned (page-locked) memory and a non-blocking copy: the host
+    goes on queueing kernels while the copy runs, where a pageable copy would stage it and wait. Elsewhere ``.to``
+    as is (on the CPU the tensor itself, no copy)."""
+    if not device.startswith("cuda"):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,

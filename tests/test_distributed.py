@@ -454,8 +454,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
 
 
 def test_a_rank_out_of_memory_steps_every_rank_down_together(tmp_path, pipelines_file, demo_prepared, monkeypatch):
-    from fitburst.oom import STEPDOWN_FILE
-    from fitburst.supervisor import train_local_run
+    from fitburst.supervisor import STEPDOWN_FILE, train_local_run
 
     spec = spec_for(pipelines_file, "demo", training__max_steps=6, training__checkpoint_every=2,
                     training__micro_batch_size=4, training__distributed="fsdp",
@@ -499,7 +498,7 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
 
     from fitburst import cloud
     from fitburst.cloud.launch import every_node
-    from fitburst.oom import STEPDOWN_FILE
+    from fitburst.supervisor import STEPDOWN_FILE
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4,

@@ -16,7 +16,7 @@ from fitburst.hardware import available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.memory.shapes import ModelShape
 from fitburst.models import ResolvedModel, load_pipeline_model, prepare_kbit, tokenizer_for
-from fitburst.rules import device_of_kind, explain, problems
+from fitburst.rules import ModelFacts, device_of_kind, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
 from fitburst.train import TrainError
@@ -76,7 +76,7 @@ def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | No
     if method.quant != "none":
         # FSDP's mixed precision gathers every weight in 16 bits: a sharded run keeps peft's preparation as it is
         model = prepare_kbit(model, gradient_checkpointing=tr.gradient_checkpointing,
-                             frozen_fp32=method.frozen_fp32 or tr.distributed == "fsdp")
+                             frozen_fp32=not settings_from_spec(spec).frozen_16bit)
     elif tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
@@ -111,10 +111,11 @@ def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | No
     if tr.tiled_mlp:
         from fitburst.models import spec_shape, tile_mlps
 
-        try:
-            tile_mlps(model, resolved.shape if resolved is not None else spec_shape(spec))
-        except ValueError as e:
-            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp: {e}: set it false") from None
+        shape = resolved.shape if resolved is not None else spec_shape(spec)
+        if shape is None:  # its gated MLP's layer names come from the shape (a model the table checked)
+            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp needs an architecture the estimate models "
+                             "(its gated MLP's layer names): set it false")
+        tile_mlps(model, shape)
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
@@ -154,14 +155,28 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
 
 
-def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None) -> None:
+def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None, *,
+                    resolved: ResolvedModel | None = None) -> None:
     """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on a
     ``kind`` device: cuda | mps | cpu, None: not known) breaks a row of the rule table
-    (:func:`fitburst.rules.problems`)."""
+    (:func:`fitburst.rules.problems`), for the model's family and architecture (``resolved``: its shape as the
+    recipe resolved it; None: read from its config.json)."""
     s = replace(settings_from_spec(spec), world_size=world_size)
-    found = problems(s, device_of_kind(kind) if kind else None, family)
+    facts = ModelFacts.of(resolved.shape) if resolved is not None else _model_facts(spec)
+    found = problems(s, device_of_kind(kind) if kind else None, family, facts)
     if found:
         raise TrainError(explain(spec.name, found))
+
+
+def _model_facts(spec: PipelineSpec) -> ModelFacts | None:
+    """The architecture the table's rows read, from the model's config.json (None: not one the estimate models)."""
+    from fitburst.memory.shapes import ModelConfigError
+    from fitburst.models import spec_shape
+
+    try:
+        return ModelFacts.of(spec_shape(spec))
+    except ModelConfigError:  # an unreadable config: loading the model says why
+        return None
 
 
 def check_lora_targets(model, targets: list[str] | str, where: str) -> None:

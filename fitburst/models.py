@@ -285,15 +285,11 @@ def _to_fp32(module, args, output):
     return output.float()
 
 
-def tile_mlps(model, shape: ModelShape | None) -> int:
+def tile_mlps(model, shape: ModelShape) -> int:
     """Each decoder block's gated MLP run by liger-kernel's ``apply_tiled_mlp`` (pure torch: an autograd function
     that runs the MLP's own forward, LoRA adapters included, over ceil(seq / hidden) sequence shards without
-    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A ValueError
-    where ``shape`` (the model's architecture, :attr:`ModelShape.tiled_mlp_refusal`) has no gated MLP."""
-    if shape is None:
-        raise ValueError("the tiled MLP needs an architecture the estimate models (its gated MLP's layer names)")
-    if (why := shape.tiled_mlp_refusal) is not None:
-        raise ValueError(f"the tiled MLP runs over a gated MLP: {why}")
+    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A model
+    ``shape`` without a gated MLP is refused before (the rule table's ``tiled_mlp_model`` row)."""
     from liger_kernel.ops import apply_tiled_mlp  # heavy, optional: the lean extra
 
     names = {lin.name for lin in shape.mlp_linears()}

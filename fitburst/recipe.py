@@ -94,7 +94,7 @@ class Recipe:
         resolved = self.resolved = self.resolved or resolve_model(spec)
         self.family, self.shape = resolved.family, resolved.shape
         self.device = self.device or select_device(spec.preflight.device)
-        refuse_problems(spec, self.family, w.size, self.device.split(":")[0])  # before the model loads
+        refuse_problems(spec, self.family, w.size, self.device.split(":")[0], resolved=resolved)  # before the load
         if w.sharded:
             refuse_offload_beyond_host_ram(spec, self.shape, w)
             self.device = distributed.start(w, self.device)

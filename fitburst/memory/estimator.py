@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from fitburst.hardware import Device, GiB, MiB
-from fitburst.rules import problems
+from fitburst.rules import located, problems
 from fitburst.settings import EVAL_CHUNK_TOKENS, RunSettings
 
 from . import calibration
@@ -445,8 +445,8 @@ def estimate(shape: ModelShape, settings: RunSettings, device: Device, calibrate
     :class:`fitburst.memory.budget.Budget`. No estimate of int8 weights sharded by FSDP (a row of the rule table,
     :mod:`fitburst.rules`: they cannot be, so nothing models their shards): a ValueError."""
     s = settings
-    if any(p.rule == "fsdp_int8" for p in problems(s)):
-        raise ValueError("int8 weights cannot be sharded by FSDP (use nf4, or distributed none)")
+    if found := [p for p in problems(s) if p.rule == "fsdp_int8"]:
+        raise ValueError(located(found))
     c = step_context(shape, s, device)
     notes: list[str] = [expanded_kv_note(device)] if c.kv_expanded else []
     states = model_states(shape, s, device)

@@ -151,7 +151,7 @@ def test_mfu_is_model_flops_over_the_devices_peak():
 
 def test_a_micro_batch_stays_where_it_is_on_the_cpu():
     """No pinned copy off CUDA: on the CPU the loop trains on the collated tensor itself."""
-    from fitburst.pace import to_device
+    from fitburst.train import to_device
 
     t = torch.arange(6)
     assert to_device(t, "cpu") is t

@@ -281,7 +281,7 @@ FILE_NAME = "calibration.json"
 _cache: dict[str, tuple[float, dict]] = {}
 
 
-OOM_HISTORY_FILE = "oom_history.jsonl"  # fitburst.oom appends each out-of-memory step-down beside the fit
+OOM_HISTORY_FILE = "oom_history.jsonl"  # fitburst.supervisor appends each out-of-memory step-down beside the fit
 
 
 def calibration_path() -> Path:

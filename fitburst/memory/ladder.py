@@ -1,7 +1,7 @@
 """The step-down ladder: the changes people make by hand to fit a run, each with where it applies and its cost.
 
 The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs before a run starts; the OOM step-down
-(:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
+(:mod:`fitburst.supervisor`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
 A rung applies where its own condition holds (what it changes is not on already, and changes what runs) and the

@@ -14,7 +14,7 @@ from fitburst.distributed import SINGLE, World
 from fitburst.families import Family, family_for
 from fitburst.hardware import available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
-from fitburst.models import load_pipeline_model, prepare_kbit, tokenizer_for
+from fitburst.models import embeddings_to_host, load_pipeline_model, prepare_kbit, tokenizer_for
 from fitburst.rules import device_of_kind, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -31,7 +31,10 @@ def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World
     and receive every weight, the adapters' initial ones too, from rank 0 (:func:`fitburst.distributed.
     fill_from_rank0`). Returns (model, tokenizer)."""
     if not world.sharded:
-        return prepare_for_training(load_pipeline_model(spec, device, precision), spec), tokenizer_for(spec.model)
+        model = prepare_for_training(load_pipeline_model(spec, device, precision), spec)
+        if spec.training.embeddings_on_host:
+            host_embeddings(model, spec)
+        return model, tokenizer_for(spec.model)
     fs = spec.training.fsdp
     once = loads_once(resolve_quant(spec.method.type, spec.method.quant))
     model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=True,
@@ -46,6 +49,15 @@ def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World
     else:
         _quant_states_to(model, device)
     return model, tokenizer_for(spec.model)
+
+
+def host_embeddings(model, spec: PipelineSpec) -> None:
+    """``training.embeddings_on_host``: the loaded model's input embeddings to host RAM
+    (:func:`fitburst.models.embeddings_to_host`); where they cannot go, a TrainError naming the field."""
+    try:
+        embeddings_to_host(model)
+    except ValueError as e:
+        raise TrainError(f"pipeline '{spec.name}': training.embeddings_on_host: {e}: set it false") from None
 
 
 def _quant_states_to(model, device: str) -> None:

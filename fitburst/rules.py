@@ -115,6 +115,18 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f: s.activation_offloading and d is not None and d.kind != "cuda",
          lambda s, d, f: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
                           f"memory, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("embeddings_on_host_mps", ("training", "embeddings_on_host"),
+         lambda s, d, f: s.embeddings_on_host and d is not None and d.kind == "mps",
+         lambda s, d, f: ("training.embeddings_on_host keeps the input embeddings in host RAM, and on Apple silicon "
+                          "that is the GPU's memory: nothing is saved", "set it false")),
+    Rule("embeddings_on_host_trained", ("training", "embeddings_on_host"),
+         lambda s, d, f: s.embeddings_on_host and s.method == "full",
+         lambda s, d, f: ("training.embeddings_on_host keeps a frozen table in host RAM, and a full fine-tune trains "
+                          "the embeddings", "set it false, or use method.type: lora or qlora")),
+    Rule("fsdp_embeddings_on_host", ("training", "embeddings_on_host"),
+         lambda s, d, f: s.embeddings_on_host and s.sharded,
+         lambda s, d, f: ("FSDP shards the input embeddings over the GPUs with the rest of the model",
+                          "set training.embeddings_on_host: false, or training.distributed: none")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f: ("packed batches carry no images", "set training.packing: false for a pipeline with "

@@ -202,6 +202,9 @@ class TrainingSpec(Strict):
     tiled_mlp: bool = Field(default=False, description="run each block's gated MLP over sequence shards, its forward "
                             "recomputed in backward (liger-kernel's apply_tiled_mlp): backward never holds a whole "
                             "layer's MLP intermediates at full length; slower (one more MLP forward per step)")
+    embeddings_on_host: bool = Field(default=False, description="CUDA, LoRA / QLoRA: keep the frozen input "
+                                     "embedding table in host RAM (only its lookup runs there; the looked-up rows "
+                                     "go to the GPU): 1 GB less GPU memory for Llama-3.1-8B; not for tied embeddings")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -245,6 +248,7 @@ class AllowSpec(Strict):
     activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
     tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
     frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
+    embeddings_on_host: bool = True  # CUDA: training.embeddings_on_host false -> true (untied input embeddings)
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own
@@ -426,6 +430,8 @@ def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     if spec.training.tiled_mlp and (why := _tiled_mlp_refusal(spec.model)) is not None:
         out.append((("training", "tiled_mlp"), f"the tiled MLP shards a gated MLP (gate, up, down) and {why}: set "
                                                "training.tiled_mlp: false"))
+    if spec.training.embeddings_on_host and (why := _shape_refusal(spec.model, "host_embeddings_refusal")):
+        out.append((("training", "embeddings_on_host"), f"{why}: set training.embeddings_on_host: false"))
     return out + [(("model", "name"), why) for why in model_folder_problems(spec.model)]
 
 
@@ -433,13 +439,20 @@ def _tiled_mlp_refusal(model: ModelSpec) -> str | None:
     """Why a tiled MLP cannot run on a model whose config.json is here (a local folder or a bundled config; a hub
     model's or an unreadable one's is not fetched here: the trainer refuses it before loading, as
     ``fitburst.models.tile_mlps`` does)."""
+    return _shape_refusal(model, "tiled_mlp_refusal")
+
+
+def _shape_refusal(model: ModelSpec, refusal: str) -> str | None:
+    """A :class:`fitburst.memory.shapes.ModelShape` refusal (the property named ``refusal``) of a model whose
+    config.json is here (a local folder or a bundled config; a hub model's or an unreadable one's is not fetched
+    here: the trainer refuses it before loading)."""
     from fitburst.memory.shapes import ModelConfigError, bundled_config, load_shape
 
     p = Path(model.name).expanduser()
     if not ((p / "config.json").is_file() or bundled_config(model.name, model.revision) is not None):
         return None
     try:
-        return load_shape(str(p) if p.is_dir() else model.name, model.revision).tiled_mlp_refusal
+        return getattr(load_shape(str(p) if p.is_dir() else model.name, model.revision), refusal)
     except ModelConfigError:  # an unreadable or unmodelled config: _model_folder_problems or the trainer says why
         return None
 

@@ -179,6 +179,14 @@ class ModelShape:
             return f"{self.model_type}'s feed-forward is a plain MLP (fc1, fc2), not a gated one (gate, up, down)"
         return None
 
+    @property
+    def host_embeddings_refusal(self) -> str | None:
+        """Why the input embedding table cannot stay in host RAM (fitburst.models.embeddings_to_host), or None: a
+        table tied to the output head is the head's weight too, whose matmul must run on the GPU."""
+        if self.tied:
+            return f"{self.name}'s input embeddings are tied to its output head, which runs on the GPU"
+        return None
+
     def layer_linears(self, decoder: bool = True) -> list[Linear]:
         """Linears of one block; decoder blocks with cross-attention (T5) hold it too (same peft names q/k/v/o)."""
         lins = self.attn_linears()

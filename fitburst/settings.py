@@ -151,7 +151,8 @@ class RunSettings:
     def host_embeddings_modelled(self) -> bool:
         """The input embeddings in host RAM as both estimates model them: a 16-bit table. Beside peft's fp32 copies
         (k-bit with ``frozen_fp32``) the loop moves the table too, but the trace of that cast is not modelled: both
-        estimates leave it on the GPU (an over-estimate), and the ladder offers the rung only to a 16-bit table."""
+        estimates leave it on the GPU (an over-estimate: the planner, which walks every combination, takes the
+        rung with ``frozen_16bit``, before it in the ladder)."""
         return self.embeddings_on_host and self.method != "full" and (not self.kbit or self.frozen_16bit)
 
     @property

@@ -54,7 +54,6 @@ def test_the_rung_applies_on_cuda_to_an_untied_model_only():
     assert not rung.allowed(s, cuda, {"embeddings_on_host": False}, shape=untied)
     assert not rung.allowed(replace(s, method="full", quant="none"), cuda, shape=untied)  # the table trains
     assert not rung.allowed(rung.take(s, cuda), cuda, shape=untied)  # on already
-    assert not rung.allowed(replace(s, frozen_fp32=True), cuda, shape=untied)  # peft's fp32 copy: frozen_16bit first
 
 
 @pytest.mark.parametrize("quant", ["nf4", "none"])

@@ -121,7 +121,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
                       "values: they were loaded in 16 bits)"),
     Rung("embeddings_on_host", EMBEDDINGS_ON_HOST_COST, True,
-         lambda s, d: d.kind == "cuda" and not s.embeddings_on_host and (not s.kbit or s.frozen_16bit),
+         lambda s, d: d.kind == "cuda" and not s.embeddings_on_host,
          lambda s, d: replace(s, embeddings_on_host=True),
          lambda s, d: "input embeddings kept in host RAM: only their lookup runs there, the looked-up rows go to "
                       "the GPU (the frozen table is not needed on the GPU)",

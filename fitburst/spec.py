@@ -249,6 +249,7 @@ class AllowSpec(Strict):
     tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
     frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
     embeddings_on_host: bool = True  # CUDA: training.embeddings_on_host false -> true (untied input embeddings)
+    double_quant: bool = True  # 4-bit: method.double_quant false -> true (8-bit absmax per block)
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own

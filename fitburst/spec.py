@@ -22,7 +22,7 @@ from fitburst.errors import UserError
 from fitburst.hardware import check_gpus
 from fitburst.located import compose_lines, deep_merge, explain
 from fitburst.model_folder import model_folder_problems
-from fitburst.rules import declared_device, problems
+from fitburst.rules import ModelFacts, declared_device, problems
 from fitburst.settings import (
     Attention,
     Distributed,
@@ -424,37 +424,26 @@ def _check_defaults(doc: dict, lines: dict) -> list[str]:
 
 def _impossible(spec: PipelineSpec) -> list[tuple[tuple[str, ...], str]]:
     """Settings that validate one by one but cannot run together here (field path, what is wrong and the fix): the
-    rule table's problems (:func:`fitburst.rules.problems`) on the device ``preflight.device`` names, and a local
-    model folder that cannot load."""
+    rule table's problems (:func:`fitburst.rules.problems`) on the device ``preflight.device`` names, for the model
+    whose config.json is here, and a local model folder that cannot load."""
     device = declared_device(spec.preflight.device)
-    out = [(p.field, str(p)) for p in problems(settings_from_spec(spec, device), device)]
-    if spec.training.tiled_mlp and (why := _tiled_mlp_refusal(spec.model)) is not None:
-        out.append((("training", "tiled_mlp"), f"the tiled MLP shards a gated MLP (gate, up, down) and {why}: set "
-                                               "training.tiled_mlp: false"))
-    if spec.training.embeddings_on_host and (why := _shape_refusal(spec.model, "host_embeddings_refusal")):
-        out.append((("training", "embeddings_on_host"), f"{why}: set training.embeddings_on_host: false"))
-    return out + [(("model", "name"), why) for why in model_folder_problems(spec.model)]
+    found = problems(settings_from_spec(spec, device), device, model=_model_facts(spec.model))
+    return [(p.field, str(p)) for p in found] + [(("model", "name"), why) for why in model_folder_problems(spec.model)]
 
 
-def _tiled_mlp_refusal(model: ModelSpec) -> str | None:
-    """Why a tiled MLP cannot run on a model whose config.json is here (a local folder or a bundled config; a hub
-    model's or an unreadable one's is not fetched here: the trainer refuses it before loading, as
-    ``fitburst.models.tile_mlps`` does)."""
-    return _shape_refusal(model, "tiled_mlp_refusal")
-
-
-def _shape_refusal(model: ModelSpec, refusal: str) -> str | None:
-    """A :class:`fitburst.memory.shapes.ModelShape` refusal (the property named ``refusal``) of a model whose
-    config.json is here (a local folder or a bundled config; a hub model's or an unreadable one's is not fetched
-    here: the trainer refuses it before loading)."""
+def _model_facts(model: ModelSpec) -> ModelFacts | None:
+    """The architecture of a model whose config.json is here (a local folder or a bundled config); None for a hub
+    model's (not fetched here: the loop asks the table with it before the model loads,
+    :func:`fitburst.builders.refuse_problems`) or an unreadable or unmodelled one (``model_folder_problems`` or the
+    trainer says why)."""
     from fitburst.memory.shapes import ModelConfigError, bundled_config, load_shape
 
     p = Path(model.name).expanduser()
     if not ((p / "config.json").is_file() or bundled_config(model.name, model.revision) is not None):
         return None
     try:
-        return getattr(load_shape(str(p) if p.is_dir() else model.name, model.revision), refusal)
-    except ModelConfigError:  # an unreadable or unmodelled config: _model_folder_problems or the trainer says why
+        return ModelFacts.of(load_shape(str(p) if p.is_dir() else model.name, model.revision))
+    except ModelConfigError:
         return None
 
 

@@ -1,11 +1,12 @@
 """The step-down ladder: the changes people make by hand to fit a run, each with where it applies and its cost.
 
 The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs before a run starts; the OOM step-down
-(:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
+(:mod:`fitburst.supervisor`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
-A rung applies where its own condition holds (what it changes is not on already) and the settings it makes break
-no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, and what FSDP refuses).
+A rung applies where its own condition holds (what it changes is not on already, and changes what runs) and the
+settings it makes break no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, what FSDP
+refuses, and what the model's architecture refuses when the model is known).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
-from fitburst.rules import new_problems
+from fitburst.rules import ModelFacts, new_problems
 from fitburst.settings import RunSettings
 
 from .shapes import ModelShape
@@ -37,14 +38,15 @@ class Rung:
     applies: Check
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
-    # what the model must be for the change to run (None: any model); asked without a model, such a rung is not taken
-    model: Callable[[ModelShape], bool] | None = None
+    # a row of the rule table reads the model's architecture to allow the change: asked without a model (``shape``
+    # None, where the table checks nothing of it), such a rung is not taken
+    needs_model: bool = False
 
     def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
                 shape: ModelShape | None = None) -> bool:
-        fits_model = self.model is None or (shape is not None and self.model(shape))
-        return ((allow or {}).get(self.key, True) and fits_model and self.applies(s, device)
-                and not new_problems(s, self.take(s, device), device))
+        return bool((allow or {}).get(self.key, True) and (shape is not None or not self.needs_model)
+                    and self.applies(s, device)
+                    and not new_problems(s, self.take(s, device), device, model=ModelFacts.of(shape)))
 
 
 def smaller_batch(s: RunSettings) -> RunSettings:
@@ -123,8 +125,12 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    # applies where the change changes what runs (RunSettings.frozen_16bit: k-bit, 16-bit precision, one device): a
+    # precondition, not a row of the rule table. Under FSDP method.frozen_fp32: false is valid (pipelines.yaml's
+    # default) and changes nothing: the loader keeps peft's preparation there, as FSDP's mixed precision gathers every
+    # weight in 16 bits anyway, so the rung has nothing to take.
     Rung("frozen_16bit", 1.0, True,
-         lambda s, d: s.kbit and s.frozen_fp32 and s.precision != "fp32" and not s.sharded,
+         lambda s, d: s.frozen_fp32 and replace(s, frozen_fp32=False).frozen_16bit,
          lambda s, d: replace(s, frozen_fp32=False),
          lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
                       "values: they were loaded in 16 bits)"),
@@ -157,7 +163,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, tiled_mlp=True),
          lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
                       "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",
-         model=lambda shape: shape.tiled_mlp_refusal is None),
+         needs_model=True),
     Rung("gradient_checkpointing", 1.33, True,
          lambda s, d: not s.gradient_checkpointing,
          lambda s, d: replace(s, gradient_checkpointing=True),

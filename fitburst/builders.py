@@ -15,7 +15,7 @@ from fitburst.families import Family, family_for
 from fitburst.hardware import available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.memory.shapes import ModelShape
-from fitburst.models import ResolvedModel, load_pipeline_model, prepare_kbit, tokenizer_for
+from fitburst.models import ResolvedModel, embeddings_to_host, load_pipeline_model, prepare_kbit, tokenizer_for
 from fitburst.rules import ModelFacts, device_of_kind, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
@@ -36,6 +36,8 @@ def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World
     ref = resolved.ref if resolved is not None else None
     if not world.sharded:
         model = prepare_for_training(load_pipeline_model(spec, device, precision, resolved=resolved), spec, resolved)
+        if spec.training.embeddings_on_host:
+            host_embeddings(model, spec)
         return model, tokenizer_for(spec.model, ref)
     fs = spec.training.fsdp
     once = loads_once(resolve_quant(spec.method.type, spec.method.quant))
@@ -51,6 +53,15 @@ def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World
     else:
         _quant_states_to(model, device)
     return model, tokenizer_for(spec.model, ref)
+
+
+def host_embeddings(model, spec: PipelineSpec) -> None:
+    """``training.embeddings_on_host``: the loaded model's input embeddings to host RAM
+    (:func:`fitburst.models.embeddings_to_host`); where they cannot go, a TrainError naming the field."""
+    try:
+        embeddings_to_host(model)
+    except ValueError as e:
+        raise TrainError(f"pipeline '{spec.name}': training.embeddings_on_host: {e}: set it false") from None
 
 
 def _quant_states_to(model, device: str) -> None:

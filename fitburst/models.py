@@ -285,6 +285,23 @@ def _to_fp32(module, args, output):
     return output.float()
 
 
+def embeddings_to_host(model, host: str = "cpu") -> None:
+    """The frozen input embedding table moved to ``host`` RAM, where its lookup runs: accelerate's
+    ``AlignDevicesHook`` sends the ids there and the looked-up rows back to the device the ids came from (the
+    hooks k-bit preparation put on the embeddings, the fp32 cast and the input-grad switch, then act on the device's
+    rows). Saves the table's bytes of GPU memory (1 GB for Llama-3.1-8B in bf16). A ValueError for a table tied to
+    the output head (its matmul must stay on the GPU) or one that trains."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # heavy: loaded only when training
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None):
+        raise ValueError("the input embeddings are tied to the output head, which runs on the GPU")
+    if any(p.requires_grad for p in emb.parameters()):
+        raise ValueError("the input embeddings train here; only a frozen table can stay in host RAM")
+    emb.to(host)
+    add_hook_to_module(emb, AlignDevicesHook(execution_device=host, io_same_device=True), append=True)
+
+
 def tile_mlps(model, shape: ModelShape) -> int:
     """Each decoder block's gated MLP run by liger-kernel's ``apply_tiled_mlp`` (pure torch: an autograd function
     that runs the MLP's own forward, LoRA adapters included, over ceil(seq / hidden) sequence shards without

@@ -42,6 +42,7 @@ class ModelFacts:
     experts: bool  # it routes tokens to experts (a mixture of experts)
     gated_mlp: bool  # each block's feed-forward is gated (gate, up, down: SwiGLU / GEGLU), not fc1, fc2
     head_bias: bool  # its output head adds a bias (phi-1.5)
+    tied: bool = False  # its input embeddings are its output head's weight too
 
     @classmethod
     def of(cls, shape: ModelShape | None) -> ModelFacts | None:
@@ -49,7 +50,7 @@ class ModelFacts:
         if shape is None:
             return None
         return cls(shape.model_type, shape.arch.block == "decoder", bool(shape.experts), shape.mlp == "gated",
-                   shape.lm_head_bias)
+                   shape.lm_head_bias, shape.tied)
 
 
 def tiled_mlp_refusal(m: ModelFacts) -> str | None:
@@ -149,6 +150,22 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: s.activation_offloading and d is not None and d.kind != "cuda",
          lambda s, d, f, m: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
                              f"memory, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("embeddings_on_host_mps", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and d is not None and d.kind == "mps",
+         lambda s, d, f, m: ("training.embeddings_on_host keeps the input embeddings in host RAM, and on Apple "
+                             "silicon that is the GPU's memory: nothing is saved", "set it false")),
+    Rule("embeddings_on_host_trained", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and s.method == "full",
+         lambda s, d, f, m: ("training.embeddings_on_host keeps a frozen table in host RAM, and a full fine-tune "
+                             "trains the embeddings", "set it false, or use method.type: lora or qlora")),
+    Rule("fsdp_embeddings_on_host", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and s.sharded,
+         lambda s, d, f, m: ("FSDP shards the input embeddings over the GPUs with the rest of the model",
+                             "set training.embeddings_on_host: false, or training.distributed: none")),
+    Rule("embeddings_on_host_tied", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and m is not None and m.tied,
+         lambda s, d, f, m: (f"{m.model_type if m else ''}'s input embeddings are tied to its output head, which "
+                             "runs on the GPU", "set training.embeddings_on_host: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

@@ -202,6 +202,9 @@ class TrainingSpec(Strict):
     tiled_mlp: bool = Field(default=False, description="run each block's gated MLP over sequence shards, its forward "
                             "recomputed in backward (liger-kernel's apply_tiled_mlp): backward never holds a whole "
                             "layer's MLP intermediates at full length; slower (one more MLP forward per step)")
+    embeddings_on_host: bool = Field(default=False, description="CUDA, LoRA / QLoRA: keep the frozen input "
+                                     "embedding table in host RAM (only its lookup runs there; the looked-up rows "
+                                     "go to the GPU): 1 GB less GPU memory for Llama-3.1-8B; not for tied embeddings")
     seed: int = 42
     checkpoint_every: int = Field(default=100, ge=1, description="optimizer steps between checkpoints")
     log_every: int = Field(default=10, ge=1)
@@ -245,6 +248,8 @@ class AllowSpec(Strict):
     activation_offloading: bool = True  # CUDA: saved activations to pinned host memory
     tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
     frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
+    embeddings_on_host: bool = True  # CUDA: training.embeddings_on_host false -> true (untied input embeddings)
+    double_quant: bool = True  # 4-bit: method.double_quant false -> true (8-bit absmax per block)
 
 
 # What the plan keeps free on top of the estimate's error band by default: the band covers the estimate's own

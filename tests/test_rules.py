@@ -18,6 +18,7 @@ MPS, CPU, CUDA = device_of_kind("mps"), device_of_kind("cpu"), device_of_kind("c
 
 LLAMA, PHI = ModelFacts.of(load_shape("meta-llama/llama-3.1-8b")), ModelFacts.of(load_shape("microsoft/phi-1.5"))
 MIXTRAL, T5 = ModelFacts.of(load_shape("mistralai/mixtral-8x7b")), ModelFacts.of(load_shape("google/flan-t5-xl"))
+TIED = ModelFacts.of(load_shape("llama-3.2-3b"))
 
 
 def on(settings: dict, device=None, family=None, model=None) -> tuple:
@@ -47,6 +48,13 @@ CASES = {
     "family_fused_loss": (on(dict(loss="fused"), None, SEQ2SEQ), on(dict(loss="fused"), None, CAUSAL)),
     "fused_loss_head_bias": (on(dict(loss="fused"), None, None, PHI), on(dict(loss="fused"), None, None, LLAMA)),
     "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
+    "embeddings_on_host_mps": (on(dict(embeddings_on_host=True), MPS), on(dict(embeddings_on_host=True), CPU)),
+    "embeddings_on_host_trained": (on(dict(method="full", embeddings_on_host=True)),
+                                   on(dict(method="lora", embeddings_on_host=True))),
+    "fsdp_embeddings_on_host": (on(dict(embeddings_on_host=True, distributed="fsdp")),
+                                on(dict(embeddings_on_host=True, distributed="none"))),
+    "embeddings_on_host_tied": (on(dict(embeddings_on_host=True), None, None, TIED),
+                                on(dict(embeddings_on_host=True), None, None, LLAMA)),
 }
 
 

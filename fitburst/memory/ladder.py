@@ -92,6 +92,21 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
 # as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
 
+# The input embeddings in host RAM (CUDA, untied, frozen): each micro-batch's ids go to the host, the table is read
+# there (b x s rows) and the rows come back over PCIe, b x s x hidden x 2 bytes (16 MiB for Llama-3.1-8B at 2,048
+# tokens: ~1-3 ms at 5-12 GB/s), once per forward (checkpointing recomputes inside the blocks, never the lookup;
+# the frozen table has no backward). Against a step of ~6 x 8e9 x 2,048 = 1e14 FLOPs (seconds on any card) that
+# is ~0.1 %, plus the wait for the ids' copy to the host: 1.002, not measured on a GPU here.
+EMBEDDINGS_ON_HOST_COST = 1.002
+
+# Double quantization of 4-bit weights (method.double_quant): each block of 64 weights keeps an 8-bit absmax (with an
+# fp32 one per 256 of them) instead of an fp32 one, 0.31 GiB less for Llama-3.1-8B (four_bit_bytes). bitsandbytes
+# dequantizes the absmax first in each 4-bit matmul's dequantization, one small kernel over 1/64 of the weight's
+# values; the QLoRA paper (Dettmers et al. 2023) turns it on by default for its memory at no reported loss of speed
+# or quality. Not measured here: 1.01, after the rungs that change nothing the model computes. Not midrun: the base
+# weights a resumed run dequantizes would differ by the absmax's rounding.
+DOUBLE_QUANT_COST = 1.01
+
 # The tiled MLP recomputes each MLP's forward in backward, shard by shard: measured on this project's 2-core CPU box
 # (tiny Llama h128 i1024, s2048 in 16 shards, LoRA all-linear, fp32, median of 10 steps beside other work): x1.30
 # without checkpointing, x1.41 with it; no GPU measurement here. Right before checkpointing (1.33).
@@ -119,11 +134,22 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, frozen_fp32=False),
          lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
                       "values: they were loaded in 16 bits)"),
+    Rung("embeddings_on_host", EMBEDDINGS_ON_HOST_COST, True,
+         lambda s, d: d.kind == "cuda" and not s.embeddings_on_host,
+         lambda s, d: replace(s, embeddings_on_host=True),
+         lambda s, d: "input embeddings kept in host RAM: only their lookup runs there, the looked-up rows go to "
+                      "the GPU (the frozen table is not needed on the GPU)",
+         model=lambda shape: shape.host_embeddings_refusal is None),
     Rung("fused_loss", 1.01, True,
          lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
+    Rung("double_quant", DOUBLE_QUANT_COST, False,
+         lambda s, d: s.quant in ("nf4", "fp4") and not s.double_quant,
+         lambda s, d: replace(s, double_quant=True),
+         lambda s, d: f"{s.quant} double quantization: each block's absmax in 8 bits, not fp32 (~0.127 fewer "
+                      "bits per weight)"),
     Rung("optimizer_8bit", 1.02, True,
          lambda s, d: s.optimizer == "adamw",
          lambda s, d: replace(s, optimizer="adamw8bit"),

@@ -250,6 +250,7 @@ def trainer_speed(c: Case, models: Path, steps: int, tiny: bool) -> list[dict]:
     from fitburst.data import collate, load_split, prepare_pipeline
     from fitburst.device import resolve_precision, weight_dtype
     from fitburst.hardware import resolve_device
+    from fitburst.models import spec_shape
     from fitburst.pace import pace_for
 
     cuda = torch.cuda.is_available()
@@ -267,7 +268,7 @@ def trainer_speed(c: Case, models: Path, steps: int, tiny: bool) -> list[dict]:
 
             model = get_peft_model(model, LoraConfig(r=m.rank, lora_alpha=m.alpha, lora_dropout=m.dropout,
                                                      target_modules=m.target_modules, task_type="CAUSAL_LM"))
-        pace = pace_for(spec, device.kind, sum(p.numel() for p in model.parameters()))
+        pace = pace_for(spec_shape(spec), device.kind, sum(p.numel() for p in model.parameters()))
         batches: list[dict] = []
         pad = model.config.pad_token_id
 

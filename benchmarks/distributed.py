@@ -138,7 +138,7 @@ def plans() -> None:
     from fitburst.cloud.rank import rank_candidates
     from fitburst.data import images_per_record
     from fitburst.hardware import Gpus, resolve_device
-    from fitburst.models import model_family, spec_shape
+    from fitburst.models import resolve_model
     from fitburst.preflight import conclude, exact_estimate, plan_checked
     from fitburst.settings import settings_from_spec
     from fitburst.spec import load_pipeline
@@ -153,9 +153,10 @@ def plans() -> None:
     }
     for title, (name, over) in seeds.items():
         spec = load_pipeline(REPO / "pipelines.yaml", name, {**over, "training.max_steps": None})
-        shape = spec_shape(spec)
+        model = resolve_model(spec)
+        shape = model.shape
         seq = spec.data.max_seq_len
-        settings = settings_from_spec(spec, None, seq, images=images_per_record(spec), family=model_family(spec.model))
+        settings = settings_from_spec(spec, None, seq, images=images_per_record(spec), family=model.family)
         offer_list = [o for n in (1, 2, 4, 8) for o in offers(spec.burst.gpu_names(), spec.burst.providers,
                                                                 use_catalog=False, count=n)]
         t0 = time.perf_counter()
@@ -168,9 +169,9 @@ def plans() -> None:
             box = Gpus(resolve_device("RTX4090"), 2, 1, 128 * GiB)
             checked = plan_checked(local, shape, settings_from_spec(local, box.device, seq,
                                                                     images=images_per_record(local),
-                                                                    family=model_family(local.model)),
+                                                                    family=model.family),
                 box.device, seq, box)
-            rep = conclude(local.with_overrides({"burst.policy": "never"}), shape, box.device, checked, seq, TOKENS,
+            rep = conclude(local.with_overrides({"burst.policy": "never"}), model, box.device, checked, seq, TOKENS,
                            gpus=box)
             e, n = rep.estimate, rep.world_size
             hours = f"{rep.local_hours:.1f} h" if rep.local_hours else "-"

@@ -36,9 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from fitburst.data import prepare_pipeline
     from fitburst.demo_models import demo_model_dir
-    from fitburst.oom import StepDown
     from fitburst.spec import load_pipeline
-    from fitburst.supervisor import train_stepping_down
+    from fitburst.supervisor import StepDown, train_stepping_down
 
     free, total = torch.cuda.mem_get_info()
     torch.cuda.set_per_process_memory_fraction(args.cap_gib * GiB / total)

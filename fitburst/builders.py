@@ -14,8 +14,9 @@ from fitburst.distributed import SINGLE, World
 from fitburst.families import Family, family_for
 from fitburst.hardware import available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
-from fitburst.models import load_pipeline_model, prepare_kbit, tokenizer_for
-from fitburst.rules import device_of_kind, explain, problems
+from fitburst.memory.shapes import ModelShape
+from fitburst.models import ResolvedModel, embeddings_to_host, load_pipeline_model, prepare_kbit, tokenizer_for
+from fitburst.rules import ModelFacts, device_of_kind, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
 from fitburst.train import TrainError
@@ -23,19 +24,25 @@ from fitburst.train import TrainError
 log = logging.getLogger(__name__)
 
 
-def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World = SINGLE):
+def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World = SINGLE,
+                resolved: ResolvedModel | None = None):
     """Load the base model once (:func:`fitburst.models.load_pipeline_model`) and wrap it for the configured
-    method. Several ranks (``world``): shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`),
-    each rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.fsdp_terms.loads_once`),
+    method (:func:`prepare_for_training`; ``resolved``: the model as the recipe resolved it before the load).
+    Several ranks (``world``): shard it with FSDP2 over the process group (:func:`fitburst.distributed.shard`), each
+    rank's shards on ``device``. Unless its weights are 4-bit (:func:`fitburst.memory.fsdp_terms.loads_once`),
     only rank 0 reads the checkpoint: the other ranks build the same model without weights, LoRA adapters included,
     and receive every weight, the adapters' initial ones too, from rank 0 (:func:`fitburst.distributed.
     fill_from_rank0`). Returns (model, tokenizer)."""
+    ref = resolved.ref if resolved is not None else None
     if not world.sharded:
-        return prepare_for_training(load_pipeline_model(spec, device, precision), spec), tokenizer_for(spec.model)
+        model = prepare_for_training(load_pipeline_model(spec, device, precision, resolved=resolved), spec, resolved)
+        if spec.training.embeddings_on_host:
+            host_embeddings(model, spec)
+        return model, tokenizer_for(spec.model, ref)
     fs = spec.training.fsdp
     once = loads_once(resolve_quant(spec.method.type, spec.method.quant))
-    model = prepare_for_training(load_pipeline_model(spec, device, precision, sharded=True,
-                                                     empty=once and not world.main), spec)
+    model = prepare_for_training(load_pipeline_model(spec, device, precision, resolved=resolved, sharded=True,
+                                                     empty=once and not world.main), spec, resolved)
     distributed.same_layout(model)
     full = model.state_dict() if once and world.main else {}  # references to rank 0's weights, no copy
     distributed.shard(model, precision, reshard_after_forward=fs.reshard_after_forward,
@@ -45,7 +52,16 @@ def build_model(spec: PipelineSpec, device: str, precision: str, *, world: World
         del full  # rank 0's whole copy goes: each rank now holds its shards only
     else:
         _quant_states_to(model, device)
-    return model, tokenizer_for(spec.model)
+    return model, tokenizer_for(spec.model, ref)
+
+
+def host_embeddings(model, spec: PipelineSpec) -> None:
+    """``training.embeddings_on_host``: the loaded model's input embeddings to host RAM
+    (:func:`fitburst.models.embeddings_to_host`); where they cannot go, a TrainError naming the field."""
+    try:
+        embeddings_to_host(model)
+    except ValueError as e:
+        raise TrainError(f"pipeline '{spec.name}': training.embeddings_on_host: {e}: set it false") from None
 
 
 def _quant_states_to(model, device: str) -> None:
@@ -58,9 +74,12 @@ def _quant_states_to(model, device: str) -> None:
             state.to(device)
 
 
-def prepare_for_training(model, spec: PipelineSpec):
+def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | None = None):
     """Wrap a loaded base model for the configured method (k-bit prep, checkpointing, LoRA). The preflight's
-    trace applies this same function to a model built on the meta device, so estimate and training cannot drift."""
+    trace applies this same function to a model built on the meta device, so estimate and training cannot drift.
+    ``resolved``: the model's family and shape as the recipe resolved them, its settings refused before the load
+    for its world and device (:func:`refuse_problems`); None (the trace): the family looked up from the model's
+    config and the settings refused here."""
     import torch  # heavy: loaded only when training
 
     method, tr = spec.method, spec.training
@@ -68,13 +87,16 @@ def prepare_for_training(model, spec: PipelineSpec):
     if method.quant != "none":
         # FSDP's mixed precision gathers every weight in 16 bits: a sharded run keeps peft's preparation as it is
         model = prepare_kbit(model, gradient_checkpointing=tr.gradient_checkpointing,
-                             frozen_fp32=method.frozen_fp32 or tr.distributed == "fsdp")
+                             frozen_fp32=not settings_from_spec(spec).frozen_16bit)
     elif tr.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
             model.enable_input_require_grads()
-    family = family_for(model.config)
-    refuse_problems(spec, family)
+    if resolved is None:
+        family = family_for(model.config)
+        refuse_problems(spec, family)
+    else:
+        family = resolved.family
     init = spec.init_folder()
     if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
         from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training
@@ -100,10 +122,11 @@ def prepare_for_training(model, spec: PipelineSpec):
     if tr.tiled_mlp:
         from fitburst.models import spec_shape, tile_mlps
 
-        try:
-            tile_mlps(model, spec_shape(spec))
-        except ValueError as e:
-            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp: {e}: set it false") from None
+        shape = resolved.shape if resolved is not None else spec_shape(spec)
+        if shape is None:  # its gated MLP's layer names come from the shape (a model the table checked)
+            raise TrainError(f"pipeline '{spec.name}': training.tiled_mlp needs an architecture the estimate models "
+                             "(its gated MLP's layer names): set it false")
+        tile_mlps(model, shape)
     if not tr.pure_bf16:  # mixed precision: what trains (and so its optimizer state) is fp32
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
@@ -143,14 +166,28 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
 
 
-def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None) -> None:
+def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None, *,
+                    resolved: ResolvedModel | None = None) -> None:
     """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on a
     ``kind`` device: cuda | mps | cpu, None: not known) breaks a row of the rule table
-    (:func:`fitburst.rules.problems`)."""
+    (:func:`fitburst.rules.problems`), for the model's family and architecture (``resolved``: its shape as the
+    recipe resolved it; None: read from its config.json)."""
     s = replace(settings_from_spec(spec), world_size=world_size)
-    found = problems(s, device_of_kind(kind) if kind else None, family)
+    facts = ModelFacts.of(resolved.shape) if resolved is not None else _model_facts(spec)
+    found = problems(s, device_of_kind(kind) if kind else None, family, facts)
     if found:
         raise TrainError(explain(spec.name, found))
+
+
+def _model_facts(spec: PipelineSpec) -> ModelFacts | None:
+    """The architecture the table's rows read, from the model's config.json (None: not one the estimate models)."""
+    from fitburst.memory.shapes import ModelConfigError
+    from fitburst.models import spec_shape
+
+    try:
+        return ModelFacts.of(spec_shape(spec))
+    except ModelConfigError:  # an unreadable config: loading the model says why
+        return None
 
 
 def check_lora_targets(model, targets: list[str] | str, where: str) -> None:
@@ -203,13 +240,11 @@ def count_params(model) -> tuple[int, int]:
     return trainable, total
 
 
-def refuse_offload_beyond_host_ram(spec: PipelineSpec, w: World) -> None:
+def refuse_offload_beyond_host_ram(spec: PipelineSpec, shape: ModelShape | None, w: World) -> None:
     """FSDP's CPU offload refused before the model loads where this node's host RAM cannot hold its ranks' shards
-    (what cannot be sharded at all is the rule table's: :func:`refuse_problems`)."""
+    of the model of ``shape`` (what cannot be sharded at all is the rule table's: :func:`refuse_problems`)."""
     if spec.training.fsdp.cpu_offload:
         from fitburst.memory.fsdp_terms import offload_host_bytes
-        from fitburst.models import spec_shape
-        shape = spec_shape(spec)
         need = (offload_host_bytes(shape, settings_from_spec(spec), w.local_size, w.size) if shape is not None
                 else None)
         have = available_host_bytes()

@@ -17,20 +17,27 @@ def cache_root() -> Path:
 
 
 def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
-    """``dest``, built by ``build`` into a temporary folder beside it on first use and renamed into place (atomic,
-    so concurrent callers are safe: the first rename wins)."""
+    """``dest``, built by ``build`` on first use. One build per cache: a caller in another process (a second user's
+    run, another test worker) waits on a lock beside ``dest`` while the first builds (minutes of pretraining on a
+    busy CPU) and then takes its folder. The build goes into a temporary folder renamed into place, so a build that
+    dies leaves no half-built ``dest``."""
     if (dest / "config.json").exists():
         return dest
+    from filelock import FileLock
+
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
-    try:
-        build(tmp)
+    with FileLock(dest.parent / f".{dest.name}.lock"):
+        if (dest / "config.json").exists():  # built while this caller waited
+            return dest
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
         try:
-            tmp.rename(dest)
-        except OSError:  # someone else finished first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                tmp.rename(dest)
+            except OSError:  # a folder a build without the lock (an older fitburst) put there first
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

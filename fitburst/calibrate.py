@@ -92,7 +92,7 @@ def collect(runs: Iterable[RunRecord]) -> list[dict]:
 
 
 def collect_ooms(path: Path | None = None) -> list[dict]:
-    """One record per out-of-memory step-down in ``oom_history.jsonl`` (written by fitburst.oom beside the
+    """One record per out-of-memory step-down in ``oom_history.jsonl`` (written by fitburst.supervisor beside the
     calibration file) that carries an uncalibrated estimate: kind, gpu and ``floor``, the measured peak over the
     estimate. The run needed at least its measured peak, so a fitted factor is never below a floor."""
     path = path or calibration_path().with_name(OOM_HISTORY_FILE)

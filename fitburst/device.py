@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fitburst.errors import UserError
-from fitburst.hardware import auto_precision
+from fitburst.hardware import Device, auto_precision
+from fitburst.rules import device_of_kind, located, problems
+from fitburst.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +48,32 @@ def select_device(pref: str = "auto") -> str:
 
 def resolve_precision(precision: str, device: str) -> str:
     """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.hardware.auto_precision`
-    (the estimate's rule)."""
+    (the estimate's rule). An explicit one the probed device cannot run is refused by the rule table's row, with the
+    message ``validate`` gives for a device named so."""
+    probed = _probed(device)
+    if precision != "auto":
+        _refuse(RunSettings(precision=precision), probed)
+    return precision if precision != "auto" else auto_precision(probed.kind, probed.supports_bf16)
+
+
+def _probed(device: str) -> Device:
+    """This process's ``device`` (cuda | mps | cpu) with what the rule table asks of it: on CUDA the current GPU's
+    name and whether it has native bf16, read in this process (sm >= 80: torch's default also says yes where it
+    merely emulates bf16, on a T4, which would train in slow emulated bf16 while the preflight planned fp16, as
+    :func:`fitburst.hardware.probe_local` reads capability >= 8.0); the kind's facts elsewhere."""
+    kind = device.split(":")[0]
+    if kind != "cuda":
+        return device_of_kind(kind)
     import torch  # torch: heavy, loaded only at use
 
-    # native bf16 only (sm >= 80): torch's default also says yes where it merely emulates it (a T4), which would
-    # train in slow emulated bf16 while the preflight planned fp16 (memory.probe_local: capability >= 8.0)
-    bf16 = device != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
-    if precision == "bf16" and not bf16:
-        raise DeviceError("training.precision is bf16 but this GPU has no bf16 (e.g. T4): use fp16 or auto")
-    return precision if precision != "auto" else auto_precision(device, bf16)
+    name = torch.cuda.get_device_properties(torch.cuda.current_device()).name
+    return replace(device_of_kind("cuda", name), supports_bf16=torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def _refuse(s: RunSettings, device: Device) -> None:
+    """A DeviceError naming the field and the fix where ``s`` breaks a row of the rule table on ``device``."""
+    if found := problems(s, device):
+        raise DeviceError(located(found))
 
 
 def torch_dtype(precision: str):
@@ -74,9 +93,8 @@ def weight_dtype(precision: str, method_type: str, pure_bf16: bool = False):
 
 
 def check_quant_supported(quant: str, device: str) -> None:
-    if quant != "none" and device == "mps":
-        raise DeviceError("bitsandbytes 4/8-bit quantization does not run on Apple MPS: set method.type: lora "
-                          "and quant: none (the preflight plans for MPS without it), or burst to a CUDA GPU")
+    """Refuses ``quant`` weights where bitsandbytes does not run on ``device`` (the rule table's k-bit row)."""
+    _refuse(RunSettings(quant=quant), device_of_kind(device.split(":")[0]))  # the kind decides bitsandbytes
 
 
 def warn_pure_bf16(pure_bf16: bool, lr: float) -> None:

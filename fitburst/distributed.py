@@ -85,14 +85,17 @@ def world(env: dict[str, str] | None = None) -> World:
 
 def start(w: World, device: str) -> str:
     """Open the process group of ``w`` (once per process) and return the device this rank trains on: its own GPU
-    (``cuda:<local rank>``), or the CPU. MPS is one device with no process group: refused."""
+    (``cuda:<local rank>``), or the CPU. MPS is one device with no process group: refused (the rule table's
+    ``fsdp_on_mps`` row, which the loop's set-up asks before this)."""
     import torch  # heavy: loaded only when training
     import torch.distributed as dist
 
+    from fitburst.rules import device_of_kind, located, problems
+    from fitburst.settings import RunSettings
+
     kind = device.split(":")[0]
-    if kind == "mps":
-        raise DistributedError(f"{w.size} processes were started, but an Apple GPU is one device and torch has no "
-                               "process group for MPS: train with one process (training.distributed: none)")
+    if found := problems(RunSettings(world_size=w.size, distributed="fsdp"), device_of_kind(kind)):
+        raise DistributedError(f"{w.size} processes were started: {located(found)}")
     if kind == "cuda":
         if w.local_rank >= torch.cuda.device_count():
             raise DistributedError(f"rank {w.rank} is local rank {w.local_rank} but this node has "

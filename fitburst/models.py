@@ -8,6 +8,7 @@ instant estimate import this module without loading them.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +27,24 @@ def resolve_model_ref(name: str) -> str:
     if name in LOCAL_MODELS:
         return str(demo_model_dir(family=LOCAL_MODELS[name]))
     return name
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A pipeline's model, looked up once before it loads (:func:`resolve_model`) and passed down typed to what
+    builds, loads, steps and times it: where ``from_pretrained`` finds it (``ref``: a demo model's folder, built on
+    first use), its family and its shape (None: an architecture the analytic estimate does not model)."""
+
+    ref: str
+    family: Family
+    shape: ModelShape | None
+
+
+def resolve_model(spec: PipelineSpec) -> ResolvedModel:
+    """``spec``'s model resolved: its reference (:func:`resolve_model_ref`), family (:func:`model_family`) and
+    shape (:func:`spec_shape`), each looked up once."""
+    ref = resolve_model_ref(spec.model.name)
+    return ResolvedModel(ref, model_family(spec.model), _shape_of(ref, spec.model.revision))
 
 
 def spec_with_model_ref(spec: PipelineSpec) -> PipelineSpec:
@@ -75,9 +94,10 @@ def local_config(name: str, revision: str | None = None) -> dict | None:
     return json.loads(bundled.read_text()) if bundled is not None else None
 
 
-def tokenizer_for(model):
-    """The tokenizer of a pipeline's ``model`` section (its ${ENV} token resolved only here, at use)."""
-    return load_tokenizer(model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code)
+def tokenizer_for(model, ref: str | None = None):
+    """The tokenizer of a pipeline's ``model`` section (its ${ENV} token resolved only here, at use); ``ref``: the
+    model's resolved reference (:attr:`ResolvedModel.ref`), default ``model.name``."""
+    return load_tokenizer(ref or model.name, model.revision, resolve_env(model.hf_token), model.trust_remote_code)
 
 
 def quantization_config(quant: str, double_quant: bool, compute_dtype, *, sharded: bool = False):
@@ -150,18 +170,19 @@ def attn_implementation(attention: str, config, target: Device | None, precision
 def load_model(name: str, *, dtype, device: str, quant: str = "none", double_quant: bool = True,
                attention: str = "auto", revision: str | None = None, token: str | None = None,
                trust_remote_code: bool = False, target: Device | None = None, precision: str = "fp32",
-               sharded: bool = False, empty: bool = False):
+               sharded: bool = False, empty: bool = False, family: Family | None = None):
     """Load the model once, straight into ``dtype`` and onto ``device`` (no second copy, no re-cast): a causal LM,
     an encoder-decoder (T5, FLAN-T5) or a vision-language model (:mod:`fitburst.families`): :func:`auto_model_class`.
     ``target``: the GPU it trains on, computing in ``precision`` (:func:`attn_implementation`). ``sharded``: FSDP
-    will shard it (:func:`quantization_config`).
+    will shard it (:func:`quantization_config`). ``family``: the model's, when resolved already (default: told from
+    its config).
 
     ``empty``: the same model from the same config.json with its weights on the meta device and nothing read from
     the checkpoint (accelerate's ``init_empty_weights``, which keeps the buffers real: a rotary embedding's
     ``inv_freq`` is computed from the config as on load), tied as loading ties it; the ranks of a sharded run that
     receive their shards from rank 0 build this (:func:`fitburst.distributed.fill_from_rank0`). Unquantized only."""
     config = load_config(name, revision=revision, token=token, trust_remote_code=trust_remote_code)
-    auto = auto_model_class(config)
+    auto = (family or family_for(config)).auto_class()
     if empty:
         if quant != "none":
             raise ValueError(f"an empty {quant} model has no quantization state to receive (load it instead)")
@@ -197,24 +218,26 @@ def load_config(name: str, revision: str | None = None, token: str | None = None
 
 
 def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path: str | None = None,
-                        sharded: bool = False, empty: bool = False):
-    """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune),
-    revision, token, quantization and attention, weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for
-    FSDP (:mod:`fitburst.distributed`), loaded into host memory, from where each rank's shards go to ``device``;
-    ``empty``: built without weights (:func:`load_model`)."""
+                        resolved: ResolvedModel | None = None, sharded: bool = False, empty: bool = False):
+    """The one way train, probe and eval load a pipeline's model: its name (or ``path``, a saved full fine-tune;
+    ``resolved``: its reference and family as the run resolved them), revision, token, quantization and attention,
+    weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for FSDP (:mod:`fitburst.distributed`), loaded
+    into host memory, from where each rank's shards go to ``device``; ``empty``: built without weights
+    (:func:`load_model`)."""
     m, method, tr = spec.model, spec.method, spec.training
     quant = resolve_quant(method.type, method.quant)
     check_quant_supported(quant, device)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)
     target = probe_local("cuda") if device.startswith("cuda") else None
     load_on = "cpu" if sharded else device
+    name, family = (resolved.ref, resolved.family) if resolved is not None else (m.name, None)
     if path is not None:
         return load_model(path, dtype=dtype, device=load_on, attention=tr.attention, target=target,
-                          precision=precision, empty=empty)
-    return load_model(m.name, dtype=dtype, device=load_on, quant=quant, double_quant=method.double_quant,
+                          precision=precision, empty=empty, family=family)
+    return load_model(name, dtype=dtype, device=load_on, quant=quant, double_quant=method.double_quant,
                       attention=tr.attention, revision=m.revision, token=resolve_env(m.hf_token),
                       trust_remote_code=m.trust_remote_code, target=target, precision=precision, sharded=sharded,
-                      empty=empty)
+                      empty=empty, family=family)
 
 
 def prepare_kbit(model, *, gradient_checkpointing: bool, frozen_fp32: bool = True):
@@ -262,15 +285,28 @@ def _to_fp32(module, args, output):
     return output.float()
 
 
-def tile_mlps(model, shape: ModelShape | None) -> int:
+def embeddings_to_host(model, host: str = "cpu") -> None:
+    """The frozen input embedding table moved to ``host`` RAM, where its lookup runs: accelerate's
+    ``AlignDevicesHook`` sends the ids there and the looked-up rows back to the device the ids came from (the
+    hooks k-bit preparation put on the embeddings, the fp32 cast and the input-grad switch, then act on the device's
+    rows). Saves the table's bytes of GPU memory (1 GB for Llama-3.1-8B in bf16). A ValueError for a table tied to
+    the output head (its matmul must stay on the GPU) or one that trains."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # heavy: loaded only when training
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None):
+        raise ValueError("the input embeddings are tied to the output head, which runs on the GPU")
+    if any(p.requires_grad for p in emb.parameters()):
+        raise ValueError("the input embeddings train here; only a frozen table can stay in host RAM")
+    emb.to(host)
+    add_hook_to_module(emb, AlignDevicesHook(execution_device=host, io_same_device=True), append=True)
+
+
+def tile_mlps(model, shape: ModelShape) -> int:
     """Each decoder block's gated MLP run by liger-kernel's ``apply_tiled_mlp`` (pure torch: an autograd function
     that runs the MLP's own forward, LoRA adapters included, over ceil(seq / hidden) sequence shards without
-    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A ValueError
-    where ``shape`` (the model's architecture, :attr:`ModelShape.tiled_mlp_refusal`) has no gated MLP."""
-    if shape is None:
-        raise ValueError("the tiled MLP needs an architecture the estimate models (its gated MLP's layer names)")
-    if (why := shape.tiled_mlp_refusal) is not None:
-        raise ValueError(f"the tiled MLP runs over a gated MLP: {why}")
+    saving their intermediates, and again shard by shard in backward); returns how many MLPs it wraps. A model
+    ``shape`` without a gated MLP is refused before (the rule table's ``tiled_mlp_model`` row)."""
     from liger_kernel.ops import apply_tiled_mlp  # heavy, optional: the lean extra
 
     names = {lin.name for lin in shape.mlp_linears()}
@@ -299,7 +335,11 @@ def _disable_bnb_cpu_repack(model) -> None:
 def spec_shape(spec: PipelineSpec) -> ModelShape | None:
     """The pipeline's model shape from its config.json (at ``model.revision`` when fetched from the hub; the demo
     models built first); None for an architecture the analytic estimate does not model (the trace plans it)."""
+    return _shape_of(resolve_model_ref(spec.model.name), spec.model.revision)
+
+
+def _shape_of(ref: str, revision: str | None) -> ModelShape | None:
     try:
-        return load_shape(resolve_model_ref(spec.model.name), spec.model.revision)
+        return load_shape(ref, revision)
     except UnmodelledArchitecture:
         return None

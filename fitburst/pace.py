@@ -1,23 +1,17 @@
 """The run's pace: optimizer steps, tokens and model FLOPs per second after the warm-up step (MFU where the
-device's peak is known), the progress line's fields, and the two device helpers the loop's timing rests on
-(a pinned non-blocking host-to-device copy, a wait for the device's queued work)."""
+device's peak is known), the progress line's fields, and the wait for the device's queued work that the loop's
+timing rests on (the step's pinned non-blocking host-to-device copy is the step's: :func:`fitburst.train.to_device`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fitburst.hardware import resolve_device
-from fitburst.spec import PipelineSpec
 
-
-def to_device(t, device: str):
-    """A host tensor on ``device``. On CUDA through pinned (page-locked) memory and a non-blocking copy: the host
-    goes on queueing kernels while the copy runs, where a pageable copy would stage it and wait. Elsewhere ``.to``
-    as is (on the CPU the tensor itself, no copy)."""
-    if not device.startswith("cuda"):
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+if TYPE_CHECKING:
+    from fitburst.memory.shapes import ModelShape
 
 
 def synchronize(device: str) -> None:
@@ -84,14 +78,12 @@ def lengths_of(batch: dict) -> list[int]:
     return [int(n) for n in mask.reshape(mask.shape[0], -1).sum(-1).tolist()]
 
 
-def pace_for(spec: PipelineSpec, device: str, total_params: int) -> Pace:
-    """The :class:`Pace` of ``spec``'s run on ``device``: the model's parameters and attention width from its shape
-    (its loaded parameter count where the analytic estimate does not model it: attention then not counted), the
+def pace_for(shape: ModelShape | None, device: str, total_params: int) -> Pace:
+    """The :class:`Pace` of a run on ``device``: the model's parameters and attention width from its ``shape`` (its
+    loaded parameter count where the analytic estimate does not model it, None: attention then not counted), the
     peak of a CUDA GPU or Apple chip."""
     from fitburst.hours import peak_tflops
-    from fitburst.models import spec_shape
 
-    shape = spec_shape(spec)
     kind = device.split(":")[0]
     peak = peak_tflops(resolve_device(device)) if kind in ("cuda", "mps") else None
     if shape is None:

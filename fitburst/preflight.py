@@ -25,7 +25,7 @@ from fitburst.hours import Hours, estimate_hours, throughput, train_tokens
 from fitburst.memory import Budget, Device, Estimate, EstimateFn, ModelShape, Plan, estimate
 from fitburst.memory.loss_kernels import describe_lean, loss_kernel_of
 from fitburst.memory.planner import plan_gpus, world_sizes
-from fitburst.models import model_family, spec_shape, spec_with_model_ref
+from fitburst.models import ResolvedModel, resolve_model, spec_with_model_ref
 from fitburst.probe import probe
 from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
@@ -300,15 +300,16 @@ def _size(shape: ModelShape | None, plan: Plan) -> ModelShape | int:
     return shape if shape is not None else plan.estimate.params["total"]
 
 
-def conclude(spec: PipelineSpec, shape: ModelShape | None, device: Device, checked: Checked, seq_len: int,
+def conclude(spec: PipelineSpec, model: ResolvedModel, device: Device, checked: Checked, seq_len: int,
              tokens: int | None, *, measured_tokens_per_s: float | None = None,
              gpus: Gpus | None = None) -> PreflightReport:
-    """Time the local plan, place the run (:func:`decide`) and write the report."""
-    plan, exact = checked.plan, checked.exact
+    """Time the local plan, place the run (:func:`decide`) and write the report. ``model``: the pipeline's
+    (:func:`fitburst.models.resolve_model`), resolved once by the caller."""
+    plan, exact, shape = checked.plan, checked.exact, model.shape
     local_time = (estimate_hours(_size(shape, plan), plan.settings, throughput(device, measured_tokens_per_s),
                                  tokens, device=device) if plan.fits else None)
 
-    verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, shape, seq_len, tokens, exact))
+    verdict, candidates = decide(spec, plan, local_time, lambda: rank_cloud(spec, model, seq_len, tokens, exact))
     planned = spec_with_settings(spec, plan.settings) if plan.fits else spec
     analytic = None
     if plan.estimate.method == "traced" and shape is not None:
@@ -319,14 +320,15 @@ def conclude(spec: PipelineSpec, shape: ModelShape | None, device: Device, check
                            analytic=analytic, unchecked=checked.unchecked, gpus=gpus)
 
 
-def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, tokens: int | None,
+def rank_cloud(spec: PipelineSpec, model: ResolvedModel, seq_len: int, tokens: int | None,
                exact: EstimateFn | None) -> list[Candidate]:
     """The cloud GPUs of ``spec.burst``, re-planned for ``seq_len`` and ranked (:func:`rank_candidates`); with a
     monthly budget, against this month's spend so far as MLflow holds it."""
     from fitburst.memory.trace import TraceUnsupported
 
     # precision: auto resolves per GPU, not for here
-    cloud = settings_from_spec(spec, None, seq_len, images=images_per_record(spec), family=model_family(spec.model))
+    cloud = settings_from_spec(spec, None, seq_len, images=images_per_record(spec), family=model.family)
+    shape = model.shape
     b = spec.burst
     spent = None
     if b.max_monthly_usd is not None or b.max_monthly_usd_all is not None:
@@ -349,7 +351,7 @@ def rank_cloud(spec: PipelineSpec, shape: ModelShape | None, seq_len: int, token
 def cloud_candidates(spec: PipelineSpec, report: PreflightReport) -> list[Candidate]:
     """``report``'s cloud candidates, ranked now when the preflight placed the run locally without them (a local
     run that ran out of memory with every step-down taken bursts to them)."""
-    return report.candidates or rank_cloud(spec, spec_shape(spec), report.seq_len, report.tokens,
+    return report.candidates or rank_cloud(spec, resolve_model(spec), report.seq_len, report.tokens,
                                            exact_estimate(spec, report.seq_len))
 
 
@@ -361,18 +363,18 @@ def preflight(spec: PipelineSpec, seq_len: int, device_name: str | None = None, 
     ``burst.max_local_hours`` is checked against and cloud GPUs are priced by."""
     gpus = resolve_gpus(device_name or spec.preflight.device)
     device = gpus.device
-    shape = spec_shape(spec)
-    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec),
-                                  family=model_family(spec.model))
+    model = resolve_model(spec)
+    shape = model.shape
+    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec), family=model.family)
     tokens = train_tokens(spec, n_train, mean_len)
     if shape is not None and (why := reason_to_burst_anyway(spec, shape, settings, device, tokens)) is not None:
         unchecked = replace(plan_checked(spec, shape, settings, device, seq_len, gpus, trace=False), unchecked=why,
                             exact=exact_estimate(spec, seq_len))
-        report = conclude(spec, shape, device, unchecked, seq_len, tokens, gpus=gpus)
+        report = conclude(spec, model, device, unchecked, seq_len, tokens, gpus=gpus)
         if report.verdict.placement == "burst":
             return report
     checked = plan_checked(spec, shape, settings, device, seq_len, gpus)
-    return conclude(spec, shape, device, checked, seq_len, tokens, gpus=gpus)
+    return conclude(spec, model, device, checked, seq_len, tokens, gpus=gpus)
 
 
 def reason_to_burst_anyway(spec: PipelineSpec, shape: ModelShape, settings: RunSettings, device: Device,
@@ -399,21 +401,20 @@ def replan_for_budget(spec: PipelineSpec, report: PreflightReport, budget_bytes:
     estimate), from the already planned settings, and placed again."""
     device = replace(report.device, budget_bytes=budget_bytes)
     gpus = replace(report.gpus, device=device) if report.gpus else None
-    shape = spec_shape(spec)
+    model = resolve_model(spec)
     planned = settings_from_spec(report.planned, device, report.seq_len, images=images_per_record(spec),
-                                 family=model_family(spec.model))
-    checked = plan_checked(spec, shape, planned, device, report.seq_len, gpus)
+                                 family=model.family)
+    checked = plan_checked(spec, model.shape, planned, device, report.seq_len, gpus)
     checked.plan.changes[:0] = [*report.changes, why]
-    return conclude(report.planned, shape, device, checked, report.seq_len, report.tokens,
+    return conclude(report.planned, model, device, checked, report.seq_len, report.tokens,
                     measured_tokens_per_s=measured_tokens_per_s, gpus=gpus)
 
 
 def retime(spec: PipelineSpec, report: PreflightReport, tokens_per_s: float) -> PreflightReport:
     """The report with the local device timed by a measured throughput (the probe's), and placed again."""
-    shape = spec_shape(spec)
     checked = Checked(report.plan, exact_estimate(spec, report.seq_len) if report.unchecked is None else None,
                       report.unchecked)
-    return conclude(report.planned, shape, report.device, checked, report.seq_len, report.tokens,
+    return conclude(report.planned, resolve_model(spec), report.device, checked, report.seq_len, report.tokens,
                     measured_tokens_per_s=tokens_per_s, gpus=report.gpus)
 
 
@@ -423,9 +424,9 @@ def plan_here(spec: PipelineSpec, seq_len: int, gpus: Gpus | None = None) -> tup
     Returns the planned spec, the changes and the estimate; raises PreflightFailed when nothing allowed fits."""
     gpus = gpus or resolve_gpus(spec.preflight.device)
     device = gpus.device
-    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec),
-                                  family=model_family(spec.model))
-    plan = plan_checked(spec, spec_shape(spec), settings, device, seq_len, gpus).plan
+    model = resolve_model(spec)
+    settings = settings_from_spec(spec, device, seq_len, images=images_per_record(spec), family=model.family)
+    plan = plan_checked(spec, model.shape, settings, device, seq_len, gpus).plan
     if not plan.fits:
         raise PreflightFailed(f"{spec.name} does not fit {device.name} ({plan.needed_bytes / GIB:.1f} GiB needed "
                               f"at the estimate's upper edge, {plan.limit_bytes / GIB:.1f} GiB usable) with any "

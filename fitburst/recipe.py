@@ -43,7 +43,7 @@ from fitburst.device import make_amp, resolve_precision, select_device, warn_pur
 from fitburst.distributed import World
 from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.meter import MemoryMeter
-from fitburst.models import model_family
+from fitburst.models import ResolvedModel, resolve_model
 from fitburst.pace import pace_for, progress_fields, synchronize
 from fitburst.spec import PipelineSpec
 from fitburst.train import MetricsFn, TrainError, TrainResult, batches, optimizer_step, total_steps
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 def train(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
           on_metrics: MetricsFn | None = None, progress: bool = True, stop_after: int | None = None) -> TrainResult:
-    """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint): :class:`Recipe`."""
+    """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint): :class:`Recipe`, for
+    the tests and benchmarks that train one spec directly."""
     return Recipe(spec, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress,
                   stop_after=stop_after).run()
 
@@ -62,13 +63,16 @@ class Recipe:
     """Train ``spec`` on ``prepared`` into ``run_dir`` (resuming from its newest checkpoint): :meth:`run` is
     :meth:`setup`, :meth:`loop`, :meth:`save`, in that order.
 
-    ``stop_after`` ends the loop early after that many optimizer steps (for tests of interruption). Started by
-    torchrun, every rank runs it; rank 0's result is the run's (it alone writes the run folder and calls
-    ``on_metrics``)."""
+    ``resolved``: the model's reference, family and shape as the supervisor resolved them (default: resolved here,
+    as a rank torchrun started does). ``stop_after`` ends the loop early after that many optimizer steps (for tests
+    of interruption). Started by torchrun, every rank runs it; rank 0's result is the run's (it alone writes the
+    run folder and calls ``on_metrics``)."""
 
-    def __init__(self, spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *, device: str | None = None,
+    def __init__(self, spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
+                 resolved: ResolvedModel | None = None, device: str | None = None,
                  on_metrics: MetricsFn | None = None, progress: bool = True, stop_after: int | None = None):
         self.spec, self.prepared, self.run_dir, self.device = spec, prepared, Path(run_dir), device or ""
+        self.resolved = resolved
         self.on_metrics, self.progress, self.stop_after = on_metrics, progress, stop_after
 
     def run(self) -> TrainResult:
@@ -87,11 +91,12 @@ class Recipe:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec, w = self.spec, distributed.world()
-        self.family = model_family(spec.model)
+        resolved = self.resolved = self.resolved or resolve_model(spec)
+        self.family, self.shape = resolved.family, resolved.shape
         self.device = self.device or select_device(spec.preflight.device)
-        refuse_problems(spec, self.family, w.size, self.device.split(":")[0])  # before the model loads
+        refuse_problems(spec, self.family, w.size, self.device.split(":")[0], resolved=resolved)  # before the load
         if w.sharded:
-            refuse_offload_beyond_host_ram(spec, w)
+            refuse_offload_beyond_host_ram(spec, self.shape, w)
             self.device = distributed.start(w, self.device)
         self.world, device = w, self.device
         kind = device.split(":")[0]  # a rank's GPU is cuda:<local rank>
@@ -107,7 +112,7 @@ class Recipe:
 
         self.meter = MemoryMeter(device)
         self.meter.reset()
-        self.model, self.tok = build_model(spec, device, self.precision, world=w)
+        self.model, self.tok = build_model(spec, device, self.precision, world=w, resolved=resolved)
         self.trainable, self.total = count_params(self.model)
         self.offload = activation_offloading(spec, self.model, kind)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -156,7 +161,7 @@ class Recipe:
         bar = tqdm(total=self.steps, initial=self.step, desc=f"train {spec.name}",
                    disable=not self.progress or not w.main, unit="step")
         self.t0, self.tokens, self.start_step = time.perf_counter(), 0, self.step
-        self.pace = pace_for(spec, device, self.total)
+        self.pace = pace_for(self.shape, device, self.total)
         # the window's loss stays on the device, summed there: read (a wait for the device) at log intervals only
         self.window_loss, self.window_tokens, self.last_loss = torch.zeros((), device=device), 0, float("nan")
         try:
@@ -191,7 +196,7 @@ class Recipe:
             n_items = distributed.all_sum(n_items, self.device)
         loss = optimizer_step(self.model, self.optimizer, self.params, micro, device=self.device,
                               max_grad_norm=tr.max_grad_norm, amp=amp, loss=self.kernel, offload=self.offload,
-                              n_items=n_items, world=w, on_device=True)
+                              n_items=n_items, world=w, on_device=True, family=self.family)
         if not amp.last_step_skipped:  # as accelerate does: a skipped step does not advance the schedule
             self.scheduler.step()
         self.tokens += sum(batch_tokens(b) for b in micro)

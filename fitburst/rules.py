@@ -1,10 +1,11 @@
 """The one rule table: which settings can run together, and where. :func:`problems` reads it.
 
-Each row is one rule, written once, over :class:`fitburst.settings.RunSettings` (and the device, and the model
-family's refusals, where the rule needs them): ``validate`` and spec loading locate its problems in pipelines.yaml
-(:mod:`fitburst.spec`), the planner and the ladder take no rung and no GPU count that would break a row
-(:func:`new_problems`), the loop refuses before the model loads, and the cloud ranking plans each GPU by it. A rule
-whose fact is not known (no device named, no family looked up) is not checked.
+Each row is one rule, written once, over :class:`fitburst.settings.RunSettings` (and the device, the model
+family's refusals and the model's architecture, where the rule needs them): ``validate`` and spec loading locate its
+problems in pipelines.yaml (:mod:`fitburst.spec`), the planner and the ladder take no rung and no GPU count that would
+break a row (:func:`new_problems`), the loop refuses before the model loads (:func:`fitburst.builders.refuse_problems`;
+the probed device's bf16 and bitsandbytes in :mod:`fitburst.device`), and the cloud ranking plans each GPU by it. A
+rule whose fact is not known (no device named, no family or model looked up) is not checked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from fitburst.hardware import Device, named_device, resolve_device, split_count
 
 if TYPE_CHECKING:
+    from fitburst.memory.shapes import ModelShape
     from fitburst.settings import RunSettings
 
 OPTIMIZERS_8BIT = ("adamw8bit", "paged_adamw8bit")
@@ -29,6 +31,38 @@ class FamilyFacts(Protocol):
 
     @property
     def fused_loss_refusal(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What rows read of the model's architecture, from its config.json (:meth:`of` its shape)."""
+
+    model_type: str
+    decoder: bool  # its blocks are a decoder's (not an encoder-decoder's)
+    experts: bool  # it routes tokens to experts (a mixture of experts)
+    gated_mlp: bool  # each block's feed-forward is gated (gate, up, down: SwiGLU / GEGLU), not fc1, fc2
+    head_bias: bool  # its output head adds a bias (phi-1.5)
+    tied: bool = False  # its input embeddings are its output head's weight too
+
+    @classmethod
+    def of(cls, shape: ModelShape | None) -> ModelFacts | None:
+        """The facts of ``shape`` (None: the model was not looked up, or the estimate does not model it)."""
+        if shape is None:
+            return None
+        return cls(shape.model_type, shape.arch.block == "decoder", bool(shape.experts), shape.mlp == "gated",
+                   shape.lm_head_bias, shape.tied)
+
+
+def tiled_mlp_refusal(m: ModelFacts) -> str | None:
+    """Why the tiled MLP (liger-kernel's ``apply_tiled_mlp`` over each block's feed-forward) does not apply to the
+    model, or None when it does: a dense decoder whose feed-forward is gated."""
+    if not m.decoder:
+        return f"{m.model_type}'s blocks are an encoder-decoder's, not a decoder's"
+    if m.experts:
+        return f"{m.model_type} routes tokens to experts (a mixture of experts), not through one gated MLP"
+    if not m.gated_mlp:
+        return f"{m.model_type}'s feed-forward is a plain MLP (fc1, fc2), not a gated one (gate, up, down)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,8 +82,8 @@ class Problem:
         return f"{self.wrong}: {self.fix}" if self.fix else self.wrong
 
 
-When = Callable[["RunSettings", Device | None, FamilyFacts | None], bool]
-Says = Callable[["RunSettings", Device | None, FamilyFacts | None], tuple[str, str]]
+When = Callable[["RunSettings", Device | None, FamilyFacts | None, "ModelFacts | None"], bool]
+Says = Callable[["RunSettings", Device | None, FamilyFacts | None, "ModelFacts | None"], tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -71,86 +105,117 @@ def _bnb_where(d: Device | None) -> tuple[str, str]:
 
 RULES: tuple[Rule, ...] = (
     Rule("full_quantized", ("method", "quant"),
-         lambda s, d, f: s.method == "full" and s.kbit,
-         lambda s, d, f: ("full fine-tuning cannot train quantized weights", "set quant: none or use qlora")),
+         lambda s, d, f, m: s.method == "full" and s.kbit,
+         lambda s, d, f, m: ("full fine-tuning cannot train quantized weights", "set quant: none or use qlora")),
     Rule("bf16_unsupported", ("training", "precision"),
-         lambda s, d, f: d is not None and not d.supports_bf16 and s.precision == "bf16",
-         lambda s, d, f: (f"{d.name if d else ''} has no bf16 support",
-                          "set training.precision: fp16 (or auto, which picks fp16 there)")),
+         lambda s, d, f, m: d is not None and not d.supports_bf16 and s.precision == "bf16",
+         lambda s, d, f, m: (f"{d.name if d else ''} has no bf16 support",
+                             "set training.precision: fp16 (or auto, which picks fp16 there)")),
     Rule("kbit_needs_bnb", ("method", "quant"),
-         lambda s, d, f: d is not None and not d.supports_bnb and s.kbit,
-         lambda s, d, f: (f"{s.quant} weights need bitsandbytes, which {_bnb_where(d)[0]}",
-                          f"use method.type: lora with quant: none {_bnb_where(d)[1]}, or a CUDA device")),
+         lambda s, d, f, m: d is not None and not d.supports_bnb and s.kbit,
+         lambda s, d, f, m: (f"{s.quant} weights need bitsandbytes, which {_bnb_where(d)[0]}",
+                             f"use method.type: lora with quant: none {_bnb_where(d)[1]}, or a CUDA device")),
     Rule("optimizer_8bit_needs_bnb", ("training", "optimizer"),
-         lambda s, d, f: d is not None and not d.supports_bnb and s.optimizer in OPTIMIZERS_8BIT,
-         lambda s, d, f: (f"{s.optimizer} is bitsandbytes' optimizer, which {_bnb_where(d)[0]}",
-                          f"use optimizer: adamw {_bnb_where(d)[1]}, or a CUDA device")),
+         lambda s, d, f, m: d is not None and not d.supports_bnb and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f, m: (f"{s.optimizer} is bitsandbytes' optimizer, which {_bnb_where(d)[0]}",
+                             f"use optimizer: adamw {_bnb_where(d)[1]}, or a CUDA device")),
     Rule("fsdp_on_mps", ("training", "distributed"),
-         lambda s, d, f: s.sharded and d is not None and d.kind == "mps",
-         lambda s, d, f: ("an Apple GPU is one device and torch has no MPS process group",
-                          "set training.distributed: none (or auto) on MPS, or a CUDA device")),
+         lambda s, d, f, m: s.sharded and d is not None and d.kind == "mps",
+         lambda s, d, f, m: ("an Apple GPU is one device and torch has no MPS process group",
+                             "set training.distributed: none (or auto) on MPS, or a CUDA device")),
     Rule("processes_without_fsdp", ("training", "distributed"),
-         lambda s, d, f: s.world_size > 1 and s.distributed == "none",
-         lambda s, d, f: (f"training.distributed is none but torchrun started {s.world_size} processes",
-                          "start one process, or set training.distributed: fsdp (or auto)")),
+         lambda s, d, f, m: s.world_size > 1 and s.distributed == "none",
+         lambda s, d, f, m: (f"training.distributed is none but torchrun started {s.world_size} processes",
+                             "start one process, or set training.distributed: fsdp (or auto)")),
     Rule("fsdp_int8", ("method", "quant"),
-         lambda s, d, f: s.sharded and s.quant == "int8",
-         lambda s, d, f: ("int8 weights cannot be sharded by FSDP (bitsandbytes Int8Params)",
-                          "use quant: nf4 (its 4-bit weights shard in the compute dtype), or training.distributed: "
-                          "none")),
+         lambda s, d, f, m: s.sharded and s.quant == "int8",
+         lambda s, d, f, m: ("int8 weights cannot be sharded by FSDP (bitsandbytes Int8Params)",
+                             "use quant: nf4 (its 4-bit weights shard in the compute dtype), or training.distributed: "
+                             "none")),
     Rule("fsdp_optimizer_8bit", ("training", "optimizer"),
-         lambda s, d, f: s.sharded and s.optimizer in OPTIMIZERS_8BIT,
-         lambda s, d, f: ("bitsandbytes' 8-bit optimizers do not run on FSDP's sharded parameters",
-                          "use optimizer: adamw (FSDP shards its state over the GPUs already), or "
-                          "training.distributed: none")),
+         lambda s, d, f, m: s.sharded and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f, m: ("bitsandbytes' 8-bit optimizers do not run on FSDP's sharded parameters",
+                             "use optimizer: adamw (FSDP shards its state over the GPUs already), or "
+                             "training.distributed: none")),
     Rule("fsdp_fused_loss", ("training", "loss"),
-         lambda s, d, f: s.sharded and s.loss == "fused",
-         lambda s, d, f: ("the fused loss reads the output head's weight outside the model's forward, where FSDP "
-                          "holds only a shard of it", "set training.loss: standard (or auto), or "
-                          "training.distributed: none")),
+         lambda s, d, f, m: s.sharded and s.loss == "fused",
+         lambda s, d, f, m: ("the fused loss reads the output head's weight outside the model's forward, where FSDP "
+                             "holds only a shard of it", "set training.loss: standard (or auto), or "
+                             "training.distributed: none")),
     Rule("cpu_offload_without_fsdp", ("training", "fsdp", "cpu_offload"),
-         lambda s, d, f: s.cpu_offload and s.distributed == "none",
-         lambda s, d, f: ("CPU offload is FSDP's", "set training.distributed: fsdp (or auto), or cpu_offload: false")),
+         lambda s, d, f, m: s.cpu_offload and s.distributed == "none",
+         lambda s, d, f, m: ("CPU offload is FSDP's",
+                             "set training.distributed: fsdp (or auto), or cpu_offload: false")),
     Rule("activation_offloading_off_cuda", ("training", "activation_offloading"),
-         lambda s, d, f: s.activation_offloading and d is not None and d.kind != "cuda",
-         lambda s, d, f: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
-                          f"memory, and this run is on {d.name if d else ''}", "set it false")),
+         lambda s, d, f, m: s.activation_offloading and d is not None and d.kind != "cuda",
+         lambda s, d, f, m: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
+                             f"memory, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("embeddings_on_host_mps", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and d is not None and d.kind == "mps",
+         lambda s, d, f, m: ("training.embeddings_on_host keeps the input embeddings in host RAM, and on Apple "
+                             "silicon that is the GPU's memory: nothing is saved", "set it false")),
+    Rule("embeddings_on_host_trained", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and s.method == "full",
+         lambda s, d, f, m: ("training.embeddings_on_host keeps a frozen table in host RAM, and a full fine-tune "
+                             "trains the embeddings", "set it false, or use method.type: lora or qlora")),
+    Rule("fsdp_embeddings_on_host", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and s.sharded,
+         lambda s, d, f, m: ("FSDP shards the input embeddings over the GPUs with the rest of the model",
+                             "set training.embeddings_on_host: false, or training.distributed: none")),
+    Rule("embeddings_on_host_tied", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and m is not None and m.tied,
+         lambda s, d, f, m: (f"{m.model_type if m else ''}'s input embeddings are tied to its output head, which "
+                             "runs on the GPU", "set training.embeddings_on_host: false")),
     Rule("packing_images", ("training", "packing"),
-         lambda s, d, f: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
-         lambda s, d, f: ("packed batches carry no images", "set training.packing: false for a pipeline with "
-                          "data.image_max_pixels (a vision-language one)")),
+         lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
+         lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "
+                             "data.image_max_pixels (a vision-language one)")),
     Rule("family_packing", ("training", "packing"),
-         lambda s, d, f: s.packed_fill > 0 and f is not None and f.packing_refusal is not None,
-         lambda s, d, f: ((f.packing_refusal if f else None) or "", "")),
+         lambda s, d, f, m: s.packed_fill > 0 and f is not None and f.packing_refusal is not None,
+         lambda s, d, f, m: ((f.packing_refusal if f else None) or "", "")),
     Rule("family_fused_loss", ("training", "loss"),
-         lambda s, d, f: s.loss == "fused" and f is not None and f.fused_loss_refusal is not None,
-         lambda s, d, f: ((f.fused_loss_refusal if f else None) or "", "")),
+         lambda s, d, f, m: s.loss == "fused" and f is not None and f.fused_loss_refusal is not None,
+         lambda s, d, f, m: ((f.fused_loss_refusal if f else None) or "", "")),
+    Rule("fused_loss_head_bias", ("training", "loss"),
+         lambda s, d, f, m: s.loss == "fused" and m is not None and m.head_bias,
+         lambda s, d, f, m: (f"the fused loss takes a bias-free linear output head, and {m.model_type if m else ''}'s "
+                             "adds a bias", "set training.loss: standard (or auto)")),
+    Rule("tiled_mlp_model", ("training", "tiled_mlp"),
+         lambda s, d, f, m: s.tiled_mlp and m is not None and tiled_mlp_refusal(m) is not None,
+         lambda s, d, f, m: (f"the tiled MLP shards a gated MLP (gate, up, down) and "
+                             f"{tiled_mlp_refusal(m) if m else ''}", "set training.tiled_mlp: false")),
 )
 RULE_KEYS = {r.key for r in RULES}
 
 
-def problems(s: RunSettings, device: Device | None = None, family: FamilyFacts | None = None) -> list[Problem]:
-    """Every row of the table ``s`` breaks on ``device`` (None: not known) for a model of ``family`` (None: not
-    looked up), in the table's order."""
+def problems(s: RunSettings, device: Device | None = None, family: FamilyFacts | None = None,
+             model: ModelFacts | None = None) -> list[Problem]:
+    """Every row of the table ``s`` breaks on ``device`` (None: not known) for a model of ``family`` with the
+    architecture ``model`` (None: not looked up), in the table's order."""
     out = []
     for r in RULES:
-        if r.broken(s, device, family):
-            wrong, fix = r.says(s, device, family)
+        if r.broken(s, device, family, model):
+            wrong, fix = r.says(s, device, family, model)
             out.append(Problem(r.key, r.field, wrong, fix))
     return out
 
 
 def new_problems(before: RunSettings, after: RunSettings, device: Device | None,
-                 family: FamilyFacts | None = None) -> list[Problem]:
+                 family: FamilyFacts | None = None, model: ModelFacts | None = None) -> list[Problem]:
     """The problems a change from ``before`` to ``after`` brings (a rung, a GPU count): those ``before`` had already
     are the user's, refused where the run is validated, not the change's."""
-    had = {p.rule for p in problems(before, device, family)}
-    return [p for p in problems(after, device, family) if p.rule not in had]
+    had = {p.rule for p in problems(before, device, family, model)}
+    return [p for p in problems(after, device, family, model) if p.rule not in had]
 
 
 def explain(pipeline: str, found: list[Problem]) -> str:
     """Problems as one message: the pipeline, each field and its fix."""
-    return f"pipeline '{pipeline}': " + "; ".join(f"field '{p.path}': {p}" for p in found)
+    return f"pipeline '{pipeline}': {located(found)}"
+
+
+def located(found: list[Problem]) -> str:
+    """Problems as one message: each field and its fix (where no pipeline is named)."""
+    return "; ".join(f"field '{p.path}': {p}" for p in found)
 
 
 def declared_device(name: str) -> Device | None:

@@ -2,8 +2,10 @@
 
 - plans the run's place: the run folder (the newest interrupted one with the same config and data, else a new
   one: :mod:`fitburst.rundir`), its MLflow records (the attempt it replaces linked, metrics through the folder's
-  outbox) and the step-downs an earlier attempt took (``stepdown.json``, :mod:`fitburst.oom`);
-- walks the ladder after an out-of-memory error: the next rung, a resume from the last checkpoint, the records;
+  outbox) and the step-downs an earlier attempt took (``stepdown.json``: :func:`load_stepdowns`);
+- walks the ladder after an out-of-memory error: the next rung, a resume from the last checkpoint, the records
+  (:class:`StepDown`: in ``stepdown.json``, MLflow and the calibration history), :class:`OOMLadderExhausted` when no
+  rung is left;
 - starts the ranks of a sharded run on this node or every node (:class:`fitburst.ranks.Ranks`: torchrun, whose
   every rank runs the Recipe directly) or runs the Recipe in this process;
 - evaluates after training and records both (:class:`fitburst.tracking.Tracker`).
@@ -15,10 +17,11 @@ Two callers, one path: the flow's train task (:func:`train_local_run`) and ``fit
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fitburst.checkpoints import drop_optimizer_state, latest_checkpoint
@@ -27,19 +30,19 @@ from fitburst.device import select_device
 from fitburst.evaluate import EvalResult, evaluate
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, Estimate, ModelShape, estimate
+from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
 from fitburst.memory.planner import max_seq_len_that_fits
-from fitburst.models import model_family, spec_shape
-from fitburst.oom import StepDown, exhausted, load_stepdowns, record_history, store_stepdowns
+from fitburst.models import resolve_model
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
 from fitburst.outbox import replay_outboxes
 from fitburst.ranks import Ranks, RanksFailed, local_ranks
-from fitburst.recipe import train
+from fitburst.recipe import Recipe
 from fitburst.rundir import open_run_dir, release, runs_root
 from fitburst.settings import RunSettings, settings_from_spec, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.tracking import Tracker, redact
-from fitburst.train import MetricsFn, TrainResult
+from fitburst.train import MetricsFn, TrainError, TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -131,43 +134,123 @@ def evaluate_and_record(spec: PipelineSpec, prepared: PreparedData, result: Trai
     return ev
 
 
+# --- the step-down's records: stepdown.json, the calibration history, the error when no rung is left ----------
+
+STEPDOWN_FILE = "stepdown.json"  # the run folder's step-downs (load_stepdowns)
+
+
+class OOMLadderExhausted(TrainError):
+    """Out of memory with no rung left. ``burst_allowed`` says whether the burst policy lets the caller send the
+    checkpoint to a cloud GPU (the run folder, ``run_dir``, resumes there); otherwise the message is final."""
+
+    def __init__(self, message: str, *, run_dir: Path, step: int, device: str, peak_bytes: int | None,
+                 burst_allowed: bool):
+        super().__init__(message)
+        self.run_dir, self.step, self.device = run_dir, step, device
+        self.peak_bytes, self.burst_allowed = peak_bytes, burst_allowed
+
+
+@dataclass
+class StepDown:
+    """One out-of-memory step-down: what ran out, where, what was measured and estimated, and the rung taken."""
+
+    time: str
+    pipeline: str
+    device: str  # cuda | mps | cpu
+    oom_kind: str
+    step: int  # the checkpoint the run resumes from (0: the start)
+    measured_peak_bytes: int | None
+    requested_bytes: int | None
+    error: str
+    settings: dict  # the settings that ran out of memory (RunSettings as JSON)
+    device_name: str = ""
+    estimated_bytes: int | None = None  # the uncalibrated estimate of the figure the measured peak compares with
+    rung: str | None = None  # the ladder's key (fitburst.memory.ladder), None when no rung was left
+    change: str | None = None  # what the rung changes, in words
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_stepdowns(run_dir: Path, resolve: Callable[[dict], RunSettings] | None = None) -> dict:
+    """``stepdown.json`` of a run folder: the settings after every step-down taken (None: none taken; read with
+    :meth:`RunSettings.from_dict`, which takes old field names), the rungs taken and their records. A folder stepped
+    down by an earlier fitburst holds the changed spec fields as dotted keys ("fields"): ``resolve`` turns them
+    into the settings they stand for."""
+    p = Path(run_dir) / STEPDOWN_FILE
+    state = {"settings": None, "rungs": [], "history": [], **(json.loads(p.read_text()) if p.exists() else {})}
+    fields = state.pop("fields", None)
+    if fields and not state["settings"] and resolve is not None:
+        state["settings"] = asdict(resolve(fields))
+    return state
+
+
+def store_stepdowns(run_dir: Path, state: dict) -> None:
+    """Write ``stepdown.json`` (:func:`load_stepdowns`' shape) after a step-down."""
+    (Path(run_dir) / STEPDOWN_FILE).write_text(json.dumps(state, indent=2))
+
+
+def record_history(entry: StepDown) -> None:
+    """Append ``entry`` to the calibration history (``oom_history.jsonl`` beside the calibration file)."""
+    path = calibration_path().with_name(OOM_HISTORY_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(entry.to_dict()) + "\n")
+
+
+def exhausted(spec: PipelineSpec, record: StepDown, run_dir: Path, fit: str) -> OOMLadderExhausted:
+    burst = spec.burst.policy != "never"
+    peak = record.measured_peak_bytes
+    where = (f"the burst policy ({spec.burst.policy}) allows sending checkpoint step-{record.step} in {run_dir} "
+             "to a cloud GPU" if burst else f"would have fit: {fit}")
+    measured = f"measured peak {peak / 2**30:.2f} GiB" if peak else "peak not measured"
+    msg = (f"{spec.name}: out of memory on {record.device} at step {record.step} with every allowed "
+           f"step-down taken ({measured}); {where}. A rerun resumes from the checkpoint.")
+    return OOMLadderExhausted(msg, run_dir=run_dir, step=record.step, device=record.device, peak_bytes=peak,
+                              burst_allowed=burst)
+
+
 # --- walk the ladder after an OOM ----------------------------------------------------------------------------
 
 def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str | Path, *,
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
                         progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
-    """:func:`fitburst.recipe.train`, stepping one rung down the ladder (:func:`fitburst.memory.ladder.next_rung`,
-    the rungs a resumed run can take) on each out-of-memory error and resuming the checkpoint the failed attempt
-    saved. ``on_stepdown`` receives each record (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no
-    rung is left.
+    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder
+    (:func:`fitburst.memory.ladder.next_rung`, the rungs a resumed run can take) on each out-of-memory error and
+    resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record (for MLflow / Prefect).
+    Raises :class:`OOMLadderExhausted` when no rung is left.
 
     ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
     node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
     rung taken, from the last checkpoint (a sharded one cannot be written by one rank alone). A rank torchrun
     started runs the Recipe alone (``fitburst train``): the error ends the rank, and this loop, above torchrun,
-    decides."""
+    decides.
+
+    The model (its reference, family and shape: :func:`fitburst.models.resolve_model`) is resolved once here, for
+    the settings, each attempt's Recipe and the step-down's estimate (a rung changes settings, never the model)."""
     run_dir = Path(run_dir)
     sharded = ranks if ranks is not None and ranks.size > 1 else None
     device = device or select_device(spec.preflight.device)
     dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
     longest = int(prepared.stats["max"])
+    model = resolve_model(spec)
 
     def resolved(s: PipelineSpec) -> RunSettings:
-        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model_family(s.model))
+        return settings_from_spec(s, dev, longest, images=images_per_record(s), family=model.family)
 
     state = load_stepdowns(run_dir, lambda fields: resolved(spec.with_overrides(fields)))
     settings = RunSettings.from_dict(state["settings"]) if state["settings"] else resolved(spec)
     current = spec_with_settings(spec, settings) if state["settings"] else spec
     if state["rungs"]:
         log.info("resuming with earlier step-downs: %s", ", ".join(state["rungs"]))
-    shape = None
     while True:
         try:
             if sharded is not None:
                 sharded.run(current, prepared.dir, run_dir, device=device, on_metrics=on_metrics)
                 return TrainResult.load(run_dir)
-            return train(current, prepared, run_dir, device=device, on_metrics=on_metrics, progress=progress)
+            return Recipe(current, prepared, run_dir, resolved=model, device=device, on_metrics=on_metrics,
+                          progress=progress).run()
         except BaseException as exc:  # noqa: BLE001 - anything but an OOM is re-raised at once
             kind = oom_kind(exc)
             if kind is None:
@@ -181,14 +264,13 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                               settings=asdict(settings), device_name=dev.name)
             free_memory(exc)
             del exc
-            shape = shape or _shape(spec)
-            record.estimated_bytes = _estimated(settings, shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=shape)
+            record.estimated_bytes = _estimated(settings, model.shape, dev)
+            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=model.shape)
             if rung is not None:
                 record.rung, record.change = rung.key, rung.explain(settings, dev)
             record_history(record)
             if rung is None:
-                fits = setting_that_would_fit(spec, settings, shape, dev, longest)
+                fits = setting_that_would_fit(spec, settings, model.shape, dev, longest)
                 raise exhausted(current, record, run_dir, fits) from None
             if rung.key == "optimizer_8bit" and ckpt is not None:
                 drop_optimizer_state(ckpt)
@@ -226,13 +308,6 @@ def _estimated(settings: RunSettings, shape: ModelShape | None, dev: Device) -> 
         return None
     est = estimate(shape, settings, dev, calibrate=False)
     return est.comparable_bytes(dev.kind)
-
-
-def _shape(spec: PipelineSpec) -> ModelShape | None:
-    try:
-        return spec_shape(spec)
-    except (ValueError, OSError):  # a config not readable here: the record keeps the measurement alone
-        return None
 
 
 def setting_that_would_fit(spec: PipelineSpec, settings: RunSettings, shape: ModelShape | None, dev: Device,

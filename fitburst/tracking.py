@@ -30,7 +30,7 @@ from fitburst.plots import loss_curve, memory_bar_chart, memory_comparison
 from fitburst.spec import PipelineSpec, resolve_env
 
 if TYPE_CHECKING:  # the training side (torch) stays out of tracking's imports
-    from fitburst.oom import StepDown
+    from fitburst.supervisor import StepDown
 
 RUN_ID_ENV = "FITBURST_MLFLOW_RUN_ID"
 OWNER_TAG = "fitburst.owner"  # host:pid:process start time of the process that opened the run

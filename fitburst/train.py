@@ -18,9 +18,8 @@ from fitburst.data import collate
 from fitburst.device import Amp
 from fitburst.distributed import SINGLE, World
 from fitburst.errors import UserError
-from fitburst.families import family_for
+from fitburst.families import Family, family_for
 from fitburst.meter import MemoryPeak
-from fitburst.pace import to_device
 from fitburst.spec import PipelineSpec
 
 MetricsFn = Callable[[dict, int], None]
@@ -101,10 +100,19 @@ def batches(rows: list[dict], batch_size: int, pad_id: int, seed: int, start_mic
         epoch, offset = epoch + 1, 0
 
 
+def to_device(t, device: str):
+    """A host tensor on ``device``. On CUDA through pinned (page-locked) memory and a non-blocking copy: the host
+    goes on queueing kernels while the copy runs, where a pageable copy would stage it and wait. Elsewhere ``.to``
+    as is (on the CPU the tensor itself, no copy)."""
+    if not device.startswith("cuda"):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *, device: str,
                    max_grad_norm: float | None, amp: Amp | None = None, loss: str = "standard",
                    offload: contextlib.AbstractContextManager | None = None, n_items=None, world: World = SINGLE,
-                   on_device: bool = False) -> Any:
+                   on_device: bool = False, family: Family | None = None) -> Any:
     """One optimizer step over ``micro_batches`` (gradient accumulation over all of them); returns the loss: a float,
     or with ``on_device`` a 0-d tensor on ``device`` (the loop's: reading a value on the host waits for the device to
     finish the step, so the loop reads the loss at log intervals only).
@@ -114,16 +122,16 @@ def optimizer_step(model, optimizer, params: list, micro_batches: list[dict], *,
     ``amp`` (:func:`fitburst.device.make_amp`) the forward runs under autocast, and fp16 goes through its GradScaler:
     a step whose gradients hold inf/nan is skipped and counted in ``amp.skipped_steps``. The model output is
     dropped as soon as the loss is taken, so the logits do not live through backward. How label tokens are counted
-    and each micro-batch's loss weighted is the model's family's (:class:`fitburst.families.Family`); ``loss`` the
-    kernel it runs (:func:`loss_kernel`). ``offload``: a saved-tensors context the forwards run under (activation
-    offloading, :func:`activation_offloading`).
+    and each micro-batch's loss weighted is the model's ``family``'s (:class:`fitburst.families.Family`; None:
+    looked up from the model's config); ``loss`` the kernel it runs (:func:`loss_kernel`). ``offload``: a
+    saved-tensors context the forwards run under (activation offloading, :func:`activation_offloading`).
 
     Several ranks: ``n_items`` is the label tokens of the step on every rank (:func:`fitburst.distributed.all_sum`),
     the sharded gradients are summed across ranks, and the loss returned is the whole step's."""
     import torch  # heavy: loaded only when training
 
     scaler = amp.scaler if amp is not None else None
-    family = family_for(model.config)
+    family = family or family_for(model.config)
     if n_items is None:
         n_items = sum(family.label_tokens(mb) for mb in micro_batches)
     n_items = to_device(torch.as_tensor(n_items), device).clamp(min=1)

@@ -21,9 +21,9 @@ from pydantic import BaseModel, WithJsonSchema
 
 from fitburst.errors import UserError
 from fitburst.logs import quiet_user_errors
-from fitburst.oom import OOMLadderExhausted
 from fitburst.preflight import PreflightFailed, PreflightReport, cloud_candidates
 from fitburst.spec import DEFAULT_PIPELINES_FILE, PipelineSpec, load_pipeline
+from fitburst.supervisor import OOMLadderExhausted
 from fitburst.tracking import Tracker, redact
 from fitburst.train import TrainResult
 from tasks import artifact_key

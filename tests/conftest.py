@@ -11,12 +11,10 @@ fixture is built once. ``-n 0`` or ``-p no:xdist`` runs it all in this one proce
 from __future__ import annotations
 
 import atexit
-import fcntl
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ _TMP = Path(tempfile.mkdtemp(prefix="fitburst-tests-"))
 tempfile.tempdir = str(_TMP)
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # one cache of built demo models and prepared data for the session, xdist workers included: they start after this
-# ran in the controller and inherit it (writes into it are atomic, see fitburst.cache; builds are locked below).
+# ran in the controller and inherit it (writes into it are atomic; fitburst.cache.build_once builds under a lock).
 # Everything else under FITBURST_CACHE (the calibration file, the OOM history, data facts, offers, traces) is what a
 # test writes and reads back: each process keeps its own, and links the shared folders into it.
 _SHARED_CACHE = Path(os.environ.setdefault("FITBURST_TEST_CACHE", str(_TMP / "cache")))
@@ -55,25 +53,6 @@ os.environ.update({
     "TOKENIZERS_PARALLELISM": "false",
 })
 os.chdir(_TMP)  # nothing a test writes by default lands in the checkout
-
-import fitburst.cache  # noqa: E402  (after the environment above: fitburst reads it)
-import fitburst.demo_models  # noqa: E402
-
-
-def _build_once_locked(dest: Path, build: Callable[[Path], None]) -> Path:
-    """fitburst.cache.build_once, with a lock beside ``dest``: a worker that needs a demo model another worker is
-    building (minutes of pretraining on a busy 2-core machine) waits for it instead of building it again."""
-    if not (dest / "config.json").exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f".{dest.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return _build_once(dest, build)
-    return dest
-
-
-_build_once = fitburst.cache.build_once
-fitburst.cache.build_once = fitburst.demo_models.build_once = _build_once_locked
-
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

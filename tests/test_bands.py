@@ -201,3 +201,32 @@ def assert_envelopes_span(seen: dict[tuple, list], gpu: str) -> None:
         assert set(env.attention) == {f.attention for f in facts} and set(env.quant) == {f.quant for f in facts}, key
         step = 10.0 ** (math.floor(math.log10(card)) - 1)
         assert env.card == pytest.approx(math.ceil(card / step) * step), (key, card)
+
+
+def cpu_step_errors(method: str) -> dict[str, list[float]]:
+    """Each committed CPU step's error of ``method`` (estimate / measured - 1), by how the row was used: part (a) of
+    the replay (looked-at) and seed 27's rows (held-out); a refused estimate is no row."""
+    results = T4_REPLAY.parent
+    out = {}
+    for kind, name in (("looked-at", "preflight_accuracy.txt"), ("held-out", "preflight_accuracy-fresh27.txt")):
+        part = (results / name).read_text().split("## (a)")[1].split("\n## ")[0]
+        cells = [ln.split("|") for ln in part.splitlines() if ln.startswith("| ") and not ln.startswith("| case")]
+        column = 5 if method == "traced" else 6
+        out[kind] = [float(c[column].strip().rstrip("%")) / 100 for c in cells if c[column].strip().endswith("%")]
+    return out
+
+
+@pytest.mark.parametrize("method", ["analytic", "traced"])
+def test_the_cpu_bands_count_and_span_the_committed_rows(method):
+    """The CPU bands' row counts and edges are the committed results' (the analytic one said 17 rows while part (a)
+    held 21 looked-at beside seed 27's 6)."""
+    from fitburst.memory.calibration import CPU_STEP_ROWS
+
+    errors = cpu_step_errors(method)
+    assert CPU_STEP_ROWS[method] == {kind: len(e) for kind, e in errors.items()}
+    band = BANDS[(method, "cpu")]
+    assert band.rows == sum(map(len, errors.values()))
+    assert all(f"{len(e)} {kind}" in band.source for kind, e in errors.items())
+    every = [x for e in errors.values() for x in e]
+    assert math.isclose(1 / (1 + band.high) - 1, min(every), abs_tol=6e-4)
+    assert math.isclose(1 / (1 + band.low) - 1, max(every), abs_tol=6e-4)

@@ -148,7 +148,7 @@ def test_repeated_calibration_converges_instead_of_undoing_itself(tmp_path, monk
 
 
 def test_an_out_of_memory_record_raises_the_factor_to_its_floor(store, tmp_path):
-    """A step-down record (fitburst.oom) says the run needed at least its measured peak: the fitted factor of its
+    """A step-down record (fitburst.supervisor) says the run needed at least its measured peak: the fitted factor of its
     family and GPU is never below measured / estimated, while other families keep the runs' median."""
     from fitburst.calibrate import main
 

@@ -752,7 +752,7 @@ def test_an_exhausted_oom_ladder_bursts_from_the_checkpoint_and_the_node_resumes
                                                                                     monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from fitburst.oom import OOMLadderExhausted
+    from fitburst.supervisor import OOMLadderExhausted
     from fitburst.train import TrainResult
     from flows.finetune import finetune
 

@@ -120,9 +120,9 @@ def test_what_cannot_be_sharded_is_refused_before_the_model_loads(pipelines_file
     two_nodes = World(rank=0, size=8, local_rank=0, local_size=4)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need - 1)
     with pytest.raises(UserError, match=r"training.fsdp.cpu_offload .* about 8.0 GiB .*cpu_offload: false"):
-        builders.refuse_offload_beyond_host_ram(offload, two_nodes)
+        builders.refuse_offload_beyond_host_ram(offload, shape, two_nodes)
     monkeypatch.setattr(builders, "available_host_bytes", lambda: need)
-    builders.refuse_offload_beyond_host_ram(offload, two_nodes)
+    builders.refuse_offload_beyond_host_ram(offload, shape, two_nodes)
 
 
 def test_a_refusal_in_the_ranks_reaches_the_launcher_as_its_one_line(tmp_path, pipelines_file, demo_prepared):
@@ -454,8 +454,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
 
 
 def test_a_rank_out_of_memory_steps_every_rank_down_together(tmp_path, pipelines_file, demo_prepared, monkeypatch):
-    from fitburst.oom import STEPDOWN_FILE
-    from fitburst.supervisor import train_local_run
+    from fitburst.supervisor import STEPDOWN_FILE, train_local_run
 
     spec = spec_for(pipelines_file, "demo", training__max_steps=6, training__checkpoint_every=2,
                     training__micro_batch_size=4, training__distributed="fsdp",
@@ -499,7 +498,7 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
 
     from fitburst import cloud
     from fitburst.cloud.launch import every_node
-    from fitburst.oom import STEPDOWN_FILE
+    from fitburst.supervisor import STEPDOWN_FILE
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = spec_for(pipelines_file, "demo", training__checkpoint_every=2, training__micro_batch_size=4,

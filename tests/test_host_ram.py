@@ -85,16 +85,15 @@ def _llama8b():
 
 
 def test_the_planner_refuses_offloaded_checkpoints_the_host_cannot_hold():
-    """Llama-3.1-8B QLoRA at 24,576 tokens on a 24 GiB card (without offloading the longest plan there is 15,296
-    tokens): the plan offloads its checkpoints (12 GiB of fp32 layer inputs) where the host holds them, and plans
-    without offloading, or nothing, where it does not."""
+    """Llama-3.1-8B QLoRA at 20,480 tokens on a 24 GiB card: the plan offloads its checkpoints (10.5 GiB of fp32
+    layer inputs) where the host holds them, and plans without offloading, or nothing, where it does not."""
     shape, dev = _llama8b(), resolve_device("cuda:24GiB")
-    s = _settings(micro_batch_size=1, seq_len=24576, loss="auto", activation_offloading=False, rank=32)
+    s = _settings(micro_batch_size=1, seq_len=20480, loss="auto", activation_offloading=False, rank=32)
     frugal = estimate(shape, most_frugal(s, dev), dev)
-    assert frugal.settings["activation_offloading"] and frugal.offloaded_host_bytes > 12 * GiB
+    assert frugal.settings["activation_offloading"] and frugal.offloaded_host_bytes > 10 * GiB
     roomy = plan_fit(shape, s, dev, host_limit=host_limit(256 * GiB))
     assert roomy.fits and roomy.settings.activation_offloading, roomy.changes
-    assert roomy.estimate.host_bytes == roomy.estimate.offloaded_host_bytes > 12 * GiB
+    assert roomy.estimate.host_bytes == roomy.estimate.offloaded_host_bytes > 10 * GiB
     small = host_limit(8 * GiB)
     tight = plan_fit(shape, s, dev, host_limit=small)
     assert not tight.settings.activation_offloading or not tight.fits, tight.changes

@@ -19,10 +19,9 @@ from fitburst.calibrate import collect_ooms
 from fitburst.hardware import resolve_device
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
 from fitburst.memory.ladder import next_rung
-from fitburst.oom import STEPDOWN_FILE, OOMLadderExhausted
 from fitburst.oom_errors import oom_kind
 from fitburst.settings import settings_from_spec
-from fitburst.supervisor import train_stepping_down
+from fitburst.supervisor import STEPDOWN_FILE, OOMLadderExhausted, train_stepping_down
 from fitburst.train import TrainError
 
 CHILD = Path(__file__).with_name("fault_child.py")
@@ -307,8 +306,8 @@ def test_settings_stored_with_the_old_field_names_resume_as_the_same_settings():
 def test_both_older_step_down_formats_resume_through_the_one_adapter(tmp_path):
     """stepdown.json with changed spec fields as dotted keys becomes the settings they stand for (the resolution
     the caller passes); settings stored with the old field names read as the same settings."""
-    from fitburst.oom import load_stepdowns
     from fitburst.settings import RunSettings
+    from fitburst.supervisor import load_stepdowns
 
     (tmp_path / STEPDOWN_FILE).write_text(json.dumps({"fields": {"training.micro_batch_size": 2},
                                                       "rungs": ["reduce_batch"], "history": []}))

@@ -200,12 +200,13 @@ def test_an_exact_estimate_verifies_the_plan_and_a_disagreeing_one_sends_it_a_ru
     dev = resolve_device(f"cuda:{card / GiB:.3f}GiB")
 
     plain = plan_fit(shape, s, dev)  # analytic alone: planned for its (wider) band's upper edge
-    assert plain.settings.gradient_checkpointing
+    assert plain.changes  # it takes rungs the verified plan below does without
     agreed_calls: list = []
     agreed = plan_fit(shape, s, dev, exact=traced_like(shape, 1.0, agreed_calls))
     # the exact estimate agrees: the search only had to pick plans worth tracing, so a cheaper plan is verified
     assert agreed.fits and len(agreed_calls) == 1 and agreed.estimate.method == "traced"
     assert not agreed.settings.gradient_checkpointing and agreed.settings.effective_batch == s.effective_batch
+    assert agreed.settings != plain.settings
     assert agreed.estimate.band == band_for("traced", "cuda")
     calls: list = []
     checked = plan_fit(shape, s, dev, exact=traced_like(shape, 1.35, calls))

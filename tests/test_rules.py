@@ -9,34 +9,52 @@ import pytest
 
 from fitburst.families import CAUSAL, SEQ2SEQ, VISION_LANGUAGE
 from fitburst.hardware import resolve_device
-from fitburst.rules import RULE_KEYS, declared_device, device_of_kind, new_problems, problems
+from fitburst.memory.shapes import load_shape
+from fitburst.rules import RULE_KEYS, ModelFacts, declared_device, device_of_kind, new_problems, problems
 from fitburst.settings import RunSettings
 
 T4, A6000 = resolve_device("T4"), resolve_device("A6000")
 MPS, CPU, CUDA = device_of_kind("mps"), device_of_kind("cpu"), device_of_kind("cuda")
 
-# rule: (settings it refuses, device, family), (the neighbour it accepts, device, family)
+LLAMA, PHI = ModelFacts.of(load_shape("meta-llama/llama-3.1-8b")), ModelFacts.of(load_shape("microsoft/phi-1.5"))
+MIXTRAL, T5 = ModelFacts.of(load_shape("mistralai/mixtral-8x7b")), ModelFacts.of(load_shape("google/flan-t5-xl"))
+TIED = ModelFacts.of(load_shape("llama-3.2-3b"))
+
+
+def on(settings: dict, device=None, family=None, model=None) -> tuple:
+    return settings, device, family, model
+
+
+# rule: (settings it refuses, device, family, model), (the neighbour it accepts, device, family, model)
 CASES = {
-    "full_quantized": ((dict(method="full", quant="nf4"), None, None), (dict(method="full"), None, None)),
-    "bf16_unsupported": ((dict(precision="bf16"), T4, None), (dict(precision="bf16"), A6000, None)),
-    "kbit_needs_bnb": ((dict(method="qlora"), MPS, None), (dict(method="qlora"), CUDA, None)),
-    "optimizer_8bit_needs_bnb": ((dict(optimizer="adamw8bit"), MPS, None), (dict(optimizer="adamw"), MPS, None)),
-    "fsdp_on_mps": ((dict(distributed="fsdp"), MPS, None), (dict(distributed="fsdp"), CUDA, None)),
-    "processes_without_fsdp": ((dict(world_size=2, distributed="none"), None, None),
-                               (dict(world_size=2, distributed="auto"), None, None)),
-    "fsdp_int8": ((dict(method="qlora", quant="int8", world_size=2), None, None),
-                  (dict(method="qlora", quant="nf4", world_size=2), None, None)),
-    "fsdp_optimizer_8bit": ((dict(optimizer="paged_adamw8bit", distributed="fsdp"), None, None),
-                            (dict(optimizer="paged_adamw8bit"), None, None)),
-    "fsdp_fused_loss": ((dict(loss="fused", world_size=4), None, None), (dict(loss="fused"), None, None)),
-    "cpu_offload_without_fsdp": ((dict(cpu_offload=True, distributed="none"), None, None),
-                                 (dict(cpu_offload=True, distributed="auto"), None, None)),
-    "activation_offloading_off_cuda": ((dict(activation_offloading=True), CPU, None),
-                                       (dict(activation_offloading=True), CUDA, None)),
-    "packing_images": ((dict(packed_fill=1.0, images=1, image_tokens=64), None, None),
-                       (dict(packed_fill=1.0), None, None)),
-    "family_packing": ((dict(packed_fill=1.0), None, SEQ2SEQ), (dict(packed_fill=1.0), None, CAUSAL)),
-    "family_fused_loss": ((dict(loss="fused"), None, SEQ2SEQ), (dict(loss="fused"), None, CAUSAL)),
+    "full_quantized": (on(dict(method="full", quant="nf4")), on(dict(method="full"))),
+    "bf16_unsupported": (on(dict(precision="bf16"), T4), on(dict(precision="bf16"), A6000)),
+    "kbit_needs_bnb": (on(dict(method="qlora"), MPS), on(dict(method="qlora"), CUDA)),
+    "optimizer_8bit_needs_bnb": (on(dict(optimizer="adamw8bit"), MPS), on(dict(optimizer="adamw"), MPS)),
+    "fsdp_on_mps": (on(dict(distributed="fsdp"), MPS), on(dict(distributed="fsdp"), CUDA)),
+    "processes_without_fsdp": (on(dict(world_size=2, distributed="none")),
+                               on(dict(world_size=2, distributed="auto"))),
+    "fsdp_int8": (on(dict(method="qlora", quant="int8", world_size=2)),
+                  on(dict(method="qlora", quant="nf4", world_size=2))),
+    "fsdp_optimizer_8bit": (on(dict(optimizer="paged_adamw8bit", distributed="fsdp")),
+                            on(dict(optimizer="paged_adamw8bit"))),
+    "fsdp_fused_loss": (on(dict(loss="fused", world_size=4)), on(dict(loss="fused"))),
+    "cpu_offload_without_fsdp": (on(dict(cpu_offload=True, distributed="none")),
+                                 on(dict(cpu_offload=True, distributed="auto"))),
+    "activation_offloading_off_cuda": (on(dict(activation_offloading=True), CPU),
+                                       on(dict(activation_offloading=True), CUDA)),
+    "packing_images": (on(dict(packed_fill=1.0, images=1, image_tokens=64)), on(dict(packed_fill=1.0))),
+    "family_packing": (on(dict(packed_fill=1.0), None, SEQ2SEQ), on(dict(packed_fill=1.0), None, CAUSAL)),
+    "family_fused_loss": (on(dict(loss="fused"), None, SEQ2SEQ), on(dict(loss="fused"), None, CAUSAL)),
+    "fused_loss_head_bias": (on(dict(loss="fused"), None, None, PHI), on(dict(loss="fused"), None, None, LLAMA)),
+    "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
+    "embeddings_on_host_mps": (on(dict(embeddings_on_host=True), MPS), on(dict(embeddings_on_host=True), CPU)),
+    "embeddings_on_host_trained": (on(dict(method="full", embeddings_on_host=True)),
+                                   on(dict(method="lora", embeddings_on_host=True))),
+    "fsdp_embeddings_on_host": (on(dict(embeddings_on_host=True, distributed="fsdp")),
+                                on(dict(embeddings_on_host=True, distributed="none"))),
+    "embeddings_on_host_tied": (on(dict(embeddings_on_host=True), None, None, TIED),
+                                on(dict(embeddings_on_host=True), None, None, LLAMA)),
 }
 
 
@@ -46,16 +64,24 @@ def test_every_row_has_a_case():
 
 @pytest.mark.parametrize("rule", sorted(CASES))
 def test_each_row_refuses_what_it_must_and_accepts_its_neighbour(rule):
-    (bad, bad_dev, bad_fam), (good, good_dev, good_fam) = CASES[rule]
-    found = problems(RunSettings(**bad), bad_dev, bad_fam)
+    (bad, *bad_facts), (good, *good_facts) = CASES[rule]
+    found = problems(RunSettings(**bad), *bad_facts)
     assert [p.rule for p in found] == [rule], found
     assert found[0].field[0] in ("method", "training") and str(found[0])
-    assert problems(RunSettings(**good), good_dev, good_fam) == []
+    assert problems(RunSettings(**good), *good_facts) == []
     # a fact the row needs that is not known: the row is not checked
-    if bad_dev is not None:
-        assert rule not in {p.rule for p in problems(RunSettings(**bad), None, bad_fam)}
-    if bad_fam is not None:
-        assert problems(RunSettings(**bad), bad_dev, None) == []
+    for i, fact in enumerate(bad_facts):
+        if fact is not None:
+            unknown = [None if j == i else f for j, f in enumerate(bad_facts)]
+            assert rule not in {p.rule for p in problems(RunSettings(**bad), *unknown)}
+
+
+@pytest.mark.parametrize("model, why", [(PHI, "plain MLP"), (MIXTRAL, "experts"), (T5, "encoder-decoder"),
+                                        (LLAMA, None)])
+def test_the_tiled_mlp_runs_on_a_dense_decoders_gated_mlp_only(model, why):
+    found = problems(RunSettings(tiled_mlp=True), model=model)
+    assert [why in str(p) for p in found] == ([] if why is None else [True]), found
+    assert problems(RunSettings(), model=model) == []  # the model alone breaks nothing
 
 
 def test_messages_name_the_device_and_the_fix():
@@ -111,3 +137,136 @@ def test_validate_the_ladder_the_loop_and_the_cloud_give_one_answer(pipelines_fi
     plan, _, reason = _plan_on("A6000", None, replace(s, optimizer="adamw8bit"), demo_spec, None,
                                [2], 2, None)
     assert plan is None and f"training.optimizer: {row}" in reason
+
+
+def _pipeline(tmp_path, model: str, training: str):
+    (tmp_path / "d.jsonl").write_text("")
+    (tmp_path / "p.yaml").write_text(f"pipelines:\n  a:\n    model: {{name: {model}}}\n    data: {{path: d.jsonl}}\n"
+                                     f"    training: {{{training}}}\n")
+    return tmp_path / "p.yaml"
+
+
+@pytest.mark.parametrize("training, field, rule", [
+    ("tiled_mlp: true", "training.tiled_mlp", "tiled_mlp_model"),
+    ("loss: fused", "training.loss", "fused_loss_head_bias")])
+def test_validate_and_the_loop_refuse_a_models_architecture_alike(tmp_path, training, field, rule):
+    """phi-1.5 (a plain MLP, a biased head): validate reads its bundled config, the loop its config before the model
+    loads; both give the table's row, with the field and its fix."""
+    from fitburst.builders import refuse_problems
+    from fitburst.spec import PipelineSpec, SpecError, load_pipeline
+    from fitburst.train import TrainError
+
+    path = _pipeline(tmp_path, "microsoft/phi-1.5", training)
+    key, value = training.split(": ")
+    (row,) = problems(RunSettings(**{key: value == "true" if value == "true" else value}), model=PHI)
+    assert row.rule == rule
+    with pytest.raises(SpecError) as e:
+        load_pipeline(path, "a")
+    assert f"line 5: field '{field}' (got {True if value == 'true' else value!r}): {row}" in str(e.value)
+    spec = PipelineSpec.model_validate({"name": "a", "model": {"name": "microsoft/phi-1.5"},
+                                        "data": {"path": "d.jsonl"}, "training": {key: value}})
+    with pytest.raises(TrainError) as t:
+        refuse_problems(spec, CAUSAL, 1, "cpu")
+    assert f"pipeline 'a': field '{field}': {row}" == str(t.value)
+    llama = spec.model_copy(update={"model": spec.model.model_copy(update={"name": "meta-llama/llama-3.1-8b"})})
+    refuse_problems(llama, CAUSAL, 1, "cpu")  # its neighbour: a gated MLP, a bias-free head
+
+
+def test_the_ladder_asks_the_models_rows_with_the_shape():
+    """The planner and the OOM step-down (both through Rung.allowed) take neither the tiled MLP nor the fused loss
+    where the model's architecture refuses them; without the shape the tiled MLP is not taken (the table cannot
+    check it) and the fused loss is (no row reads the model then)."""
+    from fitburst.memory.ladder import RUNGS
+
+    s = RunSettings(precision="bf16", optimizer="adamw8bit", gradient_checkpointing=True)
+    phi, llama = load_shape("microsoft/phi-1.5"), load_shape("meta-llama/llama-3.1-8b")
+    tiled, fused = RUNGS["tiled_mlp"], RUNGS["fused_loss"]
+    if tiled.applies(s, A6000):  # liger-kernel installed
+        assert tiled.allowed(s, A6000, shape=llama) and not tiled.allowed(s, A6000, shape=phi)
+        assert not tiled.allowed(s, A6000)
+    if fused.applies(s, A6000):  # the fused loss's library installed
+        assert fused.allowed(s, A6000, shape=llama) and not fused.allowed(s, A6000, shape=phi)
+        assert fused.allowed(s, A6000)
+
+
+def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it(pipelines_file, monkeypatch):
+    """The same row, asked by validate of the device preflight.device names and at load time of the GPU torch
+    probes (a T4: torch says it has bf16, emulated), gives one message."""
+    import torch
+
+    from fitburst.device import DeviceError, resolve_precision
+    from fitburst.spec import SpecError, load_pipeline
+
+    (row,) = problems(RunSettings(precision="bf16"), T4)
+    with pytest.raises(SpecError) as e:
+        load_pipeline(pipelines_file, "demo", {"preflight.device": "T4", "training.precision": "bf16"})
+    assert f"field 'training.precision' (from overrides) (got 'bf16'): {row}" in str(e.value)
+
+    class T4Props:
+        major, minor, name = 7, 5, "T4"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: T4Props())
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True, raising=False)
+    with pytest.raises(DeviceError) as d:
+        resolve_precision("bf16", "cuda")
+    assert str(d.value) == f"field 'training.precision': {row}"
+    assert resolve_precision("auto", "cuda") == "fp16" and resolve_precision("fp16", "cuda") == "fp16"
+    T4Props.major = 8  # its neighbour: an Ampere card
+    assert resolve_precision("bf16", "cuda") == "bf16"
+
+
+def test_k_bit_weights_where_bitsandbytes_does_not_run_are_refused_as_validate_refuses_them(pipelines_file):
+    from fitburst.device import DeviceError, check_quant_supported
+    from fitburst.spec import SpecError, load_pipeline
+
+    (row,) = problems(RunSettings(method="qlora"), MPS)
+    with pytest.raises(SpecError) as e:
+        load_pipeline(pipelines_file, "demo", {"preflight.device": "mps", "method.type": "qlora"})
+    assert f"field 'method.quant' (got 'nf4'): {row}" in str(e.value)
+    with pytest.raises(DeviceError) as d:
+        check_quant_supported("nf4", "mps")
+    assert str(d.value) == f"field 'method.quant': {row}"
+    check_quant_supported("nf4", "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
+    check_quant_supported("none", "mps")
+
+
+def test_ranks_on_mps_are_refused_by_the_loop_and_the_process_group_alike(demo_spec):
+    from fitburst.builders import refuse_problems
+    from fitburst.distributed import DistributedError, World, start
+    from fitburst.train import TrainError
+
+    (row,) = problems(RunSettings(world_size=2), MPS)
+    with pytest.raises(TrainError, match="field 'training.distributed'") as t:
+        refuse_problems(demo_spec, CAUSAL, 2, "mps")
+    with pytest.raises(DistributedError) as d:
+        start(World(0, 2, 0, 2), "mps")
+    assert str(row) in str(t.value) and str(d.value) == f"2 processes were started: field 'training.distributed': {row}"
+
+
+def test_frozen_16bit_under_fsdp_is_the_rungs_precondition_not_a_conflict(pipelines_file):
+    """method.frozen_fp32: false (pipelines.yaml's default) under FSDP is valid and changes nothing (the loader keeps
+    peft's preparation: RunSettings.frozen_16bit is false there), so the frozen_16bit rung has nothing to take under
+    FSDP; on one device it takes it."""
+    from fitburst.memory.ladder import RUNGS
+    from fitburst.settings import settings_from_spec
+    from fitburst.spec import load_pipeline
+
+    spec = load_pipeline(pipelines_file, "demo", {"method.type": "qlora", "training.distributed": "fsdp"})
+    s = settings_from_spec(spec)
+    assert not s.frozen_fp32 and not s.frozen_16bit and problems(s, A6000) == []
+    rung, peft = RUNGS["frozen_16bit"], replace(s, frozen_fp32=True)
+    assert not rung.applies(peft, A6000) and not rung.applies(replace(peft, distributed="auto", world_size=2), A6000)
+    one = replace(peft, distributed="auto")  # its neighbour: one device
+    assert rung.applies(one, A6000) and rung.take(one, A6000).frozen_16bit
+
+
+def test_the_analytic_estimate_refuses_what_the_fsdp_int8_row_refuses():
+    """It asks the row (its own shorter words: tests/fixtures' golden estimates record them)."""
+    from fitburst.memory import estimate
+
+    shape, s = load_shape("meta-llama/llama-3.1-8b"), RunSettings(method="qlora", quant="int8", world_size=2)
+    with pytest.raises(ValueError, match="int8 weights cannot be sharded by FSDP"):
+        estimate(shape, s, A6000)
+    assert estimate(shape, replace(s, quant="nf4"), A6000).allocated_peak_bytes > 0  # its neighbour

@@ -255,9 +255,8 @@ def test_oom_step_down_resumes_a_t5_run_with_checkpointing(tmp_path, pipelines_f
 
     import fitburst.recipe as train_mod  # the loop looks its step up in the recipe
     from fitburst.data import prepare_pipeline
-    from fitburst.oom import STEPDOWN_FILE
     from fitburst.spec import load_pipeline
-    from fitburst.supervisor import train_stepping_down
+    from fitburst.supervisor import STEPDOWN_FILE, train_stepping_down
 
     spec = load_pipeline(pipelines_file, "t5-demo").with_overrides({
         "training.max_steps": 6, "training.micro_batch_size": 1, "training.grad_accum": 2,

@@ -21,7 +21,7 @@ from fitburst.history import Spend, monthly_budget_problems
 from fitburst.hours import estimate_hours, throughput, train_tokens
 from fitburst.memory import Estimate, ModelShape, RunSettings, resolve_device
 from fitburst.memory.planner import EstimateFn, Plan, plan_gpus, world_sizes
-from fitburst.rules import problems
+from fitburst.rules import ModelFacts, problems
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,12 @@ def _plan_on(gpu: str, shape: ModelShape | None, settings: RunSettings, spec, ex
     None when it cannot run there, device changes, reason)."""
     device = resolve_device(gpu)
     changes: list[str] = []
-    found = problems(dataclasses.replace(settings, world_size=counts[0]), device)  # the fewest GPUs it may use
+    model = ModelFacts.of(shape)
+    found = problems(dataclasses.replace(settings, world_size=counts[0]), device, model=model)  # the fewest GPUs
     if any(p.rule == "bf16_unsupported" for p in found):  # the one the cloud plan resolves: fp16 on that card
         settings = dataclasses.replace(settings, precision="fp16")
         changes.append(f"dtype bf16 -> fp16 ({gpu} has no bf16)")
-        found = problems(dataclasses.replace(settings, world_size=counts[0]), device)
+        found = problems(dataclasses.replace(settings, world_size=counts[0]), device, model=model)
     if found:
         return None, changes, f"{gpu}: " + "; ".join(f"{p.path}: {p}" for p in found)
     host = int(host_gib * GiB) - CPU_RESERVE - per_node * CPU_CONTEXT if host_gib else None

@@ -247,7 +247,10 @@ def stage_workdir(dest: str | os.PathLike, package: str | os.PathLike | None = N
 def node_spec(spec: PipelineSpec, sharded: bool = False) -> PipelineSpec:
     """The spec the node trains from: its own device (``preflight.device: auto``, not the launcher's cpu/MPS/...)
     and no tracking URI (the node gets MLFLOW_TRACKING_URI as a SkyPilot secret; a URI may hold user:pass@);
-    ``sharded`` (several GPUs): ``training.distributed: fsdp``."""
+    ``sharded`` (several GPUs): ``training.distributed: fsdp``. A spec, not :class:`fitburst.settings.RunSettings`:
+    the node plans for its own card (``fitburst train --plan``), so ``training.precision: auto`` must reach it
+    unresolved (RunSettings holds a resolved precision: bf16 with no device, which a T4 cannot run), and neither
+    field it changes besides ``distributed`` is a run setting."""
     training = spec.training.model_copy(update={"distributed": "fsdp"}) if sharded else spec.training
     return spec.model_copy(
         update={

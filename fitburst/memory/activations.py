@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, expands_kv
+from fitburst.rules import ModelFacts, tiled_mlp_refusal
 from fitburst.settings import RunSettings
 
 from .params import DTYPE_BYTES, resolve_targets
@@ -92,7 +93,8 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
 def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:
     """Tokens of one shard of the tiled MLP (0: not tiled): liger-kernel's apply_tiled_mlp cuts each row's sequence
     into ceil(seq / hidden) shards (its default), and its backward the flattened rows into as many."""
-    if not s.tiled_mlp or shape.tiled_mlp_refusal is not None:
+    facts = ModelFacts.of(shape)
+    if not s.tiled_mlp or facts is None or tiled_mlp_refusal(facts) is not None:  # refused (fitburst.rules)
         return 0
     return -(-tokens // math.ceil(seq / shape.hidden))
 

@@ -190,7 +190,7 @@ def _without(events, sids: set[int]):
 
 
 def drop_cpu_resident(events):
-    return _without(events, _sids(events, "step_counter") | _sids(events, "host"))
+    return _without(events, _sids(events, "step_counter") | _sids(events, "host") | _sids(events, "host_weight"))
 
 
 def softmax_backward_temp(events):

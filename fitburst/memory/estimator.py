@@ -41,9 +41,9 @@ from .shapes import ModelShape
 # what fitburst.meter measures (VmHWM minus the RSS at the start, unpinned glibc malloc).
 # On CUDA the standard loss's fp32 logits blocks (4 x tokens x vocab each) leave segments the later phases cannot
 # fill: reserved = allocated x 1.064 + 0.363 x fp32 logits + 31 MiB, least squares on the caching-allocator replays
-# of traced steps (fitburst.memory.trace) of the standard loss, never on measurements; how it scores against them
-# and why it is kept: docs/preflight.md, "How each band was measured". A fused loss makes no such blocks (no
-# tokens x vocab logits at all, or one chunk of them in the matmul dtype): no logits term.
+# of traced steps (fitburst.memory.trace), never on measurements; how it scores against them and why it is kept:
+# docs/preflight.md, "How each band was measured". A fused loss makes no such blocks (its logits exist one chunk at
+# a time, if at all): the logits term is 0 there (tests/test_trace.py, the fused-loss replays).
 RESERVED_FACTOR = {"cuda": 1.064, "mps": 1.15, "cpu": 1.25}
 RESERVED_FLOOR = {"cuda": 31 * MiB, "mps": 64 * MiB, "cpu": 32 * MiB}
 RESERVED_PER_LOGITS = {"cuda": 0.363, "mps": 0.0, "cpu": 0.0}
@@ -516,7 +516,7 @@ def estimate(shape: ModelShape, settings: RunSettings, device: Device, calibrate
         phases = per_rank_phases(shape, s, phases)
         notes.append(f"FSDP over {s.world_size} GPUs: per-GPU figures (model states / {s.world_size}, activations of "
                      "this GPU's micro-batch, gathered blocks and gradient buffers)")
-    est = _summed(shape, s, device, phases, 0 if head.fused else 4 * c.tokens * shape.vocab, notes, calibrate)
+    est = _summed(shape, s, device, phases, 0 if head.fused else c.tokens, notes, calibrate)
     est.offloaded_host_bytes = acts.offloaded_bytes + (offloaded_loss(shape, c, head) if acts.offloaded else 0)
     return est
 
@@ -531,15 +531,16 @@ def offloaded_loss(shape: ModelShape, c: StepContext, head: Loss) -> int:
 
 
 def _summed(shape: ModelShape, s: RunSettings, device: Device, phases: Phases,
-            fp32_logits: int, notes: list[str], calibrate: bool) -> Estimate:
+            logit_tokens: int, notes: list[str], calibrate: bool) -> Estimate:
     """The estimate of these phases: the largest is the peak; reserved from it by the allocator's rule (CUDA: and
-    the standard loss's ``fp32_logits`` bytes, 0 with a fused loss), calibrated where `fitburst calibrate` fitted a
-    factor."""
+    the standard loss's fp32 logits of the micro-batch's ``logit_tokens``; 0 for a fused loss, which makes none),
+    calibrated where `fitburst calibrate` fitted a factor."""
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     alloc = totals[peak_phase]
-    reserved = (int(alloc * RESERVED_FACTOR[device.kind] + RESERVED_PER_LOGITS[device.kind] * fp32_logits)
-                + RESERVED_FLOOR[device.kind])
+    logits = 4 * logit_tokens * shape.vocab
+    reserved = int(alloc * RESERVED_FACTOR[device.kind] + RESERVED_PER_LOGITS[device.kind] * logits) + RESERVED_FLOOR[
+        device.kind]
     factor, fitted_on = calibration.factor_for(device.name, device.kind) if calibrate else (1.0, "")
     rfactor = calibration.reserved_factor_for(device.name, device.kind) if calibrate else 1.0
     if factor != 1.0 or rfactor != 1.0:  # fitted by `fitburst calibrate` on measured runs; components as modelled

@@ -1,11 +1,12 @@
 """The step-down ladder: the changes people make by hand to fit a run, each with where it applies and its cost.
 
 The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs before a run starts; the OOM step-down
-(:mod:`fitburst.oom`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
+(:mod:`fitburst.supervisor`) takes the next rung after a real out-of-memory error: the cheapest one that applies, among
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
-A rung applies where its own condition holds (what it changes is not on already) and the settings it makes break
-no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, and what FSDP refuses).
+A rung applies where its own condition holds (what it changes is not on already, and changes what runs) and the
+settings it makes break no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, what FSDP
+refuses, and what the model's architecture refuses when the model is known).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
-from fitburst.rules import new_problems
+from fitburst.rules import ModelFacts, new_problems
 from fitburst.settings import RunSettings
 
 from .shapes import ModelShape
@@ -37,14 +38,15 @@ class Rung:
     applies: Check
     take: Step
     explain: Explain  # what the change does, said of the settings it is taken from
-    # what the model must be for the change to run (None: any model); asked without a model, such a rung is not taken
-    model: Callable[[ModelShape], bool] | None = None
+    # a row of the rule table reads the model's architecture to allow the change: asked without a model (``shape``
+    # None, where the table checks nothing of it), such a rung is not taken
+    needs_model: bool = False
 
     def allowed(self, s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
                 shape: ModelShape | None = None) -> bool:
-        fits_model = self.model is None or (shape is not None and self.model(shape))
-        return ((allow or {}).get(self.key, True) and fits_model and self.applies(s, device)
-                and not new_problems(s, self.take(s, device), device))
+        return bool((allow or {}).get(self.key, True) and (shape is not None or not self.needs_model)
+                    and self.applies(s, device)
+                    and not new_problems(s, self.take(s, device), device, model=ModelFacts.of(shape)))
 
 
 def smaller_batch(s: RunSettings) -> RunSettings:
@@ -90,6 +92,21 @@ def _batch_text(s: RunSettings, device: Device) -> str:
 # 16 bits already, from a copy autocast made of the fp32 weight each forward; the embeddings' output is cast to fp32
 # as the fp32 lookup made it), so 1.0; tests/test_frozen_16bit.py measures the demo QLoRA step on this CPU.
 
+# The input embeddings in host RAM (CUDA, untied, frozen): each micro-batch's ids go to the host, the table is read
+# there (b x s rows) and the rows come back over PCIe, b x s x hidden x 2 bytes (16 MiB for Llama-3.1-8B at 2,048
+# tokens: ~1-3 ms at 5-12 GB/s), once per forward (checkpointing recomputes inside the blocks, never the lookup;
+# the frozen table has no backward). Against a step of ~6 x 8e9 x 2,048 = 1e14 FLOPs (seconds on any card) that
+# is ~0.1 %, plus the wait for the ids' copy to the host: 1.002, not measured on a GPU here.
+EMBEDDINGS_ON_HOST_COST = 1.002
+
+# Double quantization of 4-bit weights (method.double_quant): each block of 64 weights keeps an 8-bit absmax (with an
+# fp32 one per 256 of them) instead of an fp32 one, 0.31 GiB less for Llama-3.1-8B (four_bit_bytes). bitsandbytes
+# dequantizes the absmax first in each 4-bit matmul's dequantization, one small kernel over 1/64 of the weight's
+# values; the QLoRA paper (Dettmers et al. 2023) turns it on by default for its memory at no reported loss of speed
+# or quality. Not measured here: 1.01, after the rungs that change nothing the model computes. Not midrun: the base
+# weights a resumed run dequantizes would differ by the absmax's rounding.
+DOUBLE_QUANT_COST = 1.01
+
 # The tiled MLP recomputes each MLP's forward in backward, shard by shard: measured on this project's 2-core CPU box
 # (tiny Llama h128 i1024, s2048 in 16 shards, LoRA all-linear, fp32, median of 10 steps beside other work): x1.30
 # without checkpointing, x1.41 with it; no GPU measurement here. Right before checkpointing (1.33).
@@ -108,16 +125,31 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),
          lambda s, d: f"lora dropout {s.dropout:g} -> 0: no dropout mask and output kept for each adapted input"),
+    # applies where the change changes what runs (RunSettings.frozen_16bit: k-bit, 16-bit precision, one device): a
+    # precondition, not a row of the rule table. Under FSDP method.frozen_fp32: false is valid (pipelines.yaml's
+    # default) and changes nothing: the loader keeps peft's preparation there, as FSDP's mixed precision gathers every
+    # weight in 16 bits anyway, so the rung has nothing to take.
     Rung("frozen_16bit", 1.0, True,
-         lambda s, d: s.kbit and s.frozen_fp32 and s.precision != "fp32" and not s.sharded,
+         lambda s, d: s.frozen_fp32 and replace(s, frozen_fp32=False).frozen_16bit,
          lambda s, d: replace(s, frozen_fp32=False),
          lambda s, d: "frozen embeddings and output head kept in 16 bits, not in peft's fp32 copies (the same "
                       "values: they were loaded in 16 bits)"),
+    Rung("embeddings_on_host", EMBEDDINGS_ON_HOST_COST, True,
+         lambda s, d: d.kind == "cuda" and not s.embeddings_on_host,
+         lambda s, d: replace(s, embeddings_on_host=True),
+         lambda s, d: "input embeddings kept in host RAM: only their lookup runs there, the looked-up rows go to "
+                      "the GPU (the frozen table is not needed on the GPU)",
+         needs_model=True),
     Rung("fused_loss", 1.01, True,
          lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
+    Rung("double_quant", DOUBLE_QUANT_COST, False,
+         lambda s, d: s.quant in ("nf4", "fp4") and not s.double_quant,
+         lambda s, d: replace(s, double_quant=True),
+         lambda s, d: f"{s.quant} double quantization: each block's absmax in 8 bits, not fp32 (~0.127 fewer "
+                      "bits per weight)"),
     Rung("optimizer_8bit", 1.02, True,
          lambda s, d: s.optimizer == "adamw",
          lambda s, d: replace(s, optimizer="adamw8bit"),
@@ -131,7 +163,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, tiled_mlp=True),
          lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
                       "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",
-         model=lambda shape: shape.tiled_mlp_refusal is None),
+         needs_model=True),
     Rung("gradient_checkpointing", 1.33, True,
          lambda s, d: not s.gradient_checkpointing,
          lambda s, d: replace(s, gradient_checkpointing=True),

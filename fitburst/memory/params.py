@@ -39,6 +39,8 @@ def model_states(shape: ModelShape, s: RunSettings, device: Device) -> ModelStat
     d = DTYPE_BYTES[s.precision]
     if shape.arch.fp32_ff_out and d != 4 and not s.master_weights and not s.kbit:  # wo kept in fp32: 2 bytes more
         w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
+    if s.host_embeddings_modelled and device.kind == "cuda" and not shape.tied:  # fitburst.models.embeddings_to_host
+        w["weights_16bit" if s.kbit else "weights"] -= shape.embed_params * d
     if device.kind == "cuda":  # the cuBLAS workspaces the warm-up step left (never freed)
         biased = any(lin.bias for _, dec in shape.blocks() for lin in shape.layer_linears(dec))
         w["cuda_workspaces"] = cublas_workspace_bytes(device, biased, s.gradient_checkpointing)

@@ -167,18 +167,6 @@ class ModelShape:
         return ([("experts.gate_up_proj", 2, h, 2 * i)] if "gate_up_proj" in want else []) + (
             [("experts.down_proj", 1, i, h)] if "down_proj" in want else [])
 
-    @property
-    def tiled_mlp_refusal(self) -> str | None:
-        """Why the tiled MLP (liger-kernel's ``apply_tiled_mlp`` over each block's feed-forward) does not apply to this
-        model, or None when it does: a dense decoder whose feed-forward is gated (gate, up, down: SwiGLU / GEGLU)."""
-        if self.arch.block != "decoder":
-            return f"{self.model_type}'s blocks are an encoder-decoder's, not a decoder's"
-        if self.experts:
-            return f"{self.model_type} routes tokens to experts (a mixture of experts), not through one gated MLP"
-        if self.mlp != "gated":
-            return f"{self.model_type}'s feed-forward is a plain MLP (fc1, fc2), not a gated one (gate, up, down)"
-        return None
-
     def layer_linears(self, decoder: bool = True) -> list[Linear]:
         """Linears of one block; decoder blocks with cross-attention (T5) hold it too (same peft names q/k/v/o)."""
         lins = self.attn_linears()

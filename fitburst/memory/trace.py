@@ -365,6 +365,8 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
           gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
         load_bytes = _loaded(model, rec, s, kbit_read_ahead)
+        if s.host_embeddings_modelled and kind == "cuda":
+            _embeddings_to_host(model, rec)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
@@ -439,6 +441,22 @@ def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int) -> int:
     load_bytes = warmup_bytes(model, torch_dtype(s.precision))
     _materialize(model, rec, torch_dtype(s.precision), kbit_read_ahead)
     return load_bytes
+
+
+def _embeddings_to_host(model, rec) -> None:
+    """``training.embeddings_on_host`` as the loop runs it (:func:`fitburst.builders.host_embeddings`, its hook
+    included), the table's move standing in for the GPU's: on fake CPU tensors ``.to("cpu")`` copies nothing, so
+    the table is copied here, the copy tagged ``host_weight`` (left out of the device's trace,
+    :func:`fitburst.memory.cuda_kernels.drop_cpu_resident`) and the loaded one, the GPU's, freed."""
+    from fitburst.models import embeddings_to_host
+
+    rec.tag, before = "host_weight", rec.tag
+    try:
+        for p in model.get_input_embeddings().parameters():
+            p.data = p.data.clone()
+    finally:
+        rec.tag = before
+    embeddings_to_host(model)
 
 
 def _optimizer(sp, params: list, adamw: str):

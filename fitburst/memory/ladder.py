@@ -139,7 +139,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: replace(s, embeddings_on_host=True),
          lambda s, d: "input embeddings kept in host RAM: only their lookup runs there, the looked-up rows go to "
                       "the GPU (the frozen table is not needed on the GPU)",
-         model=lambda shape: shape.host_embeddings_refusal is None),
+         needs_model=True),
     Rung("fused_loss", 1.01, True,
          lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
          lambda s, d: replace(s, loss="fused"),

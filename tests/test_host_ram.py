@@ -99,7 +99,7 @@ def test_the_planner_refuses_offloaded_checkpoints_the_host_cannot_hold():
     assert not tight.settings.activation_offloading or not tight.fits, tight.changes
     assert tight.estimate.host_bytes <= small or not tight.fits
     # the budget's rule: an offloaded estimate that fits the GPU fails the host
-    offloaded = estimate(shape, replace(most_frugal(s, dev)), dev)
+    offloaded = roomy.estimate
     assert Budget(dev, host_limit=host_limit(256 * GiB)).judge(offloaded).fits
     assert not Budget(dev, host_limit=small).judge(offloaded).fits
 

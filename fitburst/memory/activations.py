@@ -479,10 +479,11 @@ def block_backward_transient(shape: ModelShape, c: StepContext) -> tuple[int, in
     return mlp, att
 
 
-def forward_transient(shape: ModelShape, c: StepContext) -> int:
+def forward_transient(shape: ModelShape, c: StepContext, kbit_casts: bool = False) -> int:
     """Beyond everything the forward keeps: the last block's MLP intermediates, or its masked scores (the stream's
     dtype) beside their softmax, and an fp32 copy of 16-bit scores where the softmax kernel makes one (not CUDA's
-    half-to-float kernel), before the probabilities' 16-bit copy exists."""
+    half-to-float kernel), before the probabilities' 16-bit copy exists. ``kbit_casts``: bitsandbytes' casts of the
+    largest (MLP) linear's input and output in the compute dtype (one shard's, tiled)."""
     T, a = c.tokens, c.act_bytes
     upcast = 4 if a != 4 and not c.half_to_float else 0
     m = c.lora16 or a
@@ -490,7 +491,23 @@ def forward_transient(shape: ModelShape, c: StepContext) -> int:
     # the tiled MLP: one shard's intermediates beside the output shards made so far, then their concatenation
     mlp = (max(2 * a * c.mlp_shard * shape.intermediate + a * T * shape.hidden, 2 * a * T * shape.hidden)
            if c.mlp_shard else 2 * a * T * shape.intermediate)
-    return max(mlp, att * c.rows * shape.heads * c.seq * c.seq)
+    casts = 2 * (c.mlp_shard or T) * (shape.hidden + shape.intermediate) if kbit_casts else 0
+    return max(mlp, att * c.rows * shape.heads * c.seq * c.seq) + casts
+
+
+def attention_forward_transient(shape: ModelShape, c: StepContext) -> int:
+    """A decoder block's attention sub-layer as its forward runs with the flash kernel and saves nothing (a
+    checkpointed block), at its output projection: the norm's output (the stream's dtype), the rotated q and k and
+    v (a k-bit layer casts its output back to its input's dtype, the stream's; under autocast otherwise the 16-bit
+    dtype), the kernel's output and its contiguous copy in the 16-bit dtype, and the projection: with a LoRA adapter,
+    peft's copy of its input in the adapter's fp32 dtype beside the base output and lora_B's, else its output."""
+    if shape.arch.block != "decoder":
+        return 0
+    T, a, h, qd, kvd = c.tokens, c.act_bytes, shape.hidden, shape.q_dim, shape.kv_dim
+    m = c.lora16 or a
+    proj = m if c.master else a
+    out = (4 * qd + 2 * m * h) if shape.attn_linears()[-1].name in c.targets else m * h
+    return T * ((4 if c.master else a) * h + proj * (qd + 2 * kvd) + 2 * m * qd) + T * out
 
 
 def attention_bytes(c: StepContext) -> int:

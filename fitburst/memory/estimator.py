@@ -20,6 +20,7 @@ from . import calibration
 from .activations import (
     BLOCKS,
     StepContext,
+    attention_forward_transient,
     block_backward_transient,
     forward_transient,
     norm,
@@ -27,7 +28,7 @@ from .activations import (
     vision_activations,
 )
 from .calibration import ErrorBand
-from .cuda_kernels import expanded_kv_note
+from .cuda_kernels import OFFLOAD_STASH, expanded_kv_note
 from .fsdp_terms import fsdp_buffers, packed_4bit, per_rank
 from .loss_kernels import describe_lean, fused_eval_bytes, fused_loss_terms, hidden_cast, loss_kernel_of
 from .params import ModelStates, embed_head_params, model_states, param_counts, weight_bytes
@@ -135,6 +136,11 @@ class Estimate:
 
 # --- the step's terms ----------------------------------------------------------------------------------------
 
+# TRL's offloading numbers every tensor saved outside a checkpoint and keeps the device originals of the last
+# OFFLOAD_STASH numbers: after the last block's input come the final norm's (its input, saved by pow and by the
+# product with rsqrt, rsqrt, and its weight, numbered though a parameter stays), so the last block's input is left
+HEAD_PACKS = 4
+
 
 @dataclass(frozen=True)
 class Activations:
@@ -151,12 +157,27 @@ class Activations:
     vision_saved: int  # what a trained vision tower saves
     vision_forward: int  # the vision tower's forward transient
     offloaded: bool  # each block's tensors wait in host memory (CUDA activation offloading)
+    checkpointed: bool = False
+    # the embeddings' output, a leaf that needs grad (enable_input_require_grads: LoRA with checkpointing), held
+    # by autograd's graph through forward and backward: with frozen 16-bit embeddings their 16-bit output (the
+    # stream is its fp32 copy, the first block's input); offloaded, that first input itself, whose device original
+    # the offloading does not free (in backward only: the forward's is in ``blocks_on_device``)
+    embed_leaf: int = 0
+    leaf_input: int = 0
 
     @property
     def blocks_on_device(self) -> int:
-        """Of the blocks' kept tensors, what the device holds at the forward's end: offloaded, one block's worth
-        (the forward's stash being copied out, the block whose tensors came back in backward)."""
-        return max(self.kept, default=0) if self.offloaded else sum(self.kept)
+        """Of the blocks' kept tensors, what the device holds at the forward's end. Offloaded with checkpointing
+        (one saved tensor per block, the checkpoint's input): the device originals of the last ``OFFLOAD_STASH``
+        offloaded tensors, which TRL's forward stash keeps until their copies are done, and the first block's input,
+        which the model's forward holds (``inputs_embeds``) until it returns; offloaded without checkpointing, one
+        block's worth (the block whose tensors came back in backward)."""
+        if not self.offloaded:
+            return sum(self.kept)
+        if not self.checkpointed:
+            return max(self.kept, default=0)
+        last = self.kept[-OFFLOAD_STASH:]
+        return sum(last) + (self.kept[0] if len(self.kept) > len(last) else 0)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -166,8 +187,19 @@ class Activations:
         return sum(self.kept) + self.head_input + self.vision_saved if self.offloaded else 0
 
     @property
+    def at_loss(self) -> int:
+        """What the loss sees beside it: the forward's end, but offloaded with checkpointing the model's forward has
+        let go of the first block's input, and the final norm's packed tensors (``HEAD_PACKS``) have taken their
+        places in the forward stash, which keeps the inputs of the last ``OFFLOAD_STASH - HEAD_PACKS`` blocks."""
+        if not (self.offloaded and self.checkpointed):
+            return self.at_forward_end
+        last = self.kept[len(self.kept) - OFFLOAD_STASH + HEAD_PACKS:]
+        return self.at_forward_end - self.blocks_on_device + sum(last)
+
+    @property
     def at_forward_end(self) -> int:
-        return self.blocks_on_device + self.head_input + self.shared + self.adapter_copies + self.vision_saved
+        return (self.blocks_on_device + self.head_input + self.shared + self.adapter_copies + self.vision_saved
+                + self.embed_leaf)
 
 
 def saved_activations(shape: ModelShape, s: RunSettings, device: Device, c: StepContext, trained: int) -> Activations:
@@ -189,12 +221,15 @@ def saved_activations(shape: ModelShape, s: RunSettings, device: Device, c: Step
     else:
         kept, recomputed = per_block, [0] * len(per_block)
     vision_saved, vision_forward = vision_activations(shape, s, c.act_bytes, c.attention, c.mask_b)
+    offloaded = s.activation_offloading and device.kind == "cuda"
+    leaf = ckpt and c.lora and bool(kept)  # enable_input_require_grads
     return Activations(
         per_block=per_block, kept=kept, recomputed=recomputed, top_sublayer=top, head_input=sum(head_input.values()),
         shared=_shared(shape, s, c, mask), mask=mask,
         adapter_copies=c.dtype_bytes * trained if c.lora16 and not c.fsdp_mp else 0,
-        vision_saved=vision_saved, vision_forward=vision_forward,
-        offloaded=s.activation_offloading and device.kind == "cuda")
+        vision_saved=vision_saved, vision_forward=vision_forward, offloaded=offloaded, checkpointed=ckpt,
+        embed_leaf=c.dtype_bytes * c.tokens * shape.hidden if leaf and s.frozen_16bit else 0,
+        leaf_input=kept[0] if leaf and offloaded and not s.frozen_16bit else 0)
 
 
 def _blocks(shape: ModelShape, c: StepContext, ckpt: bool) -> tuple[list[int], list[dict], list[int], bool]:
@@ -328,10 +363,14 @@ def _accumulated(s: RunSettings, states: ModelStates) -> int:
 def forward_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates,
                   acts: Activations) -> dict[str, int]:
     """The forward's end: everything saved, the last block's transient and bitsandbytes' dequantized weight (the
-    largest, in the compute dtype, with its input and output casts)."""
-    dequant = 2 * shape.largest_linear() + 2 * c.tokens * (shape.hidden + shape.intermediate) if s.kbit else 0
+    largest, in the compute dtype, with its input and output casts); a checkpointed block with the flash kernel
+    peaks in its attention where that holds more than its MLP (a tiled one), before the head's input exists."""
+    dequant = 2 * shape.largest_linear() if s.kbit else 0
+    transient = forward_transient(shape, c, kbit_casts=s.kbit)
+    if s.gradient_checkpointing and c.attention == "flash":  # the last block's attention, before the head's input
+        transient = max(transient, attention_forward_transient(shape, c) - acts.head_input)
     return _components(states, _accumulated(s, states), states.optimizer, acts.at_forward_end, 0,
-                       forward_transient(shape, c) + dequant)
+                       transient + dequant)
 
 
 def vision_phase(s: RunSettings, states: ModelStates, acts: Activations) -> dict[str, int]:
@@ -341,7 +380,7 @@ def vision_phase(s: RunSettings, states: ModelStates, acts: Activations) -> dict
 
 
 def loss_phase(s: RunSettings, states: ModelStates, acts: Activations, head: Loss) -> dict[str, int]:
-    return _components(states, _accumulated(s, states), states.optimizer, acts.at_forward_end, head.peak,
+    return _components(states, _accumulated(s, states), states.optimizer, acts.at_loss, head.peak,
                        head.head_copy)
 
 
@@ -376,17 +415,19 @@ def _blocks_backward(shape: ModelShape, s: RunSettings, c: StepContext, states: 
     grads = _accumulated(s, states) + head_grad
     # offloaded: only the current block's tensors are back
     remaining = (0 if acts.offloaded else acts.blocks_on_device) + _shared_in_backward(s, c, acts) + \
-        acts.adapter_copies + acts.vision_saved
+        acts.adapter_copies + acts.vision_saved + acts.embed_leaf + acts.leaf_input
     n = len(acts.per_block)
     block_params = (states.trained - embed_head_params(shape)) / max(n, 1) if c.full else 0
     mlp_t, att_t = block_backward_transient(shape, c)
+    ln2, norm_t = norm_backward(shape, c)
     dequant = 2 * shape.largest_linear() if s.kbit else 0  # bnb's dequantized weight (and its grad input's cast)
     beside = dequant + head.kept_logits + c.dtype_bytes * c.tokens * shape.hidden  # the stream's gradient
     best = (0, 0, 0)
     for i in range(n - 1, -1, -1):
         back = acts.kept[i] if acts.offloaded else 0
         with_mlp = remaining + back + acts.recomputed[i]
-        for held, transient in ((with_mlp, mlp_t), (with_mlp - acts.top_sublayer[i], att_t)):
+        below = with_mlp - acts.top_sublayer[i]
+        for held, transient in ((with_mlp, mlp_t), (below + ln2, norm_t), (below, att_t)):
             if held + transient + beside + grads > sum(best):
                 best = (held, grads, transient + beside)
         if not acts.offloaded:
@@ -394,6 +435,18 @@ def _blocks_backward(shape: ModelShape, s: RunSettings, c: StepContext, states: 
         if c.full:
             grads += int(block_params * states.value_bytes)
     return best[0], (best[1], grads), best[2]
+
+
+def norm_backward(shape: ModelShape, c: StepContext) -> tuple[int, int]:
+    """(what the MLP's norm keeps, its backward's transient) between the MLP's backward and the attention's, in a
+    decoder block with Llama's RMSNorm (0, 0 elsewhere: the other candidates cover them): the norm keeps its fp32
+    input; its backward, in fp32 Python ops, holds four fp32 tensors of the block's width at once (pow's and mean's
+    backward, the products with the weight and with rsqrt) beside its input's gradient in the stream's dtype. The
+    peak of a block's backward where the MLP is tiled (its own backward then holds one shard)."""
+    if shape.arch.block != "decoder" or shape.norm_style != "llama" or shape.parallel_block or c.full:
+        return 0, 0
+    th = c.tokens * shape.hidden
+    return 4 * th, (16 + c.act_bytes) * th
 
 
 def optimizer_phase(states: ModelStates, head: Loss) -> dict[str, int]:

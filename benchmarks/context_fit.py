@@ -2,6 +2,7 @@
 plan, beside Unsloth's and Hugging Face + FA2's published limits (issue 35).
 
 Usage: PYTHONPATH=$PWD python benchmarks/context_fit.py [--traced] > benchmarks/results/context_fit.txt
+       PYTHONPATH=$PWD python benchmarks/context_fit.py --traced-only > benchmarks/results/context_fit_traced.txt
 
 The runs are Unsloth's (QLoRA nf4 with double quant, rank 32 on all linear layers, batch 1, bf16, sequences padded
 to the length) on ``cuda:<N>GiB`` cards. A length fits when the analytic estimate's device total (reserved +
@@ -12,8 +13,8 @@ whatever rungs this checkout has. The host RAM is not limited here (Unsloth's nu
 the offloaded checkpoints): the host column
 says what the best plan pins there. Beside it, ``planned``: what `fitburst estimate` plans on that card (the
 estimate's error band's upper edge within the budget less 3 % headroom, host RAM 256 GiB), which is what a user
-gets. ``--traced`` also traces the best plan at its longest length on the 24 GB and 80 GB rows (FakeTensorMode:
-minutes each on a 2-core box). The search is a bisection in steps of 64 tokens up to 1,048,576.
+gets. ``--traced`` also traces the best plan at its longest length and at Unsloth's on the 24 GB and 80 GB
+rows (FakeTensorMode: minutes each on a 2-core box). The search is a bisection in steps of 64 tokens up to 1,048,576.
 """
 
 from __future__ import annotations
@@ -143,33 +144,40 @@ def largest_models() -> list[str]:
 
 
 def traced_rows() -> list[str]:
-    """The traced estimate of the best plan at the analytic longest length, 24 GB and 80 GB rows."""
-    from fitburst.memory.trace import traced_estimate
-    from fitburst.spec import PipelineSpec
-
+    """The traced estimate of the best plan on the 24 GB and 80 GB rows, at the analytic longest length and at
+    Unsloth's published length (the issue's goal: the trace fits Unsloth's length on these rows)."""
     shape = load_shape("llama-3.1-8b")
-    spec = PipelineSpec.model_validate(dict(name="context-fit", model=dict(name="llama-3.1-8b"),
-                                            data=dict(path="unused.jsonl"),
-                                            method=dict(type="qlora", quant="nf4", rank=32, double_quant=True)))
-    out = ["", "### Traced check (Llama-3.1-8B, best plan at the analytic longest length)", "",
+    out = ["", "### Traced check (Llama-3.1-8B, best plan at the analytic longest length and at Unsloth's)", "",
            "| card | length | analytic device total GiB | traced device total GiB | traced / analytic | fits (trace) "
            "| host GiB analytic / traced |", "|---:|---:|---:|---:|---:|---|---:|"]
     for n in (24, 80):
-        b = longest(shape, n, True)
-        s = best(plain(b), n, shape)
-        a = estimate(shape, s, card(n))
-        t0 = time.time()
-        t = traced_estimate(spec, s, card(n), seq_len=b)
-        out.append(f"| {n} GB | {b:,} | {a.device_total_bytes / GiB:.2f} | {t.device_total_bytes / GiB:.2f} | "
-                   f"{t.device_total_bytes / a.device_total_bytes - 1:+.1%} | "
-                   f"{'yes' if t.device_total_bytes <= n * GiB else 'no'} ({time.time() - t0:.0f} s) | "
-                   f"{a.offloaded_host_bytes / GiB:.2f} / {t.offloaded_host_bytes / GiB:.2f} |")
+        for length in (longest(shape, n, True), UNSLOTH[n]):
+            out.append(traced_row(shape, n, length))
     return out
+
+
+def traced_row(shape: ModelShape, n: int, length: int) -> str:
+    """One traced check: the best plan at ``length`` tokens on an ``n`` GB card, analytic beside traced."""
+    from fitburst.memory.trace import traced_estimate
+    from fitburst.spec import PipelineSpec
+
+    spec = PipelineSpec.model_validate(dict(name="context-fit", model=dict(name="llama-3.1-8b"),
+                                            data=dict(path="unused.jsonl"),
+                                            method=dict(type="qlora", quant="nf4", rank=32, double_quant=True)))
+    s = best(plain(length), n, shape)
+    a = estimate(shape, s, card(n))
+    t0 = time.time()
+    t = traced_estimate(spec, s, card(n), seq_len=length)
+    return (f"| {n} GB | {length:,} | {a.device_total_bytes / GiB:.2f} | {t.device_total_bytes / GiB:.2f} | "
+            f"{t.device_total_bytes / a.device_total_bytes - 1:+.1%} | "
+            f"{'yes' if t.device_total_bytes <= n * GiB else 'no'} ({time.time() - t0:.0f} s) | "
+            f"{a.offloaded_host_bytes / GiB:.2f} / {t.offloaded_host_bytes / GiB:.2f} |")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--traced", action="store_true", help="trace the 24 GB and 80 GB rows' best plans too")
+    ap.add_argument("--traced-only", action="store_true", help="only the traced check (minutes, not the tables)")
     args = ap.parse_args()
     t0 = time.time()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -177,12 +185,13 @@ def main() -> int:
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "# fits: the analytic estimate's device total (point estimate) within the card (cuda:<N>GiB); "
              "planned: fitburst estimate's verdict (band's upper edge, 3 % headroom, 256 GiB host)", ""]
-    lines += context_table("llama-3.1-8b", True)
-    lines += gap_lines("llama-3.1-8b")
-    for m in MORE_MODELS:
-        lines += [""] + context_table(m, False)
-    lines += largest_models()
-    if args.traced:
+    if not args.traced_only:
+        lines += context_table("llama-3.1-8b", True)
+        lines += gap_lines("llama-3.1-8b")
+        for m in MORE_MODELS:
+            lines += [""] + context_table(m, False)
+        lines += largest_models()
+    if args.traced or args.traced_only:
         lines += traced_rows()
     lines += ["", f"# {time.time() - t0:.0f} s"]
     print("\n".join(lines))

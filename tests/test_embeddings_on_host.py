@@ -84,6 +84,17 @@ def test_both_estimates_take_the_table_off_the_gpu(tmp_path, quant):
         load_shape(str(d)), off, cpu).allocated_peak_bytes
 
 
+def test_the_eval_after_training_holds_the_table_on_the_gpu():
+    """fitburst.evaluate loads the model afresh, the table on the GPU (the hook is the training loop's): the eval
+    phase holds the table's bytes with the rung as without it, while the training phases drop them."""
+    shape, dev = load_shape("llama-3.1-8b"), resolve_device("cuda:24GiB")
+    off = _settings(eval_batch=1)
+    a_off, a_on = (estimate(shape, s, dev, calibrate=False) for s in (off, replace(off, embeddings_on_host=True)))
+    table = shape.embed_params * 2
+    assert a_off.phases["backward"] - a_on.phases["backward"] == table
+    assert a_on.phases["eval"] == a_off.phases["eval"]
+
+
 def _losses(model_dir, on_host: bool, steps: int = 6) -> tuple[list[float], object]:
     """Losses of ``steps`` real QLoRA steps (bf16 autocast on the CPU) of the model as the loop builds it (the
     steps of :func:`fitburst.builders.build_model`, less the tokenizer) and steps it

@@ -75,6 +75,9 @@ def test_both_estimates_take_the_table_off_the_gpu(tmp_path, quant):
     assert t_off.reserved_peak_bytes - t_on.reserved_peak_bytes == pytest.approx(table, rel=0.05)
     a_off, a_on = (estimate(load_shape(str(d)), s, dev, calibrate=False) for s in (off, on))
     assert a_off.allocated_peak_bytes - a_on.allocated_peak_bytes == table
+    # the table's host side, by both estimates: what the host RAM check adds to the offloaded activations
+    assert t_on.host_table_bytes == pytest.approx(table, rel=0.02) and a_on.host_table_bytes == table
+    assert t_off.host_table_bytes == a_off.host_table_bytes == 0
     assert band.low <= t_on.reserved_peak_bytes / a_on.reserved_peak_bytes - 1 <= band.high
     # peft's fp32 copy of the table (k-bit, frozen_fp32): modelled on the GPU still; not on CUDA: nothing moves
     assert estimate(load_shape(str(d)), replace(on, frozen_fp32=True), dev).allocated_peak_bytes == estimate(
@@ -82,6 +85,32 @@ def test_both_estimates_take_the_table_off_the_gpu(tmp_path, quant):
     cpu = resolve_device("cpu:64GiB")
     assert estimate(load_shape(str(d)), on, cpu).allocated_peak_bytes == estimate(
         load_shape(str(d)), off, cpu).allocated_peak_bytes
+
+
+def test_the_host_ram_check_counts_the_table_beside_the_offloaded_activations():
+    """A host whose limit holds the offloaded checkpoints but not the table too is refused, by the planner's
+    budget and by `fitburst validate`'s check (one figure: Estimate.host_side_bytes); with room for both it fits."""
+    from fitburst.memory.budget import Budget
+    from fitburst.memory.host import CPU_CONTEXT, CPU_RESERVE, offload_problem
+    from fitburst.spec import PipelineSpec
+
+    shape, dev = load_shape("llama-3.1-8b"), resolve_device("cuda:80GiB")
+    s = _settings(seq_len=16384, activation_offloading=True, embeddings_on_host=True)
+    e = estimate(shape, s, dev)
+    table = shape.embed_params * 2
+    assert e.host_table_bytes == table and e.offloaded_host_bytes > 0
+    short, enough = e.offloaded_host_bytes + table // 2, e.offloaded_host_bytes + table + 1
+    assert not Budget(dev, 0.03, host_limit=short).judge(estimate(shape, s, dev)).fits
+    assert Budget(dev, 0.03, host_limit=enough).judge(estimate(shape, s, dev)).fits
+    spec = PipelineSpec.model_validate(dict(
+        name="t", model=dict(name="llama-3.1-8b"), data=dict(path="x.jsonl", max_seq_len=16384),
+        method=dict(type="qlora", quant="nf4", rank=8, dropout=0.0, frozen_fp32=False),
+        training=dict(precision="bf16", gradient_checkpointing=True, activation_offloading=True,
+                      embeddings_on_host=True, loss="fused"),
+        preflight=dict(device="cuda:80GiB")))
+    ram = lambda limit: limit + CPU_RESERVE + CPU_CONTEXT  # noqa: E731 - the RAM whose host limit is ``limit``
+    assert "input embeddings" in (offload_problem(spec, ram(short)) or "")
+    assert offload_problem(spec, ram(enough + (1 << 30))) is None
 
 
 def test_the_eval_after_training_holds_the_table_on_the_gpu():

@@ -47,8 +47,8 @@ class Budget:
             per_node = min(e.world_size, self.gpus_per_node)
             e.nodes = -(-e.world_size // per_node)
             e.host_bytes = host_bytes(e.params, RunSettings.from_dict(e.settings), per_node)
-        if e.offloaded_host_bytes:  # activation offloading: each process's offloaded activations, pinned
-            e.host_bytes = (e.host_bytes if e.world_size > 1 else 0) + e.offloaded_host_bytes * per_node
+        if e.host_side_bytes:  # each process's offloaded activations (pinned) and host-resident embedding table
+            e.host_bytes = (e.host_bytes if e.world_size > 1 else 0) + e.host_side_bytes * per_node
         e.fits = self.needed(e) <= self.limit and self.host_fits(e)
         return e
 

@@ -237,7 +237,7 @@ def _print_host_and_longest(est: Estimate, plan: Plan, host: int, longest: dict 
 
     con = Console()
     for e, what in ((est, "as configured"), (plan.estimate, "as planned")):
-        if e.offloaded_host_bytes and (e is est or plan.changes):
+        if e.host_side_bytes and (e is est or plan.changes):
             con.print(f"{what}: {offload_words(e.host_bytes, host)}")
     if longest is None:
         return

@@ -82,7 +82,15 @@ class Estimate:
     # activation offloading: what one GPU's process keeps in pinned host memory (fitburst.memory.host); part of
     # ``host_bytes`` once judged
     offloaded_host_bytes: int = 0
+    # training.embeddings_on_host: the input embedding table one process keeps in (unpinned) host RAM; part of
+    # ``host_bytes`` once judged
+    host_table_bytes: int = 0
     vocab: int = 0  # the model's vocabulary (0: not known); with the rest, what decides which band applies
+
+    @property
+    def host_side_bytes(self) -> int:
+        """What one process keeps in host RAM for its GPU: offloaded activations and a host-resident table."""
+        return self.offloaded_host_bytes + self.host_table_bytes
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -521,6 +529,7 @@ def estimate(shape: ModelShape, settings: RunSettings, device: Device, calibrate
                      "this GPU's micro-batch, gathered blocks and gradient buffers)")
     est = _summed(shape, s, device, phases, 0 if head.fused else c.tokens, notes, calibrate)
     est.offloaded_host_bytes = acts.offloaded_bytes + (offloaded_loss(shape, c, head) if acts.offloaded else 0)
+    est.host_table_bytes = sum(states.host_embeddings.values())
     return est
 
 

@@ -43,13 +43,14 @@ def this_host_limit(processes: int = 1) -> int:
     return host_limit(host_ram_bytes(), processes)
 
 
-def traced_host_bytes(events: Iterable, start: int = 0) -> int:
+def traced_host_bytes(events: Iterable, start: int = 0, tag: str = "host") -> int:
     """The most host memory the traced step's offloaded tensors take at once (the events its offloading stand-in
-    tags ``host``), from the measured step's first event ``start`` on; the warm-up step's are all back by then."""
+    tags ``host``), from the measured step's first event ``start`` on; the warm-up step's are all back by then.
+    ``tag="host_weight"``: the input embedding table the loop moved to host RAM (from the load on)."""
     host: set[int] = set()
     cur = peak = 0
     for i, e in enumerate(events):
-        if e.kind == "alloc" and e.tag == "host":
+        if e.kind == "alloc" and e.tag == tag:
             host.add(e.sid)
             cur += e.size
         elif e.kind == "free" and e.sid in host:
@@ -60,19 +61,21 @@ def traced_host_bytes(events: Iterable, start: int = 0) -> int:
     return peak
 
 
-def offload_words(offloaded: int, limit: int | None) -> str:
-    """The host side of an offloaded run in words: its bytes against the limit where one is known."""
+def offload_words(host_side: int, limit: int | None) -> str:
+    """The host side of a run in words (offloaded activations, pinned, and a host-resident embedding table): its
+    bytes against the limit where one is known."""
+    what = f"host side: {host_side / GiB:,.2f} GiB (offloaded activations in pinned host RAM, a host-resident table)"
     if limit is None:
-        return f"offloaded activations: {offloaded / GiB:,.2f} GiB of pinned host RAM"
-    verdict = "fits" if offloaded <= limit else "does NOT fit"
-    return (f"offloaded activations: {offloaded / GiB:,.2f} GiB of pinned host RAM; {verdict} the host's "
-            f"{limit / GiB:,.2f} GiB (its RAM less {CPU_RESERVE / GiB:.0f} GiB for the system and "
-            f"{CPU_CONTEXT / MiB:.0f} MiB per process)")
+        return what
+    verdict = "fits" if host_side <= limit else "does NOT fit"
+    return (f"{what}; {verdict} the host's {limit / GiB:,.2f} GiB (its RAM less {CPU_RESERVE / GiB:.0f} GiB for the "
+            f"system and {CPU_CONTEXT / MiB:.0f} MiB per process)")
 
 
 def offload_problem(spec, ram_bytes: int) -> str | None:
-    """Why ``spec``'s offloaded activations cannot fit a host of ``ram_bytes`` as configured (longest sample
-    ``data.max_seq_len``, its micro-batch, the GPU ``preflight.device`` names), with the fix; None when they fit
+    """Why what ``spec`` keeps in host RAM (offloaded activations, a host-resident embedding table) cannot fit a
+    host of ``ram_bytes`` as configured (longest sample ``data.max_seq_len``, its micro-batch, the GPU
+    ``preflight.device`` names), with the fix; None when they fit
     or where it cannot tell without a probe or the network (preflight.device auto / cuda / cuda:0,1, a model
     whose config.json is neither local nor bundled, an architecture the analytic estimate does not model)."""
     from fitburst.hardware import named_device
@@ -81,13 +84,13 @@ def offload_problem(spec, ram_bytes: int) -> str | None:
     from .estimator import estimate
     from .shapes import ModelConfigError, bundled_config, load_shape
 
-    if not spec.training.activation_offloading:
+    if not (spec.training.activation_offloading or spec.training.embeddings_on_host):
         return None
     try:
         device = named_device(spec.preflight.device)
     except ValueError:
         return None
-    if device is None or device.kind != "cuda":  # off CUDA offloading is refused on its own
+    if device is None or device.kind != "cuda":  # off CUDA both are refused on their own (the rule table)
         return None
     name = spec.model.name
     local = Path(name).expanduser().exists() or bundled_config(name, spec.model.revision) is not None
@@ -98,12 +101,19 @@ def offload_problem(spec, ram_bytes: int) -> str | None:
     except (ModelConfigError, ValueError, OSError):
         return None
     s = settings_from_spec(spec, device)
-    need = estimate(shape, s, device, calibrate=False).offloaded_host_bytes
-    limit = host_limit(ram_bytes)
+    est = estimate(shape, s, device, calibrate=False)
+    need, limit = est.host_side_bytes, host_limit(ram_bytes)
     if need <= limit:
         return None
+    if not s.activation_offloading:
+        return (f"training.embeddings_on_host keeps the {need / GiB:,.1f} GiB input embedding table in host RAM, and "
+                f"this host has {ram_bytes / GiB:,.1f} GiB ({limit / GiB:,.1f} GiB after {CPU_RESERVE / GiB:.0f} GiB "
+                f"for the system and the training process): set training.embeddings_on_host: false")
     what = "layer inputs (the checkpoints)" if s.gradient_checkpointing else "saved activations"
-    return (f"activation offloading keeps {need / GiB:,.1f} GiB of {what} in pinned host RAM at "
+    table = (f" (and {est.host_table_bytes / GiB:,.1f} GiB of input embeddings, training.embeddings_on_host)"
+             if est.host_table_bytes else "")
+    return (f"activation offloading keeps {est.offloaded_host_bytes / GiB:,.1f} GiB of {what} in pinned host RAM"
+            f"{table} at "
             f"data.max_seq_len {s.seq_len} x micro-batch {s.micro_batch_size} on {device.name}, and this host has "
             f"{ram_bytes / GiB:,.1f} GiB ({limit / GiB:,.1f} GiB after {CPU_RESERVE / GiB:.0f} GiB for the system and "
             f"the training process): set training.activation_offloading: false (the planner offloads only where the "

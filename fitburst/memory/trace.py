@@ -592,4 +592,5 @@ def _traced_estimate(spec, settings: RunSettings, device: Device, *, seq_len: in
                 "base": trace.params["total"] - (trace.params["trainable"] if s.method != "full" else 0),
                 "loaded": trace.params.get("loaded", 0)},  # 0: a trace cached before it was counted
         phases=phases, settings=asdict(s), model=spec.model.name, notes=notes, method="traced", world_size=s.world_size,
-        vocab=trace.vocab, offloaded_host_bytes=traced_host_bytes(trace.events, trace.measured_start))
+        vocab=trace.vocab, offloaded_host_bytes=traced_host_bytes(trace.events, trace.measured_start),
+        host_table_bytes=traced_host_bytes(trace.events, tag="host_weight"))

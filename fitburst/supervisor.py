@@ -221,7 +221,8 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                         on_stepdown: Callable[[StepDown], None] | None = None,
                         progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
     """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder
-    (:func:`fitburst.memory.ladder.next_rung`, the rungs a resumed run can take) on each out-of-memory error and
+    (:func:`next_rung_within_host`: the rungs a resumed run can take, a host RAM check before one that moves memory
+    to the host) on each out-of-memory error and
     resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record (for MLflow / Prefect).
     Raises :class:`OOMLadderExhausted` when no rung is left.
 

@@ -290,12 +290,18 @@ def embeddings_to_host(model, host: str = "cpu") -> None:
     ``AlignDevicesHook`` sends the ids there and the looked-up rows back to the device the ids came from (the
     hooks k-bit preparation put on the embeddings, the fp32 cast and the input-grad switch, then act on the device's
     rows). Saves the table's bytes of GPU memory (1 GB for Llama-3.1-8B in bf16). A ValueError for a table tied to
-    the output head (its matmul must stay on the GPU) or one that trains."""
+    the output head (its matmul must stay on the GPU), one another module looks up too (an encoder-decoder's, whose
+    stacks read the shared table through their own modules, never through this hook), or one that trains."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module  # heavy: loaded only when training
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None):
         raise ValueError("the input embeddings are tied to the output head, which runs on the GPU")
+    weight = getattr(emb, "weight", None)
+    readers = [n for n, m in model.named_modules() if m is not emb and getattr(m, "weight", None) is weight]
+    if weight is not None and readers:
+        raise ValueError(f"the input embedding table is also looked up by {', '.join(readers)}, which would read it "
+                         "in host RAM from the GPU")
     if any(p.requires_grad for p in emb.parameters()):
         raise ValueError("the input embeddings train here; only a frozen table can stay in host RAM")
     emb.to(host)

@@ -166,6 +166,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: s.embeddings_on_host and m is not None and m.tied,
          lambda s, d, f, m: (f"{m.model_type if m else ''}'s input embeddings are tied to its output head, which "
                              "runs on the GPU", "set training.embeddings_on_host: false")),
+    Rule("embeddings_on_host_model", ("training", "embeddings_on_host"),
+         lambda s, d, f, m: s.embeddings_on_host and m is not None and not m.decoder,
+         lambda s, d, f, m: (f"{m.model_type if m else ''}'s encoder and decoder each look the input embeddings up "
+                             "through their own module, which would read the moved table on the GPU",
+                             "set training.embeddings_on_host: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

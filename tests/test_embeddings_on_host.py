@@ -84,6 +84,17 @@ def test_both_estimates_take_the_table_off_the_gpu(tmp_path, quant):
         load_shape(str(d)), off, cpu).allocated_peak_bytes
 
 
+def test_the_eval_after_training_holds_the_table_on_the_gpu():
+    """fitburst.evaluate loads the model afresh, the table on the GPU (the hook is the training loop's): the eval
+    phase holds the table's bytes with the rung as without it, while the training phases drop them."""
+    shape, dev = load_shape("llama-3.1-8b"), resolve_device("cuda:24GiB")
+    off = _settings(eval_batch=1)
+    a_off, a_on = (estimate(shape, s, dev, calibrate=False) for s in (off, replace(off, embeddings_on_host=True)))
+    table = shape.embed_params * 2
+    assert a_off.phases["backward"] - a_on.phases["backward"] == table
+    assert a_on.phases["eval"] == a_off.phases["eval"]
+
+
 def _losses(model_dir, on_host: bool, steps: int = 6) -> tuple[list[float], object]:
     """Losses of ``steps`` real QLoRA steps (bf16 autocast on the CPU) of the model as the loop builds it (the
     steps of :func:`fitburst.builders.build_model`, less the tokenizer) and steps it
@@ -158,3 +169,32 @@ def test_a_tied_table_is_refused_before_any_step(tmp_path):
     with pytest.raises(TrainError, match="training.embeddings_on_host: the input embeddings are tied"):
         host_embeddings(model, spec)
     assert model.get_input_embeddings().weight.device == torch.device("cpu")
+
+
+def test_an_encoder_decoders_shared_table_is_refused():
+    """FLAN-T5's encoder and decoder each look the shared table up through their own embedding module (the weight
+    tied to ``shared``): moving ``get_input_embeddings()`` moves the weight they read, and its hook is never called.
+    The rule table refuses it (so the ladder does not take it), and the loop's move refuses a table another module
+    reads."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from fitburst.models import embeddings_to_host
+    from fitburst.rules import ModelFacts
+
+    t5 = load_shape("google/flan-t5-xl")
+    assert not t5.tied  # not the tied-head row
+    on = RunSettings(method="lora", embeddings_on_host=True)
+    assert "embeddings_on_host_model" in {p.rule for p in problems(on, model=ModelFacts.of(t5))}
+    assert not problems(on, model=ModelFacts.of(load_shape("llama-3.1-8b")))
+    assert not RUNGS["embeddings_on_host"].allowed(_settings(quant="none", method="lora"), resolve_device("cuda:24GiB"),
+                                                   shape=t5)
+    import torch
+
+    model = AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model("t5", vocab_size=256, d_model=32, d_kv=8,
+                                                                    d_ff=64, num_layers=1, num_heads=4))
+    # as FLAN-T5 loads: its own head; the stacks' tables tied to ``shared`` (transformers ties them always)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert model.encoder.embed_tokens.weight is model.get_input_embeddings().weight
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="encoder.embed_tokens"):
+        embeddings_to_host(model)

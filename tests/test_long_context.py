@@ -4,7 +4,8 @@ checkpoints, the tiled MLP, frozen 16-bit embeddings and the fused loss together
 The terms this holds (fitburst.memory.estimator / activations): TRL's forward stash keeps the device originals of
 the last five offloaded checkpoints and the model's forward the first block's input; the embeddings' output is a leaf
 held by autograd; the last block's attention is the forward's peak once the MLP is tiled, and the MLP norm's backward
-the backward's; a fused loss adds no logits term to the allocator's reserve."""
+the backward's. That a fused loss adds no logits term to the allocator's reserve is checked against the allocator's
+replay in tests/test_trace.py (test_analytic_reserved_of_a_fused_loss_has_no_logits_segments)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import replace
 import pytest
 
 from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
-from fitburst.memory.estimator import RESERVED_FACTOR, RESERVED_FLOOR, RESERVED_PER_LOGITS
 from fitburst.memory.trace import traced_estimate
 
 # 8 layers (more than the stash's 5), a sequence 32 times the width (32 MLP shards): the activations dominate
@@ -53,12 +53,3 @@ def test_the_analytic_estimate_follows_the_trace_of_the_best_plan(tiny, off):
     assert -0.02 <= t.allocated_peak_bytes / a.allocated_peak_bytes - 1 <= 0.02, (a.phases, t.phases)
     assert -0.05 <= t.device_total_bytes / a.device_total_bytes - 1 <= 0.02
 
-
-def test_the_fused_loss_adds_no_logits_term_to_the_reserve(tiny):
-    """The reserve's logits term is the standard loss's fp32 logits blocks; a fused loss makes none."""
-    shape, _ = tiny
-    dev = resolve_device("A100-80GB")
-    for loss, logits in (("fused", 0), ("standard", 4 * BEST.seq_len * CFG["vocab_size"])):
-        e = estimate(shape, replace(BEST, loss=loss), dev, calibrate=False)
-        want = int(e.allocated_peak_bytes * RESERVED_FACTOR["cuda"] + RESERVED_PER_LOGITS["cuda"] * logits)
-        assert e.reserved_peak_bytes == want + RESERVED_FLOOR["cuda"], loss

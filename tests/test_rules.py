@@ -55,6 +55,8 @@ CASES = {
                                 on(dict(embeddings_on_host=True, distributed="none"))),
     "embeddings_on_host_tied": (on(dict(embeddings_on_host=True), None, None, TIED),
                                 on(dict(embeddings_on_host=True), None, None, LLAMA)),
+    "embeddings_on_host_model": (on(dict(embeddings_on_host=True), None, None, T5),
+                                 on(dict(embeddings_on_host=True), None, None, LLAMA)),
 }
 
 

@@ -456,8 +456,9 @@ def optimizer_phase(states: ModelStates, head: Loss) -> dict[str, int]:
 
 def eval_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates,
                head: Loss) -> dict[str, int]:
-    """fitburst.evaluate's step (a fresh load: no gradients, no optimizer state): it takes the loss in chunks, an
-    fp32 copy and log_softmax of one chunk only, beside the eval batch's logits (or the fused kernel's eval)."""
+    """fitburst.evaluate's step (a fresh load: no gradients, no optimizer state, the input embeddings on the GPU
+    even where training kept them in host RAM): it takes the loss in chunks, an fp32 copy and log_softmax of one
+    chunk only, beside the eval batch's logits (or the fused kernel's eval)."""
     tokens = s.eval_batch * s.seq_len
     chunk = min(tokens, EVAL_CHUNK_TOKENS)
     h, vocab, lb = shape.hidden, shape.vocab, c.logit_bytes
@@ -466,7 +467,9 @@ def eval_phase(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelS
                                       head_bytes=states.value_bytes if c.full else None, softcap=shape.softcap)
     else:
         loss_bytes = lb * tokens * vocab + 8 * chunk * vocab
-    return _components(states, 0, 0, 0, loss_bytes + 4 * c.act_bytes * tokens * max(h, shape.intermediate), 0)
+    out = _components(states, 0, 0, 0, loss_bytes + 4 * c.act_bytes * tokens * max(h, shape.intermediate), 0)
+    out.update({k: out[k] + n for k, n in states.host_embeddings.items()})
+    return out
 
 
 def step_phases(shape: ModelShape, s: RunSettings, c: StepContext, states: ModelStates, acts: Activations,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fitburst.hardware import Device
 from fitburst.settings import RunSettings
@@ -30,6 +30,9 @@ class ModelStates:
     optimizer: int  # the optimizer's state
     optimizer_temp: int  # the optimizer step's temporaries
     paged: int  # a paged optimizer's state, in CUDA unified memory outside torch's allocator
+    # the input embedding table the training loop keeps in host RAM (training.embeddings_on_host), by the
+    # ``weights`` key it is left out of: fitburst.evaluate's fresh load holds it on the GPU
+    host_embeddings: dict[str, int] = field(default_factory=dict)
 
 
 def model_states(shape: ModelShape, s: RunSettings, device: Device) -> ModelStates:
@@ -39,8 +42,10 @@ def model_states(shape: ModelShape, s: RunSettings, device: Device) -> ModelStat
     d = DTYPE_BYTES[s.precision]
     if shape.arch.fp32_ff_out and d != 4 and not s.master_weights and not s.kbit:  # wo kept in fp32: 2 bytes more
         w["weights"] += 2 * shape.intermediate * shape.hidden * shape.total_layers
+    host = {}
     if s.host_embeddings_modelled and device.kind == "cuda" and not shape.tied:  # fitburst.models.embeddings_to_host
-        w["weights_16bit" if s.kbit else "weights"] -= shape.embed_params * d
+        host = {"weights_16bit" if s.kbit else "weights": shape.embed_params * d}
+        w.update({k: w[k] - n for k, n in host.items()})
     if device.kind == "cuda":  # the cuBLAS workspaces the warm-up step left (never freed)
         biased = any(lin.bias for _, dec in shape.blocks() for lin in shape.layer_linears(dec))
         w["cuda_workspaces"] = cublas_workspace_bytes(device, biased, s.gradient_checkpointing)
@@ -54,7 +59,8 @@ def model_states(shape: ModelShape, s: RunSettings, device: Device) -> ModelStat
         adapters = 4 * sum(tensors)
     state, temp, paged = optimizer_bytes(s, tensors, value_bytes, device)
     return ModelStates(weights=w, adapters=adapters, trained=sum(tensors), value_bytes=value_bytes,
-                       gradients=value_bytes * sum(tensors), optimizer=state, optimizer_temp=temp, paged=paged)
+                       gradients=value_bytes * sum(tensors), optimizer=state, optimizer_temp=temp, paged=paged,
+                       host_embeddings=host)
 
 
 def resolve_targets(shape: ModelShape, targets: list[str] | str) -> set[str]:

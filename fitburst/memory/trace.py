@@ -364,9 +364,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     sdpa = _device_sdpa(device)
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
           gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
-        load_bytes = _loaded(model, rec, s, kbit_read_ahead)
-        if s.host_embeddings_modelled and kind == "cuda":
-            _embeddings_to_host(model, rec)
+        load_bytes = _loaded(model, rec, s, kbit_read_ahead, kind)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         tr = sp.training
@@ -429,17 +427,21 @@ def _fake_kernels_of(model_name: str) -> Iterator[None]:
                                "wider error band decide") from None
 
 
-def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int) -> int:
+def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int, kind: str) -> int:
     """Materialize the model's weights under the recorder, as the loop loads them (a sharded run: rank 0's share of
-    what FSDP loads); the bytes from_pretrained's caching_allocator_warmup reserves first."""
+    what FSDP loads), and on a ``kind`` "cuda" device the input embeddings then moved to the host where the loop
+    moves them (:func:`_embeddings_to_host`); the bytes from_pretrained's caching_allocator_warmup reserves first."""
     from fitburst.device import torch_dtype
 
     from . import sharded
 
     if s.world_size > 1:
-        return sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.precision)))
-    load_bytes = warmup_bytes(model, torch_dtype(s.precision))
-    _materialize(model, rec, torch_dtype(s.precision), kbit_read_ahead)
+        load_bytes = sharded.materialize(model, rec, s, lambda: _materialize(model, rec, torch_dtype(s.precision)))
+    else:
+        load_bytes = warmup_bytes(model, torch_dtype(s.precision))
+        _materialize(model, rec, torch_dtype(s.precision), kbit_read_ahead)
+    if s.host_embeddings_modelled and kind == "cuda":
+        _embeddings_to_host(model, rec)
     return load_bytes
 
 

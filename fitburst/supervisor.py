@@ -220,11 +220,10 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
                         progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
-    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder
-    (:func:`next_rung_within_host`: the rungs a resumed run can take, a host RAM check before one that moves memory
-    to the host) on each out-of-memory error and
-    resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record (for MLflow / Prefect).
-    Raises :class:`OOMLadderExhausted` when no rung is left.
+    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder (:func:`next_rung_within_host`:
+    the rungs a resumed run can take, this host's RAM checked before one that moves memory there) on each
+    out-of-memory error and resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record
+    (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no rung is left.
 
     ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
     node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the

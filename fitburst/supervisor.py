@@ -31,7 +31,8 @@ from fitburst.evaluate import EvalResult, evaluate
 from fitburst.hardware import resolve_device
 from fitburst.memory import Device, Estimate, ModelShape, estimate
 from fitburst.memory.calibration import OOM_HISTORY_FILE, calibration_path
-from fitburst.memory.ladder import next_rung
+from fitburst.memory.host import host_shortfall, this_host_limit
+from fitburst.memory.ladder import HOST_RUNGS, Rung, next_rung_on_host
 from fitburst.memory.planner import max_seq_len_that_fits
 from fitburst.models import resolve_model
 from fitburst.oom_errors import free_memory, oom_kind, requested_bytes
@@ -167,6 +168,9 @@ class StepDown:
     estimated_bytes: int | None = None  # the uncalibrated estimate of the figure the measured peak compares with
     rung: str | None = None  # the ladder's key (fitburst.memory.ladder), None when no rung was left
     change: str | None = None  # what the rung changes, in words
+    # the host RAM check of the rungs that move memory to the host: the ones skipped and why, or that it could not
+    # be checked (no model shape); None when no such rung came up
+    host_check: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,10 +220,10 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                         device: str | None = None, on_metrics: Callable[[dict, int], None] | None = None,
                         on_stepdown: Callable[[StepDown], None] | None = None,
                         progress: bool = True, ranks: Ranks | None = None) -> TrainResult:
-    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder
-    (:func:`fitburst.memory.ladder.next_rung`, the rungs a resumed run can take) on each out-of-memory error and
-    resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record (for MLflow / Prefect).
-    Raises :class:`OOMLadderExhausted` when no rung is left.
+    """The Recipe (:class:`fitburst.recipe.Recipe`), stepping one rung down the ladder (:func:`next_rung_within_host`:
+    the rungs a resumed run can take, this host's RAM checked before one that moves memory there) on each
+    out-of-memory error and resuming the checkpoint the failed attempt saved. ``on_stepdown`` receives each record
+    (for MLflow / Prefect). Raises :class:`OOMLadderExhausted` when no rung is left.
 
     ``ranks`` of more than one process: each attempt starts them all (:meth:`fitburst.ranks.Ranks.run`, on this
     node and the others); a rank's out-of-memory error ends them all, and the next attempt starts them all with the
@@ -265,9 +269,8 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             free_memory(exc)
             del exc
             record.estimated_bytes = _estimated(settings, model.shape, dev)
-            rung = next_rung(settings, dev, spec.preflight.allow.model_dump(), midrun=True, shape=model.shape)
-            if rung is not None:
-                record.rung, record.change = rung.key, rung.explain(settings, dev)
+            rung = next_rung_within_host(settings, dev, spec, model.shape, record,
+                                         sharded.per_node if sharded is not None else 1)
             record_history(record)
             if rung is None:
                 fits = setting_that_would_fit(spec, settings, model.shape, dev, longest)
@@ -279,10 +282,34 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
             state["settings"], state["rungs"] = asdict(settings), [*state["rungs"], rung.key]
             state["history"].append(record.to_dict())
             store_stepdowns(run_dir, state)
-            log.warning("out of memory (%s) at step %d, peak %s bytes: stepping down: %s; resuming from %s",
-                        kind, step, record.measured_peak_bytes, record.change, ckpt.name if ckpt else "the start")
+            log.warning("out of memory (%s) at step %d, peak %s bytes: stepping down: %s; resuming from %s%s",
+                        kind, step, record.measured_peak_bytes, record.change, ckpt.name if ckpt else "the start",
+                        f" ({record.host_check})" if record.host_check else "")
             if on_stepdown:
                 on_stepdown(record)
+
+
+def next_rung_within_host(settings: RunSettings, dev: Device, spec: PipelineSpec, shape: ModelShape | None,
+                          record: StepDown, processes: int) -> Rung | None:
+    """The next rung a resumed run takes (:func:`fitburst.memory.ladder.next_rung_on_host`), put in ``record``: one
+    that moves memory to the host only where this host's RAM holds it by the planner's rule
+    (:func:`fitburst.memory.host.host_shortfall` against :func:`fitburst.memory.host.this_host_limit`), at the
+    run's sequence length (its longest sample). Without the model's shape the host is not checked, and the record
+    says so."""
+    allow = spec.preflight.allow.model_dump()
+    if shape is None:
+        rung, skipped = next_rung_on_host(settings, dev, allow, midrun=True)
+        if rung is not None and rung.key in HOST_RUNGS:
+            record.host_check = (f"host RAM for {rung.key} not checked: the model's shape is unknown to the analytic "
+                                 "estimate")
+    else:
+        limit = this_host_limit(processes)
+        rung, skipped = next_rung_on_host(settings, dev, allow, midrun=True, shape=shape,
+                                          host_problem=lambda s: host_shortfall(shape, s, dev, limit, processes))
+        record.host_check = "; ".join(skipped) or None
+    if rung is not None:
+        record.rung, record.change = rung.key, rung.explain(settings, dev)
+    return rung
 
 
 def measured_peak(device: str) -> int | None:

@@ -137,6 +137,26 @@ def test_estimate_takes_host_ram_and_reports_the_host_side_and_the_longest_plan(
     assert bad.returncode == 2 and "--host-ram: 'lots'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_estimate_says_how_long_the_chosen_plan_runs_beside_the_plan_chosen_at_each_length():
+    """Llama-3.1-8B QLoRA at 2,048 tokens on 24 GiB does not fit as configured: the plan chosen at 2,048 tokens,
+    its settings kept, fits at 2,048 and more (the same analytic estimate chose it), short of the plan the planner
+    chooses at the longest length (other rungs); the printed line names each."""
+    base = ["--model", "llama-3.1-8b", "--method", "qlora", "--rank", "32", "--batch", "1", "--seq-len", "2048",
+            "--device", "cuda:24GiB", "--host-ram", "256GiB"]
+    d = json.loads(_estimate_cli(*base, "--json").stdout)
+    longest = d["longest_seq_len"]
+    planned = RunSettings(**{**d["planned_settings"], "seq_len": 2048})
+    dev = resolve_device("cuda:24GiB")
+    assert longest["chosen_plan"] == max_seq_len_that_fits(_llama8b(), planned, dev, longest=1 << 20,
+                                                           host_limit=host_limit(256 * GiB))
+    assert longest["as_configured"] < 2048 <= longest["chosen_plan"] < longest["planned"]
+    assert longest["chosen_plan_by"] == "analytic"
+    line = " ".join(_estimate_cli(*base).stdout.split())
+    assert (f"as configured {longest['as_configured']:,} tokens; with the plan above, its settings kept (chosen at "
+            f"2,048 tokens) {longest['chosen_plan']:,} tokens; with the plan it would choose at that length "
+            f"{longest['planned']:,} tokens") in line
+
+
 def test_validate_refuses_offloaded_checkpoints_the_host_cannot_hold(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
     body = ("pipelines:\n  big:\n    model: {name: llama-3.1-8b}\n    data: {path: d.jsonl, max_seq_len: %d}\n"

@@ -185,7 +185,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     budget = Budget(device, args.safety_margin, gpus_per_node=args.gpus, host_limit=host)
     est = budget.judge(est)
     est.plan = [] if est.fits else list(plan.changes)
-    longest = _longest(shape, settings, device, args, host)
+    longest = _longest(shape, settings, device, args, host, plan)
     if args.json:
         d = est.to_dict()
         d["error_band"] = d.pop("band")  # the band the fit was judged by (fitburst.memory.calibration)
@@ -205,16 +205,22 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _longest(shape: ModelShape | None, settings, device: Device, args: argparse.Namespace,
-             host: int) -> dict | None:
-    """The longest sequence that fits as configured and with the plan the planner would choose there (the
-    analytic estimate, searched up to LONGEST_SEARCHED tokens); None for an architecture it does not model, or a
+             host: int, chosen: Plan) -> dict | None:
+    """The longest sequence that fits by the analytic estimate (searched up to LONGEST_SEARCHED tokens): as
+    configured; with the settings of the plan ``chosen`` at the configured length (``chosen_plan``; None when that
+    plan changes nothing or fits nothing); and with the plan the planner chooses at that longest length itself
+    (``planned``, whose settings may differ from ``chosen``'s). None for an architecture it does not model, or a
     sharded run (planned per GPU count)."""
     if shape is None or settings.world_size > 1:
         return None
     as_configured = max_seq_len_that_fits(shape, settings, device, args.safety_margin, longest=LONGEST_SEARCHED,
                                           host_limit=host)
+    with_chosen = (max_seq_len_that_fits(shape, chosen.settings, device, args.safety_margin,
+                                         longest=LONGEST_SEARCHED, host_limit=host)
+                   if chosen.fits and chosen.changes else None)
     n, plan = longest_planned(shape, settings, device, args.safety_margin, host_limit=host)
-    return {"as_configured": as_configured, "planned": n, "searched_up_to": LONGEST_SEARCHED,
+    return {"as_configured": as_configured, "chosen_plan": with_chosen, "chosen_plan_by": chosen.estimate.method,
+            "planned": n, "searched_up_to": LONGEST_SEARCHED,
             "planned_changes": plan.changes if plan is not None else [],
             "planned_settings": plan.settings.describe() if plan is not None else None,
             "planned_device_total_bytes": plan.estimate.device_total_bytes if plan is not None else None,
@@ -243,9 +249,15 @@ def _print_host_and_longest(est: Estimate, plan: Plan, host: int, longest: dict 
         return
     cap = longest["searched_up_to"]
     words = lambda n: "none" if not n else (f"{n:,} tokens or more" if n >= cap else f"{n:,} tokens")  # noqa: E731
-    con.print(f"longest sequence that fits (analytic estimate, batch {est.settings['micro_batch_size']}): as "
-              f"configured {words(longest['as_configured'])}; with the plan it would choose "
-              f"{words(longest['planned'])}" + (f" ({longest['planned_settings']})" if longest["planned"] else ""))
+    chosen = ""
+    if longest["chosen_plan"] is not None:
+        by = longest["chosen_plan_by"]
+        chosen = (f"; with the plan above, its settings kept (chosen at {est.settings['seq_len']:,} tokens"
+                  + (f" by the {by} estimate" if by != "analytic" else "") + ") " + words(longest["chosen_plan"]))
+    con.print(f"longest sequence that fits by the analytic estimate (batch {est.settings['micro_batch_size']}): as "
+              f"configured {words(longest['as_configured'])}{chosen}; with the plan it would choose at that length "
+              f"{words(longest['planned'])}"
+              + (f" ({longest['planned_settings']})" if longest["planned"] else ""))
 
 
 def _traced(spec: PipelineSpec, seq_len: int) -> EstimateFn:

@@ -43,6 +43,24 @@ def this_host_limit(processes: int = 1) -> int:
     return host_limit(host_ram_bytes(), processes)
 
 
+def host_shortfall(shape, s, device, limit: int, processes: int = 1) -> str | None:
+    """Why the run ``s`` cannot keep its host side on a host of ``limit`` (:func:`host_limit`): the analytic
+    estimate judged by the planner's rule (:meth:`fitburst.memory.budget.Budget.judge` and ``host_fits``: a sharded
+    run's host bytes per node, its host side: offloaded activations, a host-resident table) at ``s``'s sequence
+    length; None when it fits.
+    ``processes``: the training processes on this node (each offloads its own activations)."""
+    from .budget import Budget
+    from .estimator import estimate
+
+    budget = Budget(device, gpus_per_node=processes, host_limit=limit)
+    e = budget.judge(estimate(shape, s, device, calibrate=False))
+    if budget.host_fits(e):
+        return None
+    return (f"{e.host_bytes / GiB:,.2f} GiB of host RAM at {s.seq_len} tokens x micro-batch {s.micro_batch_size} "
+            f"does not fit this host's {limit / GiB:,.2f} GiB (its RAM less {CPU_RESERVE / GiB:.0f} GiB for the "
+            f"system and {CPU_CONTEXT / MiB:.0f} MiB per process)")
+
+
 def traced_host_bytes(events: Iterable, start: int = 0, tag: str = "host") -> int:
     """The most host memory the traced step's offloaded tensors take at once (the events its offloading stand-in
     tags ``host``), from the measured step's first event ``start`` on; the warm-up step's are all back by then.

@@ -195,8 +195,28 @@ RUNGS = {r.key: r for r in LADDER}
 EVAL_HALVING_COST = 1.001
 
 
+# the rungs that move memory from the GPU to host RAM: the pinned copies of saved tensors and the embedding table
+HOST_RUNGS = frozenset({"activation_offloading", "embeddings_on_host"})
+
+
 def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
               *, midrun: bool = False, shape: ModelShape | None = None) -> Rung | None:
     """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run); a rung that
     depends on the model only with its ``shape``."""
     return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow, shape)), None)
+
+
+def next_rung_on_host(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None, *,
+                      midrun: bool = False, shape: ModelShape | None = None,
+                      host_problem: Callable[[RunSettings], str | None] | None = None) -> tuple[Rung | None, list[str]]:
+    """:func:`next_rung`, moving past a rung of :data:`HOST_RUNGS` whose settings ``host_problem`` says the host
+    cannot hold (the planner's judge does the same to a plan); with the reasons, one per rung skipped."""
+    skipped: list[str] = []
+    for r in LADDER:
+        if not ((r.midrun or not midrun) and r.allowed(s, device, allow, shape)):
+            continue
+        why = host_problem(r.take(s, device)) if host_problem is not None and r.key in HOST_RUNGS else None
+        if why is None:
+            return r, skipped
+        skipped.append(f"{r.key} skipped: {why}")
+    return None, skipped

@@ -154,6 +154,32 @@ def config_folder(tmp_path_factory, name: str, config: dict) -> Path:
     return d
 
 
+def random_model_folder(tmp_path_factory, name: str, config: dict) -> Path:
+    """``config``'s model saved with random weights (seed 0), for the real loaders to load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp(name)
+    cfg = dict(config)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(d)
+    return d
+
+
+def fake_cuda_card(monkeypatch, name: str, major: int, minor: int) -> type:
+    """torch.cuda answering as one card ``name`` of compute capability ``major.minor`` would, on this CPU box
+    (torch's own bf16 probe answering yes, as it does by default on such a card). Returns the card's properties
+    class: set its ``major`` / ``minor`` to make it another card."""
+    import torch
+
+    props = type("Props", (), dict(major=major, minor=minor, name=name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props())
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True, raising=False)
+    return props
+
+
 @pytest.fixture
 def no_compiler(monkeypatch):
     """A CPU where inductor finds no C++ compiler: the fused loss is fitburst's chunked one (traced as it runs)."""

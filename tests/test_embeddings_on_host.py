@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import random_model_folder
 
 from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
 from fitburst.memory.calibration import band_for
@@ -160,14 +161,7 @@ def _losses(model_dir, on_host: bool, steps: int = 6) -> tuple[list[float], obje
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    d = tmp_path_factory.mktemp("untied")
-    cfg = dict(TINY)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(d)
-    return d
+    return random_model_folder(tmp_path_factory, "untied", TINY)
 
 
 def test_the_loop_trains_the_same_with_the_table_on_the_host(tiny_dir):

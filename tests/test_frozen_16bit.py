@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import random_model_folder
 
 from fitburst.memory import RunSettings, estimate, load_shape, plan_fit, resolve_device
 from fitburst.memory.budget import Budget
@@ -22,14 +23,7 @@ SEQ = 128
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny model saved with random weights, so that the real loader (bitsandbytes' nf4 on CPU) loads it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    d = tmp_path_factory.mktemp("untied")
-    cfg = dict(CFG)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(d)
-    return d
+    return random_model_folder(tmp_path_factory, "untied", CFG)
 
 
 def spec_for(path, frozen_fp32: bool):

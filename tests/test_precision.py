@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import fake_cuda_card
 
 from fitburst.builders import build_model, make_optimizer
 from fitburst.data import load_split
@@ -220,13 +221,7 @@ def test_a_gpu_that_only_emulates_bf16_trains_in_fp16(monkeypatch):
 
     from fitburst.device import DeviceError, resolve_precision
 
-    class T4Props:
-        major, minor, name = 7, 5, "Tesla T4"
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: T4Props())
-    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True, raising=False)
+    T4Props = fake_cuda_card(monkeypatch, "Tesla T4", 7, 5)
     assert torch.cuda.is_bf16_supported()  # what torch answers by default on such a card
     assert resolve_precision("auto", "cuda") == "fp16"
     with pytest.raises(DeviceError, match="no bf16"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from conftest import fake_cuda_card
 
 from fitburst.families import CAUSAL, SEQ2SEQ, VISION_LANGUAGE
 from fitburst.hardware import resolve_device
@@ -194,8 +195,6 @@ def test_the_ladder_asks_the_models_rows_with_the_shape():
 def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it(pipelines_file, monkeypatch):
     """The same row, asked by validate of the device preflight.device names and at load time of the GPU torch
     probes (a T4: torch says it has bf16, emulated), gives one message."""
-    import torch
-
     from fitburst.device import DeviceError, resolve_precision
     from fitburst.spec import SpecError, load_pipeline
 
@@ -204,13 +203,7 @@ def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it
         load_pipeline(pipelines_file, "demo", {"preflight.device": "T4", "training.precision": "bf16"})
     assert f"field 'training.precision' (from overrides) (got 'bf16'): {row}" in str(e.value)
 
-    class T4Props:
-        major, minor, name = 7, 5, "T4"
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: T4Props())
-    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True, raising=False)
+    T4Props = fake_cuda_card(monkeypatch, "T4", 7, 5)
     with pytest.raises(DeviceError) as d:
         resolve_precision("bf16", "cuda")
     assert str(d.value) == f"field 'training.precision': {row}"

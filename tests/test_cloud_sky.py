@@ -728,7 +728,7 @@ def _oom_from_step(monkeypatch, step: int) -> None:
         return real(*a, **k)
 
     monkeypatch.setattr(fitburst.recipe, "optimizer_step", step_or_oom)
-    monkeypatch.setattr(fitburst.supervisor, "next_rung", lambda *a, **kw: None)
+    monkeypatch.setattr(fitburst.supervisor, "next_rung_on_host", lambda *a, **kw: (None, []))  # no rung left
 
 
 def _node(tmp_path, fake):

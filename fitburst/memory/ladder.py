@@ -202,8 +202,8 @@ HOST_RUNGS = frozenset({"activation_offloading", "embeddings_on_host"})
 def next_rung(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None,
               *, midrun: bool = False, shape: ModelShape | None = None) -> Rung | None:
     """The cheapest rung that applies to ``s`` on ``device`` (only ``midrun`` ones for a resumed run); a rung that
-    depends on the model only with its ``shape``."""
-    return next((r for r in LADDER if (r.midrun or not midrun) and r.allowed(s, device, allow, shape)), None)
+    depends on the model only with its ``shape``. The host RAM is not asked (:func:`next_rung_on_host` asks it)."""
+    return next_rung_on_host(s, device, allow, midrun=midrun, shape=shape)[0]
 
 
 def next_rung_on_host(s: RunSettings, device: Device, allow: Mapping[str, bool] | None = None, *,

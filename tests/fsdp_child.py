@@ -2,16 +2,20 @@
 benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
 (fitburst.builders.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
-storage resizes included). Rank 0 prints one JSON line per rank: {"rank", "peak", "peak_with_gloo", "losses"}.
+storage resizes included). Rank 0 prints one JSON line per rank and case: {"case", "rank", "peak", "peak_with_gloo",
+"losses"}. Several cases of one world size run one after another in the same ranks (each from the same seed, its
+model and optimizer freed before the next): a rank process starts once for them, not once per case.
 
 ``peak`` leaves out what gloo itself allocates inside FSDP's reduce-scatter: ProcessGroupGloo works on a copy of
 the input, made on the calling thread (so MemTracker sees it) and freed by gloo's worker thread, sooner or later
 (a full fine-tune's peak moved by up to 6 % from run to run). NCCL, which the trace stands for, reduce-scatters in
 place. ``peak_with_gloo`` is a fourth step measured with that copy counted, as gloo runs it.
 
-argv: model folder (config.json; 4-bit runs: the saved weights, quantized on load), RunSettings as JSON.
+argv: a JSON list of [model folder, RunSettings as a dict] (the folder: config.json; 4-bit runs: the saved weights,
+quantized on load).
 """
 
+import gc
 import json
 import sys
 
@@ -63,9 +67,8 @@ def measured(model, opt, step) -> tuple[int, float]:
     return sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()), loss
 
 
-def main() -> None:
-    folder, s = sys.argv[1], RunSettings(**json.loads(sys.argv[2]))
-    dist.init_process_group("gloo")
+def run_case(folder: str, s: RunSettings) -> dict:
+    """One case on this rank: its model built, prepared and sharded, two warm-up steps, two measured ones."""
     torch.manual_seed(0)
     from transformers import AutoConfig
 
@@ -93,19 +96,30 @@ def main() -> None:
         micro = [_batch(s.micro_batch_size, s.seq_len, padded) for _ in range(s.grad_accum)]
         return optimizer_step(model, opt, params, micro, device="cpu", max_grad_norm=1.0, amp=amp)
 
-    gloo_counted = [False]
-    count_gloo_internals(gloo_counted)
+    GLOO_COUNTED[0] = False
     losses = [step(), step()]
     peak, loss = measured(model, opt, step)
-    gloo_counted[0] = True
+    GLOO_COUNTED[0] = True
     peak_with_gloo, loss_with_gloo = measured(model, opt, step)
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"rank": dist.get_rank(), "peak": peak, "peak_with_gloo": peak_with_gloo,
-                                  "losses": [*losses, loss, loss_with_gloo]})
-    if dist.get_rank() == 0:  # one writer: lines of several processes would interleave
-        print("\n".join(json.dumps(r) for r in rows), flush=True)
-    dist.destroy_process_group()
+    return {"rank": dist.get_rank(), "peak": peak, "peak_with_gloo": peak_with_gloo,
+            "losses": [*losses, loss, loss_with_gloo]}
 
+
+GLOO_COUNTED = [False]
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    count_gloo_internals(GLOO_COUNTED)
+    for i, (folder, settings) in enumerate(cases):
+        row = run_case(folder, RunSettings(**settings))
+        gc.collect()  # the case's model and optimizer: nothing of it is live when the next one is measured
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, {"case": i, **row})
+        if dist.get_rank() == 0:  # one writer: lines of several processes would interleave
+            print("\n".join(json.dumps(r) for r in rows), flush=True)
+    dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

@@ -54,16 +54,28 @@ def spec_for(folder: Path):
     return PipelineSpec.model_validate(dict(name="t", model=dict(name=str(folder)), data=dict(path="x.jsonl")))
 
 
-def gloo_peaks(folder: Path, s: RunSettings) -> list[dict]:
-    """Each rank's measured step (tests/fsdp_child.py) of a real run of ``s.world_size`` processes over gloo."""
+def gloo_peaks_of(cases: list[tuple[Path, RunSettings]]) -> list[list[dict]]:
+    """Each rank's measured step (tests/fsdp_child.py) of each case, all of one world size, run one after another
+    in one real run of that many processes over gloo."""
+    (world_size,) = {s.world_size for _, s in cases}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={s.world_size}", str(ROOT / "tests" / "fsdp_child.py"), str(folder),
-                          json.dumps(s.__dict__)], capture_output=True, text=True, env=env, timeout=600)
+                          f"--nproc-per-node={world_size}", str(ROOT / "tests" / "fsdp_child.py"),
+                          json.dumps([[str(folder), s.__dict__] for folder, s in cases])],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in rows) == list(range(s.world_size))
-    return rows
+    per_case: list[list[dict]] = [[] for _ in cases]
+    for r in rows:
+        per_case[r.pop("case")].append(r)
+    for case in per_case:
+        assert sorted(r["rank"] for r in case) == list(range(world_size))
+    return per_case
+
+
+def gloo_peaks(folder: Path, s: RunSettings) -> list[dict]:
+    """Each rank's measured step of a real run of ``s.world_size`` processes over gloo."""
+    return gloo_peaks_of([(folder, s)])[0]
 
 
 # (architecture, settings): LoRA, QLoRA (bitsandbytes runs on CPU), full; 2 and 4 ranks. The real runs' batches hold
@@ -84,15 +96,28 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch, kw", CASES, ids=[f"{a}-{k['method']}-{k['precision']}-{k['world_size']}" for a,
-                                                 k in CASES])
-def test_traced_per_rank_peak_is_each_real_ranks_peak_within_1_percent(tmp_path_factory, arch, kw):
+@pytest.fixture(scope="module")
+def real_ranks(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
+    """Each of :data:`CASES` run for real: its model folder and each rank's measured step, by case index. The cases
+    of one world size share one run (its ranks start once)."""
+    cases = [(model_folder(tmp_path_factory.getbasetemp() / "models", arch, weights=RunSettings(**kw).kbit),
+              RunSettings(**kw)) for arch, kw in CASES]
+    runs: dict[int, tuple[Path, list[dict]]] = {}
+    for world_size in sorted({s.world_size for _, s in cases}):
+        index = [i for i, (_, s) in enumerate(cases) if s.world_size == world_size]
+        for i, ranks in zip(index, gloo_peaks_of([cases[i] for i in index]), strict=True):
+            runs[i] = (cases[i][0], ranks)
+    return runs
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{k['method']}-{k['precision']}-{k['world_size']}"
+                                                          for a, k in CASES])
+def test_traced_per_rank_peak_is_each_real_ranks_peak_within_1_percent(real_ranks, case):
     """The trace stands one process in for rank 0 of N (fake process group, fake tensors); the real run is N gloo
     processes with real weights and collectives, each rank's step measured by torch's MemTracker."""
-    s = RunSettings(**kw)
-    folder = model_folder(tmp_path_factory.getbasetemp() / "models", arch, weights=s.kbit)
+    s = RunSettings(**CASES[case][1])
+    folder, ranks = real_ranks[case]
     traced = trace_step(spec_for(folder), s, seq_len=s.seq_len).live_peaks()[0]
-    ranks = gloo_peaks(folder, s)
     for r in ranks:
         assert abs(traced / r["peak"] - 1) <= 0.01, (r, traced)
         assert r["peak_with_gloo"] >= r["peak"]  # gloo's copy only adds

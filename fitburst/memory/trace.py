@@ -310,11 +310,10 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
                traced_micro: int | None = TRACED_MICRO) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
-    ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`: fused, foreach, for-loop). ``step``:
-    the step function (default: the loop's :func:`fitburst.train.optimizer_step`; a benchmark whose measurements came
-    from another loop passes that loop's step). ``kbit_read_ahead``: tensors a quantize-on-load reads onto the device
-    ahead of the one it quantizes (:func:`_materialize`): 0 for the installed transformers (it loads synchronously while
-    quantizing); transformers 5.0 read ahead on a thread pool. ``autocast_of``: the device kind whose autocast the
+    ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`). ``step``: the step function (default:
+    the loop's :func:`fitburst.train.optimizer_step`; a benchmark passes its own loop's). ``kbit_read_ahead``: tensors a
+    quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
+    transformers, transformers 5.0 read ahead on a thread pool. ``autocast_of``: the device kind whose autocast the
     loop's AMP follows (:func:`fitburst.memory.autocast_policy.device_autocast`). ``device``: the device the model is
     loaded for, whose attention the trace builds (:func:`fitburst.models.attn_implementation`): CUDA's fused SDPA kernel
     of that device (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`), MPS's math composite
@@ -342,10 +341,9 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         raise TraceUnsupported(
             "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
-    # rank 0 of world_size in a fake process group; Liger's patch with its Functions' stand-ins, undone after
     wrap = (sharded.fake_process_group(s.world_size) if s.world_size > 1 and not sharded.in_fake_group() else
             model_kernels.liger_stand_ins() if s.liger_kernels and not model_kernels.standing_in() else None)
-    if wrap is not None:
+    if wrap is not None:  # rank 0 of world_size in a fake process group; Liger's patch on stand-ins, undone after
         with wrap:
             return trace_step(spec, settings, seq_len=seq_len, adamw=adamw, step=step, kbit_read_ahead=kbit_read_ahead,
                               autocast_of=autocast_of, device=device, traced_micro=traced_micro)

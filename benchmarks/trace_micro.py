@@ -44,7 +44,7 @@ def grid(n: int, seed: int) -> list[tuple[str, str, RunSettings]]:
 def traced(model: str, dev: str, s: RunSettings, micro: int | None) -> tuple[int, int, float]:
     spec = PipelineSpec.model_validate({"name": "x", "model": {"name": model}, "data": {"path": "x.jsonl"}})
     step = trace.trace_step
-    trace.trace_step = lambda *a, **k: step(*a, **k, traced_micro=micro)  # type: ignore[assignment]
+    trace.trace_step = lambda *a, **k: step(*a, **{**k, "traced_micro": micro})  # type: ignore[assignment]
     try:
         t0 = time.perf_counter()
         est = trace._traced_estimate(spec, s, resolve_device(dev), seq_len=s.seq_len, cache=None)

@@ -84,6 +84,10 @@ def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | No
 
     method, tr = spec.method, spec.training
     model.config.use_cache = False
+    if tr.liger_kernels:  # the model's own modules, before k-bit preparation and peft wrap them
+        from fitburst.models import apply_liger_kernels
+
+        apply_liger_kernels(model)
     if method.quant != "none":
         # FSDP's mixed precision gathers every weight in 16 bits: a sharded run keeps peft's preparation as it is
         model = prepare_kbit(model, gradient_checkpointing=tr.gradient_checkpointing,

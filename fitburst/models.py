@@ -328,6 +328,18 @@ def _tiled(apply_tiled_mlp, mlp, forward):
     return lambda x: apply_tiled_mlp(lambda _module, shard: forward(shard), mlp, x)
 
 
+def apply_liger_kernels(model) -> None:
+    """``training.liger_kernels``: Liger Kernel's model kernels patched into the loaded ``model`` by Liger's own
+    ``_apply_liger_kernel_to_instance`` (what transformers' Trainer calls for ``use_liger_kernel``): the
+    ``apply_liger_kernel_to_<model_type>`` of its config's model type (RMSNorm, SwiGLU / GEGLU, RoPE, and whatever
+    else that function patches), with its loss kernels off (the loss is ``training.loss``'s). CUDA only, for a model
+    type Liger patches: the rule table refused the rest before the model loaded. The trace runs the same call
+    with stand-ins for Liger's Functions (:mod:`fitburst.memory.model_kernels`)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance  # heavy, optional: the lean extra
+
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
 def _disable_bnb_cpu_repack(model) -> None:
     """bitsandbytes on CPUs with avx512_bf16 repacks 4-bit weights after an eval forward, which breaks later
     training steps (see shared stack notes); turn that path off on every 4-bit layer."""

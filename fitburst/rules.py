@@ -10,8 +10,12 @@ rule whose fact is not known (no device named, no family or model looked up) is 
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fitburst.hardware import Device, named_device, resolve_device, split_count
@@ -63,6 +67,34 @@ def tiled_mlp_refusal(m: ModelFacts) -> str | None:
     if not m.gated_mlp:
         return f"{m.model_type}'s feed-forward is a plain MLP (fc1, fc2), not a gated one (gate, up, down)"
     return None
+
+
+@functools.cache
+def _liger_model_types() -> tuple[frozenset[str], str | None]:
+    """The model types Liger Kernel has an ``apply_liger_kernel_to_<model_type>`` for (the keys of its own
+    ``MODEL_TYPE_TO_APPLY_LIGER_FN``, read from its installed source: importing it takes seconds, transformers and
+    Triton with it; tests/test_liger_kernels.py checks the two agree), and why it cannot run here (None: it can)."""
+    spec = importlib.util.find_spec("liger_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset(), "liger-kernel is not installed"
+    if importlib.util.find_spec("triton") is None:
+        return frozenset(), "Triton, which its kernels are written in, is not installed"
+    source = Path(next(iter(spec.submodule_search_locations))) / "transformers" / "monkey_patch.py"
+    for node in ast.parse(source.read_text()).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "MODEL_TYPE_TO_APPLY_LIGER_FN" for t in node.targets)):
+            return frozenset(str(k.value) for k in node.value.keys if isinstance(k, ast.Constant)), None
+    return frozenset(), f"this liger-kernel has no MODEL_TYPE_TO_APPLY_LIGER_FN in {source}"
+
+
+def liger_missing() -> str | None:
+    """Why Liger Kernel's model kernels cannot be applied in this environment, or None when they can."""
+    return _liger_model_types()[1]
+
+
+def liger_patches(model_type: str) -> bool:
+    """Whether Liger Kernel patches models of ``model_type`` (False where it is not installed)."""
+    return model_type in _liger_model_types()[0]
 
 
 @dataclass(frozen=True)
@@ -171,6 +203,19 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: (f"{m.model_type if m else ''}'s encoder and decoder each look the input embeddings up "
                              "through their own module, which would read the moved table on the GPU",
                              "set training.embeddings_on_host: false")),
+    Rule("liger_kernels_off_cuda", ("training", "liger_kernels"),
+         lambda s, d, f, m: s.liger_kernels and d is not None and d.kind != "cuda",
+         lambda s, d, f, m: ("training.liger_kernels patches the model with Liger Kernel's Triton kernels, which run "
+                             f"on CUDA GPUs, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("liger_kernels_missing", ("training", "liger_kernels"),
+         lambda s, d, f, m: s.liger_kernels and liger_missing() is not None,
+         lambda s, d, f, m: (f"training.liger_kernels needs Liger Kernel, and {liger_missing()}",
+                             "pip install 'fitburst[lean]' on Linux, or set it false")),
+    Rule("liger_kernels_model", ("training", "liger_kernels"),
+         lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing() is None
+                             and not liger_patches(m.model_type)),
+         lambda s, d, f, m: (f"Liger Kernel has no apply_liger_kernel_to_{m.model_type if m else ''} (its "
+                             "MODEL_TYPE_TO_APPLY_LIGER_FN)", "set training.liger_kernels: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

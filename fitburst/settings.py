@@ -92,6 +92,7 @@ class RunSettings:
     activation_offloading: bool = False  # saved activations offloaded to pinned host memory (CUDA)
     tiled_mlp: bool = False  # each block's gated MLP over sequence shards, recomputed in backward (liger-kernel)
     embeddings_on_host: bool = False  # the frozen input embedding table in host RAM, its lookup's output moved (CUDA)
+    liger_kernels: bool = False  # Liger Kernel's RMSNorm, SwiGLU / GEGLU and RoPE patched into the model (CUDA)
     # several GPUs (fitburst.distributed): auto (one device unless the plan needs more) | none | fsdp (FSDP2), and
     # FSDP2's knobs: blocks' gathered weights freed after forward (ZeRO-3), sharded state kept in host RAM
     distributed: str = "auto"
@@ -174,6 +175,7 @@ class RunSettings:
         ck += " frozen16" if self.frozen_16bit else ""
         ck += " tiled-mlp" if self.tiled_mlp else ""
         ck += " embed-host" if self.embeddings_on_host else ""
+        ck += " liger" if self.liger_kernels else ""
         ck += (" fused-ce" if self.fused_loss else "") + (" offload" if self.activation_offloading else "")
         shape = f"b{self.micro_batch_size}x{self.grad_accum} s{self.seq_len}"
         fsdp = ""
@@ -206,7 +208,7 @@ def settings_from_spec(spec: PipelineSpec, device: Device | None = None, seq_len
         keep_logits=False, eval_batch=spec.eval.batch_size if spec.eval.enabled else 0,
         packed_fill=1.0 if t.packing else 0.0,  # the bound: every sample as long as the longest
         pure_bf16=t.pure_bf16, loss=t.loss, activation_offloading=t.activation_offloading, tiled_mlp=t.tiled_mlp,
-        embeddings_on_host=t.embeddings_on_host,
+        embeddings_on_host=t.embeddings_on_host, liger_kernels=t.liger_kernels,
         # the vision-language terms only for a pipeline with images (data.image_max_pixels)
         images=0 if px is None else images, image_tokens=0 if px is None else px // QWEN2_VL_PIXELS_PER_TOKEN,
         vision="frozen" if px is None else m.vision,
@@ -231,7 +233,7 @@ def spec_with_settings(spec: PipelineSpec, s: RunSettings) -> PipelineSpec:
         "gradient_checkpointing": s.gradient_checkpointing,
         "optimizer": s.optimizer, "precision": s.precision, "attention": attention, "packing": s.packed_fill > 0,
         "pure_bf16": s.pure_bf16, "loss": s.loss, "activation_offloading": s.activation_offloading,
-        "tiled_mlp": s.tiled_mlp, "embeddings_on_host": s.embeddings_on_host,
+        "tiled_mlp": s.tiled_mlp, "embeddings_on_host": s.embeddings_on_host, "liger_kernels": s.liger_kernels,
         "distributed": "fsdp" if s.world_size > 1 else s.distributed,
         "fsdp": spec.training.fsdp.model_copy(update={"reshard_after_forward": s.reshard_after_forward,
                                                        "cpu_offload": s.cpu_offload})})

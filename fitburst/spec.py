@@ -202,6 +202,9 @@ class TrainingSpec(Strict):
     tiled_mlp: bool = Field(default=False, description="run each block's gated MLP over sequence shards, its forward "
                             "recomputed in backward (liger-kernel's apply_tiled_mlp): backward never holds a whole "
                             "layer's MLP intermediates at full length; slower (one more MLP forward per step)")
+    liger_kernels: bool = Field(default=False, description="CUDA only: Liger Kernel's Triton RMSNorm, SwiGLU / "
+                                "GEGLU and RoPE in the model (apply_liger_kernel_to_<model_type>; its loss kernels "
+                                "are training.loss's): fewer tensors kept for backward")
     embeddings_on_host: bool = Field(default=False, description="CUDA, LoRA / QLoRA: keep the frozen input "
                                      "embedding table in host RAM (only its lookup runs there; the looked-up rows "
                                      "go to the GPU): 1 GB less GPU memory for Llama-3.1-8B; not for tied embeddings")
@@ -249,6 +252,7 @@ class AllowSpec(Strict):
     tiled_mlp: bool = True  # training.tiled_mlp false -> true (architectures with a gated MLP)
     frozen_16bit: bool = True  # k-bit: method.frozen_fp32 true -> false (frozen embeddings and head in 16 bits)
     embeddings_on_host: bool = True  # CUDA: training.embeddings_on_host false -> true (untied input embeddings)
+    liger_kernels: bool = True  # CUDA: training.liger_kernels false -> true (architectures Liger patches)
     double_quant: bool = True  # 4-bit: method.double_quant false -> true (8-bit absmax per block)
 
 

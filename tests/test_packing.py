@@ -100,7 +100,7 @@ def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
     between = resolve_device(f"cuda:{(need[0.0] + need[1.0]) / 2 / 0.97 / GiB + 0.3:.2f}GiB")
     off = {k: False for k in ("gradient_checkpointing", "optimizer_8bit", "quantize", "reduce_batch", "attention",
                               "dropout", "fused_loss", "activation_offloading", "tiled_mlp",
-                              "frozen_16bit")}  # packing alone
+                              "frozen_16bit", "liger_kernels")}  # packing alone
     plan = plan_fit(shape, s, between, 0.03, off)
     assert plan.fits and plan.settings.packed_fill == 1.0 and any("packed" in c for c in plan.changes)
     assert not plan_fit(shape, s, between, 0.03, {**off, "packing": False}).fits

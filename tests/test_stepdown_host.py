@@ -49,7 +49,8 @@ def test_step_down_skips_offloading_the_host_cannot_hold(tmp_path, demo_spec, de
         "preflight.device": "cuda:24GiB", "training.max_steps": 4, "training.micro_batch_size": 1,
         "training.gradient_checkpointing": True, "training.checkpoint_every": 2, "eval.enabled": False,
         "preflight.allow.embeddings_on_host": False, "preflight.allow.fused_loss": False,
-        "preflight.allow.optimizer_8bit": False, "preflight.allow.tiled_mlp": False})
+        "preflight.allow.optimizer_8bit": False, "preflight.allow.tiled_mlp": False,
+        "preflight.allow.liger_kernels": False})
     monkeypatch.setattr(host_mod, "host_ram_bytes", lambda: ram)
     specs = first_attempt_ooms_then_capture(monkeypatch)
     assert train_stepping_down(spec, demo_prepared, tmp_path, device="cpu", progress=False) == "resumed"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, expands_kv
-from fitburst.rules import ModelFacts, tiled_mlp_refusal
+from fitburst.rules import ModelFacts, liger_patches, tiled_mlp_refusal
 from fitburst.settings import RunSettings
 
 from .params import DTYPE_BYTES, resolve_targets
@@ -52,6 +52,7 @@ class StepContext:
     dtype_bytes: int = 2  # bytes of the compute dtype
     logit_bytes: int = 2  # bytes of an element of the head's output (k-bit's fp32 head outside autocast: 4)
     mlp_shard: int = 0  # the tiled MLP (fitburst.models.tile_mlps): tokens of one sequence shard (0: not tiled)
+    liger: bool = False  # Liger Kernel's RMSNorm and SwiGLU / GEGLU Functions (training.liger_kernels, CUDA)
 
 
 def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepContext:
@@ -87,7 +88,13 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
         norm32=gpu_amp and not full and not s.kbit and shape.norm_style == "layernorm",
         half_to_float=device.kind == "cuda" and s.precision == "fp16" and a == 2, fsdp_mp=mp, dtype_bytes=d,
         logit_bytes=4 if s.kbit and not s.amp else d,  # k-bit's fp32 head; under autocast its output is 16-bit
-        mlp_shard=mlp_shard_tokens(shape, s, tokens, seq))
+        mlp_shard=mlp_shard_tokens(shape, s, tokens, seq), liger=liger_modelled(shape, s, device))
+
+
+def liger_modelled(shape: ModelShape, s: RunSettings, device: Device) -> bool:
+    """Liger Kernel's model kernels as the estimates count them: on CUDA, for a model Liger patches (the rule
+    table refuses the rest), its RMS norms and its gated MLP's SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
+    return s.liger_kernels and device.kind == "cuda" and liger_patches(shape.model_type)
 
 
 def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:
@@ -103,7 +110,11 @@ def norm(saved: dict, key: str, in_key: str, rg_in: bool, c: StepContext, shape:
     """Saved tensors of one norm; returns requires_grad of its output."""
     T, a = c.tokens, (4 if c.master else c.act_bytes)  # the residual stream's dtype
     style = shape.norm_style
-    if style == "layernorm":
+    if c.liger and style in ("llama", "gemma"):  # LigerRMSNormFunction keeps its input as it is and fp32 RSTD
+        if rg_in or c.full:
+            saved[in_key] = a * T * width
+            saved[key + ".rstd"] = 4 * T
+    elif style == "layernorm":
         if rg_in or c.full:
             if c.norm32:
                 saved[key + ".f32"] = 4 * T * width
@@ -253,11 +264,16 @@ def _gated_mlp(sv: dict, shape: ModelShape, c: StepContext, n2: str, rg_n2: bool
         sv["gate"] = a * T * i  # activation input
         if shape.act == "gelu_new":
             act = _gelu_new(sv, "gate", c, a, i)
-    if rg_u:
+    if rg_u and not _liger_mlp(shape, c):  # Liger's SiLU / GELU-mul Function keeps gate and up only
         sv["act"] = act * T * i
     if rg_g:
         sv["up"] = a * T * i
     return _linear(sv, mlp[-1].name, "p", i, rg_g or rg_u, c)
+
+
+def _liger_mlp(shape: ModelShape, c: StepContext) -> bool:
+    """The gated MLP runs Liger's SwiGLU or GEGLU Function (not gelu_new's python formula: T5's, not patched)."""
+    return c.liger and shape.act in ("silu", "gelu_tanh")
 
 
 def _plain_mlp(sv: dict, shape: ModelShape, c: StepContext, n2: str, rg_n2: bool) -> bool:

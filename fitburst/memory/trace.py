@@ -310,17 +310,15 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
                traced_micro: int | None = TRACED_MICRO) -> StepTrace:
     """Trace warm-up + measured step of ``spec`` with ``settings`` at ``seq_len`` on fake CPU tensors.
 
-    ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`: fused, foreach, for-loop).
-    ``step``: the step function (default: the training loop's :func:`fitburst.train.optimizer_step`; a benchmark
-    whose measurements came from another loop passes that loop's step). ``kbit_read_ahead``: tensors a
+    ``adamw``: how AdamW steps (:func:`fitburst.memory.cuda_kernels.adamw_impl`). ``step``: the step function (default:
+    the loop's :func:`fitburst.train.optimizer_step`; a benchmark passes its own loop's). ``kbit_read_ahead``: tensors a
     quantize-on-load reads onto the device ahead of the one it quantizes (:func:`_materialize`): 0 for the installed
-    transformers (it loads synchronously while quantizing); transformers 5.0 read ahead on a thread pool.
-    ``autocast_of``: the device kind ("cuda", "mps", "cpu") whose autocast the loop's AMP follows
-    (:func:`fitburst.memory.autocast_policy.device_autocast`). ``device``: the device the model is loaded for,
-    whose attention implementation the trace builds (:func:`fitburst.models.attn_implementation`); on a CUDA device
-    SDPA runs the fused kernel that device picks (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`), on MPS
-    its math composite (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`). ``traced_micro``: how many
-    micro-batches of each step run (see :data:`TRACED_MICRO`; None: all of them)."""
+    transformers, transformers 5.0 read ahead on a thread pool. ``autocast_of``: the device kind whose autocast the
+    loop's AMP follows (:func:`fitburst.memory.autocast_policy.device_autocast`). ``device``: the device the model is
+    loaded for, whose attention the trace builds (:func:`fitburst.models.attn_implementation`): CUDA's fused SDPA kernel
+    of that device (:func:`fitburst.memory.cuda_kernels.cuda_sdpa_dispatch`), MPS's math composite
+    (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`). ``traced_micro``: how many micro-batches of each step run
+    (:data:`TRACED_MICRO`; None: all). Liger's kernels run as stand-ins (:mod:`.model_kernels`)."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
@@ -333,7 +331,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     from fitburst.models import EXPANDED_KV
     from fitburst.train import optimizer_step
 
-    from . import cuda_kernels, sharded
+    from . import cuda_kernels, model_kernels, sharded
     from .autocast_policy import device_autocast
     from .loss_kernels import loss_kernel_of, traced_fused_loss
     from .recorder import Recorder  # torch: imported only to trace
@@ -343,10 +341,12 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         raise TraceUnsupported(
             "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
-    if s.world_size > 1 and not sharded.in_fake_group():  # rank 0 of world_size, in a fake process group
-        with sharded.fake_process_group(s.world_size):
-            return trace_step(spec, settings, seq_len=seq_len, adamw=adamw, step=step,
-                              kbit_read_ahead=kbit_read_ahead, autocast_of=autocast_of, device=device)
+    wrap = (sharded.fake_process_group(s.world_size) if s.world_size > 1 and not sharded.in_fake_group() else
+            model_kernels.liger_stand_ins() if s.liger_kernels and not model_kernels.standing_in() else None)
+    if wrap is not None:  # rank 0 of world_size in a fake process group; Liger's patch on stand-ins, undone after
+        with wrap:
+            return trace_step(spec, settings, seq_len=seq_len, adamw=adamw, step=step, kbit_read_ahead=kbit_read_ahead,
+                              autocast_of=autocast_of, device=device, traced_micro=traced_micro)
     t0 = time.perf_counter()
     step = step or optimizer_step
     sp = spec_with_settings(spec, s)

@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 # the code a traced figure depends on: the trace and its kernel rules, the model loading and the training step
 _CODE = ("memory/trace.py", "memory/recorder.py", "memory/trace_events.py", "memory/sharded.py",
          "memory/allocator.py", "memory/cuda_kernels.py", "memory/mps_kernels.py", "memory/autocast_policy.py",
-         "memory/estimator.py", "memory/params.py", "memory/loss_kernels.py",
+         "memory/estimator.py", "memory/params.py", "memory/loss_kernels.py", "memory/model_kernels.py",
          "hardware.py", "models.py", "builders.py", "train.py", "pace.py", "distributed.py", "device.py", "settings.py",
          "families/*.py")
-_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
+_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel")
 
 
 @functools.cache

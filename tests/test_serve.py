@@ -192,11 +192,15 @@ def stack(tmp_path_factory):
         s.start_serve({"demo", "qwen7b-lora", "qwen1.5b-qlora"})
         yield s
     finally:
+        t0 = time.time()
         s.stop_serve()  # serve and worker first, or they retry a dead server for a minute
+        TIMINGS["stop serve"] = time.time() - t0
         if s.worker is not None:
             stop(s.worker, sig=signal.SIGINT)
+        TIMINGS["stop worker"] = time.time() - t0
         if s.server is not None:
             stop(s.server)
+        TIMINGS["stop server"] = time.time() - t0
         hook.server.shutdown()
         print("\ntimings:", json.dumps({k: round(v, 1) for k, v in TIMINGS.items()}))
 

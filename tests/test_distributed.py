@@ -154,22 +154,56 @@ def test_the_distributed_settings_go_through_the_one_conversion(pipelines_file):
 
 # --- N ranks x b train as one process x N*b ----------------------------------------------------------------
 
-@pytest.mark.parametrize("pipeline, overrides", [
-    # SGD with no clipping: a gradient averaged instead of summed across ranks would halve every update
-    ("demo", {"training.optimizer": "sgd", "training.max_grad_norm": None, "training.learning_rate": 0.05,
-              "training.warmup_steps": 0}),
-    ("demo", {"method.type": "full", "training.learning_rate": 1e-4}),  # AdamW, the gradient norm clipped at 1
-    ("t5-demo", {}),
-    ("moe-demo", {}),
-], ids=["causal-lora", "causal-full", "t5-lora", "moe-lora"])
-def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path, pipelines_file, pipeline,
-                                                                        overrides):
+# the causal demo's settings for each method: LoRA with SGD and no clipping (a gradient averaged instead of summed
+# across ranks would halve every update), full with AdamW and the gradient norm clipped at 1
+CAUSAL = {"lora": {"training.optimizer": "sgd", "training.max_grad_norm": None, "training.learning_rate": 0.05,
+                   "training.warmup_steps": 0},
+          "full": {"method.type": "full", "training.learning_rate": 1e-4}}
+
+
+@pytest.fixture(scope="module")
+def causal_runs(tmp_path_factory, pipelines_file):
+    """For each method of :data:`CAUSAL`, built on first use: one process at micro-batch 8 and two ranks at 4, the
+    ranks recording the parameter bytes each holds (tests/rank_hooks: held). Shared by the two tests below, which
+    check the same runs for different things. Returns (spec, prepared, one process's result, the two ranks'
+    train_result.json, the folder holding one/, two/ and held/)."""
+    runs: dict = {}
+
+    def run(method: str):
+        if method not in runs:
+            root = tmp_path_factory.mktemp(f"causal-{method}")
+            spec = spec_for(pipelines_file, "demo", **{k.replace(".", "__"): v for k, v in CAUSAL[method].items()},
+                            training__micro_batch_size=8)
+            prepared = prepared_for(spec)
+            one = one_process(spec, prepared, root / "one")
+            (root / "held").mkdir()
+            two = torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
+                           prepared, root / "two", hooks={"held": str(root / "held")})
+            runs[method] = (spec, prepared, one, two, root)
+        return runs[method]
+
+    return run
+
+
+def two_ranks_against_one_process(tmp_path, pipelines_file, pipeline, overrides):
+    """``pipeline`` at micro-batch 8 in one process and at 4 on two ranks: (spec, one's result, the ranks' result,
+    the folder holding one/ and two/)."""
     spec = spec_for(pipelines_file, pipeline, **overrides, training__micro_batch_size=8)
     prepared = prepared_for(spec)
     one = one_process(spec, prepared, tmp_path / "one")
     sharded = spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"})
-    result = torchrun(2, sharded, prepared, tmp_path / "two")
-    assert_same_run(tmp_path / "one", tmp_path / "two", spec.training.learning_rate)
+    return spec, one, torchrun(2, sharded, prepared, tmp_path / "two"), tmp_path
+
+
+@pytest.mark.parametrize("run", ["causal-lora", "causal-full", "t5-demo", "moe-demo"],
+                         ids=["causal-lora", "causal-full", "t5-lora", "moe-lora"])
+def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path, pipelines_file, causal_runs,
+                                                                        run):
+    if run.startswith("causal-"):
+        spec, _, one, result, root = causal_runs(run.removeprefix("causal-"))
+    else:
+        spec, one, result, root = two_ranks_against_one_process(tmp_path, pipelines_file, run, {})
+    assert_same_run(root / "one", root / "two", spec.training.learning_rate)
     assert result["tokens"] == one.tokens  # the same samples, counted over both ranks
     assert result["world_size"] == 2 and len(result["rank_peaks"]) == 2
     assert all(p["allocated_bytes"] > 0 for p in result["rank_peaks"])
@@ -178,33 +212,28 @@ def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(tmp_path
     if spec.method.type == "full":
         from transformers import AutoModelForCausalLM
 
-        assert AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "adapter").config.architectures == [
+        assert AutoModelForCausalLM.from_pretrained(root / "two" / "adapter").config.architectures == [
             "LlamaForCausalLM"]
     else:
         from peft import PeftConfig
 
-        assert PeftConfig.from_pretrained(str(tmp_path / "two" / "adapter")).peft_type == "LORA"
+        assert PeftConfig.from_pretrained(str(root / "two" / "adapter")).peft_type == "LORA"
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(tmp_path, pipelines_file, demo_prepared,
-                                                                            method):
+def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(causal_runs, method):
     """One copy of the model per node while loading: rank 1 builds it on the meta device (no parameter bytes) and
     holds only its shards once built; rank 0 loaded it all. The run trains as one process does (the demo's head
     is tied to its embeddings, its rotary inv_freq is a buffer rank 1 computes, LoRA's initial weights come from
     rank 0)."""
-    spec = spec_for(pipelines_file, "demo", method__type=method, training__micro_batch_size=8)
-    one_process(spec, demo_prepared, tmp_path / "one")
-    (held := tmp_path / "held").mkdir()
-    torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
-             demo_prepared, tmp_path / "two", hooks={"held": str(held)})
-    rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    spec, _, _, _, root = causal_runs(method)
+    rank = [json.loads((root / "held" / f"rank-{r}.json").read_text()) for r in (0, 1)]
     whole = rank[0]["loaded"]
     assert whole > 1_000_000 and rank[1]["loaded"] == 0
     # built: each rank half of the weights, and of LoRA's (added after loading: 16 % of the demo's weights in fp32)
     assert rank[0]["built"] == pytest.approx(rank[1]["built"], rel=0.02)
     assert whole / 2 <= rank[1]["built"] <= 0.6 * whole
-    assert_same_run(tmp_path / "one", tmp_path / "two", spec.training.learning_rate)
+    assert_same_run(root / "one", root / "two", spec.training.learning_rate)
 
 
 def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path, pipelines_file, demo_prepared):

@@ -180,6 +180,41 @@ def fake_cuda_card(monkeypatch, name: str, major: int, minor: int) -> type:
     return props
 
 
+def op_outputs_mode(inputs):
+    """A TorchDispatchMode recording the bytes of the storages ops create (views and in-place or ``out=`` results of
+    live storages are not new), each freed when its storage dies: ``.trail``, the live bytes after each allocation
+    or free, as a caching allocator would see them. ``inputs``: tensors live before the mode (not counted)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class OpOutputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = {t.untyped_storage()._cdata for t in inputs}
+            self.cur = 0
+            self.trail: list[int] = []
+
+        def _freed(self, key: int, size: int) -> None:
+            self.live.discard(key)
+            self.cur -= size
+            self.trail.append(self.cur)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and (st := t.untyped_storage())._cdata not in self.live:
+                    self.live.add(st._cdata)
+                    self.cur += st.nbytes()
+                    self.trail.append(self.cur)
+                    weakref.finalize(st, self._freed, st._cdata, st.nbytes())
+            return out
+
+    return OpOutputs()
+
+
 @pytest.fixture
 def no_compiler(monkeypatch):
     """A CPU where inductor finds no C++ compiler: the fused loss is fitburst's chunked one (traced as it runs)."""

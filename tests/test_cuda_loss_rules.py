@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import op_outputs_mode
 
 from fitburst.families.loss import linear_cross_entropy, shifted_labels
 from fitburst.memory.loss_kernels import LossTerms, fused_eval_bytes, fused_loss_terms, hidden_cast
@@ -297,41 +297,12 @@ def liger_stubbed(monkeypatch):
                         lambda x, w: can(types.SimpleNamespace(device=cuda, dtype=x.dtype), w))
 
 
-class _OpOutputs(TorchDispatchMode):
-    """The bytes of the storages ops create (views and in-place or ``out=`` results of live storages are not new),
-    each freed when its storage dies: what a CUDA run allocates through the caching allocator, where the profiler
-    on this CPU also counts the workspaces its 16-bit matmuls make inside the op (cuBLAS's are not the loss's)."""
-
-    def __init__(self, inputs):
-        super().__init__()
-        self.live = {t.untyped_storage()._cdata for t in inputs}
-        self.cur = 0
-        self.trail: list[int] = []
-
-    def _freed(self, key: int, size: int) -> None:
-        self.live.discard(key)
-        self.cur -= size
-        self.trail.append(self.cur)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        from torch.utils._pytree import tree_leaves
-
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (st := t.untyped_storage())._cdata not in self.live:
-                self.live.add(st._cdata)
-                self.cur += st.nbytes()
-                self.trail.append(self.cur)
-                weakref.finalize(st, self._freed, st._cdata, st.nbytes())
-        return out
-
-
 def _op_outputs(fn, inputs):
     """Runs ``fn(mark)`` counting the storages its ops create beyond ``inputs``: (bytes live when it calls
     ``mark()``, peak before that, peak after it, its result)."""
-    rec = _OpOutputs(inputs)
+    # what a CUDA run allocates through the caching allocator, where the profiler on this CPU also counts the
+    # workspaces its 16-bit matmuls make inside the op (cuBLAS's are not the loss's)
+    rec = op_outputs_mode(inputs)
     split: list[tuple[int, int]] = []
     with rec:
         out = fn(lambda: split.append((len(rec.trail), rec.cur)))

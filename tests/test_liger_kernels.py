@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import op_outputs_mode
 
 from fitburst.memory import RunSettings, estimate, load_shape, resolve_device
 from fitburst.memory.ladder import RUNGS
@@ -46,36 +46,6 @@ def launches_stubbed(monkeypatch):
                 monkeypatch.setattr(module, attr, _NoLaunch())
 
 
-class _Storages(TorchDispatchMode):
-    """The bytes of the storages ops create (a view, or an in-place result, of a live storage is not new), each freed
-    when its storage dies: the trail of live bytes, one entry per allocation or free."""
-
-    def __init__(self, inputs):
-        super().__init__()
-        self.live = {t.untyped_storage()._cdata for t in inputs}
-        self.cur = 0
-        self.trail: list[int] = []
-
-    def _freed(self, key: int, size: int) -> None:
-        self.live.discard(key)
-        self.cur -= size
-        self.trail.append(self.cur)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        from torch.utils._pytree import tree_leaves
-
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (st := t.untyped_storage())._cdata not in self.live:
-                self.live.add(st._cdata)
-                self.cur += st.nbytes()
-                self.trail.append(self.cur)
-                weakref.finalize(st, self._freed, st._cdata, st.nbytes())
-        return out
-
-
 def _run(fn, make_inputs, extra=()):
     """``fn.apply(*inputs, *extra)`` and its backward: what it saves for backward (shape, dtype, and which input's
     storage it is, -1 a new one) and the trails of live bytes of forward and backward."""
@@ -88,7 +58,7 @@ def _run(fn, make_inputs, extra=()):
         saved.append((tuple(t.shape), t.dtype, ptrs.index(p) if p in ptrs else -1))
         return t
 
-    rec = _Storages(inputs)
+    rec = op_outputs_mode(inputs)
     with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn.apply(*inputs, *extra)
     forward = list(rec.trail)

@@ -84,6 +84,11 @@ def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | No
 
     method, tr = spec.method, spec.training
     model.config.use_cache = False
+    if resolved is None:  # the settings refused before anything is patched or prepared
+        family = family_for(model.config)
+        refuse_problems(spec, family)
+    else:
+        family = resolved.family
     if tr.liger_kernels:  # the model's own modules, before k-bit preparation and peft wrap them
         from fitburst.models import apply_liger_kernels
 
@@ -96,11 +101,6 @@ def prepare_for_training(model, spec: PipelineSpec, resolved: ResolvedModel | No
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if method.type != "full":
             model.enable_input_require_grads()
-    if resolved is None:
-        family = family_for(model.config)
-        refuse_problems(spec, family)
-    else:
-        family = resolved.family
     init = spec.init_folder()
     if init is not None:  # method.init_from, fetched and checked by fitburst.init_adapter: its weights train on
         from peft import LoraConfig, PeftModel, get_peft_model  # heavy: loaded only when training

@@ -76,9 +76,14 @@ class Recipe:
         self.on_metrics, self.progress, self.stop_after = on_metrics, progress, stop_after
 
     def run(self) -> TrainResult:
-        self.setup()
-        self.loop()
-        return self.save()
+        from fitburst.memory.model_kernels import transformers_restored
+
+        # training.liger_kernels patches transformers' modeling modules for the process: this process's next model
+        # (another run in a Prefect worker, a trace) is built from transformers' own classes again
+        with transformers_restored():
+            self.setup()
+            self.loop()
+            return self.save()
 
     # --- set-up ----------------------------------------------------------------------------------------------
 

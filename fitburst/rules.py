@@ -47,14 +47,17 @@ class ModelFacts:
     gated_mlp: bool  # each block's feed-forward is gated (gate, up, down: SwiGLU / GEGLU), not fc1, fc2
     head_bias: bool  # its output head adds a bias (phi-1.5)
     tied: bool = False  # its input embeddings are its output head's weight too
+    vision: bool = False  # a vision tower beside its text blocks (a vision-language model)
 
     @classmethod
     def of(cls, shape: ModelShape | None) -> ModelFacts | None:
         """The facts of ``shape`` (None: the model was not looked up, or the estimate does not model it)."""
         if shape is None:
             return None
-        return cls(shape.model_type, shape.arch.block == "decoder", bool(shape.experts), shape.mlp == "gated",
-                   shape.lm_head_bias, shape.tied)
+        decoder = shape.arch.block == "decoder"
+        # a decoder's extra_params are its vision tower's weights (whether or not the tower's shape is modelled)
+        return cls(shape.model_type, decoder, bool(shape.experts), shape.mlp == "gated", shape.lm_head_bias,
+                   shape.tied, vision=shape.vision is not None or (decoder and shape.extra_params > 0))
 
 
 def tiled_mlp_refusal(m: ModelFacts) -> str | None:
@@ -92,9 +95,18 @@ def liger_missing() -> str | None:
     return _liger_model_types()[1]
 
 
-def liger_patches(model_type: str) -> bool:
-    """Whether Liger Kernel patches models of ``model_type`` (False where it is not installed)."""
-    return model_type in _liger_model_types()[0]
+def liger_refusal(m: ModelFacts) -> str | None:
+    """Why training.liger_kernels does not apply to the model, or None when it does: Liger Kernel patches its model
+    type (its MODEL_TYPE_TO_APPLY_LIGER_FN), and it is a dense text decoder, the architecture both estimates model
+    Liger's Functions in (:mod:`fitburst.memory.model_kernels` stands in for its RMSNorm, SwiGLU / GEGLU and RoPE
+    only: a vision tower's LayerNorm, M-RoPE or the experts' kernels have no stand-in)."""
+    if m.model_type not in _liger_model_types()[0]:
+        return f"Liger Kernel has no apply_liger_kernel_to_{m.model_type} (its MODEL_TYPE_TO_APPLY_LIGER_FN)"
+    if m.vision or m.experts or not m.decoder:
+        kind = "a vision tower" if m.vision else "experts" if m.experts else "an encoder-decoder's blocks"
+        return (f"{m.model_type} has {kind}: fitburst models Liger's kernels in a dense text decoder only "
+                "(RMSNorm, SwiGLU / GEGLU, RoPE)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -208,14 +220,13 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: ("training.liger_kernels patches the model with Liger Kernel's Triton kernels, which run "
                              f"on CUDA GPUs, and this run is on {d.name if d else ''}", "set it false")),
     Rule("liger_kernels_missing", ("training", "liger_kernels"),
-         lambda s, d, f, m: s.liger_kernels and liger_missing() is not None,
+         lambda s, d, f, m: s.liger_kernels and d is not None and d.kind == "cuda" and liger_missing() is not None,
          lambda s, d, f, m: (f"training.liger_kernels needs Liger Kernel, and {liger_missing()}",
                              "pip install 'fitburst[lean]' on Linux, or set it false")),
     Rule("liger_kernels_model", ("training", "liger_kernels"),
          lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing() is None
-                             and not liger_patches(m.model_type)),
-         lambda s, d, f, m: (f"Liger Kernel has no apply_liger_kernel_to_{m.model_type if m else ''} (its "
-                             "MODEL_TYPE_TO_APPLY_LIGER_FN)", "set training.liger_kernels: false")),
+                             and liger_refusal(m) is not None),
+         lambda s, d, f, m: (liger_refusal(m) if m else "", "set training.liger_kernels: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

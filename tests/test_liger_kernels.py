@@ -178,6 +178,11 @@ def test_the_rung_applies_on_cuda_to_a_model_liger_patches():
     cuda, llama, phi = resolve_device("cuda:24GiB"), load_shape("llama-3.1-8b"), load_shape("microsoft/phi-1.5")
     assert rung.allowed(s, cuda, shape=llama) and rung.take(s, cuda).liger_kernels
     assert not rung.allowed(s, cuda, shape=phi)  # no apply_liger_kernel_to_phi
+    # Liger patches these too, with kernels the estimates do not model (a vision tower's, the experts')
+    for name in ("qwen2-vl-7b", "mixtral-8x7b"):
+        (p,) = problems(rung.take(s, cuda), cuda, model=ModelFacts.of(load_shape(name)))
+        assert p.rule == "liger_kernels_model" and ("vision tower" in str(p) or "experts" in str(p))
+        assert not rung.allowed(s, cuda, shape=load_shape(name))
     assert not rung.allowed(s, cuda)  # the model not known: the table cannot check it
     assert not rung.allowed(s, resolve_device("cpu:64GiB"), shape=llama)
     assert not rung.allowed(s, resolve_device("mps:32GiB"), shape=llama)

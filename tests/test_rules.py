@@ -50,7 +50,7 @@ CASES = {
     "fused_loss_head_bias": (on(dict(loss="fused"), None, None, PHI), on(dict(loss="fused"), None, None, LLAMA)),
     "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
     "liger_kernels_off_cuda": (on(dict(liger_kernels=True), CPU), on(dict(liger_kernels=True), CUDA)),
-    "liger_kernels_model": (on(dict(liger_kernels=True), None, None, PHI),
+    "liger_kernels_model": (on(dict(liger_kernels=True), None, None, MIXTRAL),
                             on(dict(liger_kernels=True), None, None, LLAMA)),
     "embeddings_on_host_mps": (on(dict(embeddings_on_host=True), MPS), on(dict(embeddings_on_host=True), CPU)),
     "embeddings_on_host_trained": (on(dict(method="full", embeddings_on_host=True)),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fitburst.hardware import Device, expands_kv
-from fitburst.rules import ModelFacts, liger_patches, tiled_mlp_refusal
+from fitburst.rules import ModelFacts, liger_missing, liger_refusal, tiled_mlp_refusal
 from fitburst.settings import RunSettings
 
 from .params import DTYPE_BYTES, resolve_targets
@@ -94,7 +94,9 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
 def liger_modelled(shape: ModelShape, s: RunSettings, device: Device) -> bool:
     """Liger Kernel's model kernels as the estimates count them: on CUDA, for a model Liger patches (the rule
     table refuses the rest), its RMS norms and its gated MLP's SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
-    return s.liger_kernels and device.kind == "cuda" and liger_patches(shape.model_type)
+    facts = ModelFacts.of(shape)
+    return (s.liger_kernels and device.kind == "cuda" and liger_missing() is None and facts is not None
+            and liger_refusal(facts) is None)
 
 
 def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:
@@ -259,12 +261,16 @@ def _gated_mlp(sv: dict, shape: ModelShape, c: StepContext, n2: str, rg_n2: bool
     else:
         rg_g = _linear(sv, mlp[0].name, n2, h, rg_n2, c)
         rg_u = _linear(sv, mlp[1].name, n2, h, rg_n2, c)
+    if _liger_mlp(shape, c):  # Liger's SiLU / GELU-mul Function keeps gate and up, whichever needs grad
+        if rg_g or rg_u:
+            sv["gate"], sv["up"] = a * T * i, a * T * i
+        return _linear(sv, mlp[-1].name, "p", i, rg_g or rg_u, c)
     act = a
     if rg_g:
         sv["gate"] = a * T * i  # activation input
         if shape.act == "gelu_new":
             act = _gelu_new(sv, "gate", c, a, i)
-    if rg_u and not _liger_mlp(shape, c):  # Liger's SiLU / GELU-mul Function keeps gate and up only
+    if rg_u:
         sv["act"] = act * T * i
     if rg_g:
         sv["up"] = a * T * i

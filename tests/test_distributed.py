@@ -185,24 +185,31 @@ def causal_runs(tmp_path_factory, pipelines_file):
     return run
 
 
-def two_ranks_against_one_process(tmp_path, pipelines_file, pipeline, overrides):
+def two_ranks_against_one_process(tmp_path, pipelines_file, pipeline):
     """``pipeline`` at micro-batch 8 in one process and at 4 on two ranks: (spec, one's result, the ranks' result,
     the folder holding one/ and two/)."""
-    spec = spec_for(pipelines_file, pipeline, **overrides, training__micro_batch_size=8)
+    spec = spec_for(pipelines_file, pipeline, training__micro_batch_size=8)
     prepared = prepared_for(spec)
     one = one_process(spec, prepared, tmp_path / "one")
     sharded = spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"})
     return spec, one, torchrun(2, sharded, prepared, tmp_path / "two"), tmp_path
 
 
-@pytest.mark.parametrize("run", ["causal-lora", "causal-full", "t5-demo", "moe-demo"],
-                         ids=["causal-lora", "causal-full", "t5-lora", "moe-lora"])
-def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(request, tmp_path, pipelines_file, run):
-    if run.startswith("causal-"):  # the module's shared runs, asked for here only: the t5 and moe cases need not
-        # wait on the worker that holds them (tests/conftest.py groups the tests that name a module fixture)
-        spec, _, one, result, root = request.getfixturevalue("causal_runs")(run.removeprefix("causal-"))
-    else:
-        spec, one, result, root = two_ranks_against_one_process(tmp_path, pipelines_file, run, {})
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_two_ranks_train_as_one_process_with_their_combined_micro_batch(causal_runs, method):
+    spec, _, one, result, root = causal_runs(method)
+    assert_trained_as_one_process(spec, one, result, root)
+
+
+@pytest.mark.parametrize("pipeline", ["t5-demo", "moe-demo"])
+def test_two_ranks_of_t5_and_moe_train_as_one_process_with_their_combined_micro_batch(tmp_path, pipelines_file,
+                                                                                     pipeline):
+    assert_trained_as_one_process(*two_ranks_against_one_process(tmp_path, pipelines_file, pipeline))
+
+
+def assert_trained_as_one_process(spec, one, result, root: Path) -> None:
+    """Two ranks at micro-batch b trained as one process at 2b: the same losses and weights, the same tokens, each
+    rank's peak recorded, and an ordinary folder at the end."""
     assert_same_run(root / "one", root / "two", spec.training.learning_rate)
     assert result["tokens"] == one.tokens  # the same samples, counted over both ranks
     assert result["world_size"] == 2 and len(result["rank_peaks"]) == 2

@@ -8,8 +8,9 @@
 #   - Linux without one: the CPU build, pinned as torch==X+cpu so nothing else can satisfy it. pip first looks in
 #     the sources it is configured with (a local wheel folder or mirror that has it); only if none does, it adds
 #     PyTorch's CPU index (https://download.pytorch.org/whl/cpu). No network probe decides anything.
-# pip installs without compiling each file to bytecode (--no-compile): Python compiles a module when it is first
-# imported and keeps the .pyc, and the runs and tests import about a third of the 24,000 files pip would compile.
+# pip compiles the packages to bytecode as it installs them (its default; not --no-compile): with
+# PYTHONDONTWRITEBYTECODE set, as on this project's machines, Python would otherwise compile torch, transformers and
+# peft from source again in every process, every run and every test's subprocess.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FITBURST_VENV:-.venv}
@@ -20,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
 fi
-PIP=("$VENV/bin/pip" install -q --no-compile)
+PIP=("$VENV/bin/pip" install -q)
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "keeping the installed torch ($("$VENV/bin/python" -c "import torch; print(torch.__version__)"))"
 elif [ "$(uname -s)" = "Darwin" ] || { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then

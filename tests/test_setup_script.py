@@ -41,18 +41,18 @@ def setup_sh(tmp_path: Path, gpu: bool, **env: str) -> list[str]:
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="the CPU-build rule is Linux's")
 def test_no_gpu_pins_the_cpu_build_from_configured_sources_first(tmp_path):
     calls = setup_sh(tmp_path, gpu=False, STUB_LOCAL_CPU="1")
-    assert calls == ["install -q --no-compile torch==2.13.0+cpu", "install -q --no-compile -e .[dev]"]
+    assert calls == ["install -q torch==2.13.0+cpu", "install -q -e .[dev]"]
 
 
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="the CPU-build rule is Linux's")
 def test_no_gpu_and_no_local_cpu_wheel_adds_the_pytorch_cpu_index(tmp_path):
     calls = setup_sh(tmp_path, gpu=False)
-    assert calls == ["install -q --no-compile torch==2.13.0+cpu",
-                     "install -q --no-compile torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu",
-                     "install -q --no-compile -e .[dev]"]
+    assert calls == ["install -q torch==2.13.0+cpu",
+                     "install -q torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu",
+                     "install -q -e .[dev]"]
 
 
 def test_a_gpu_gets_the_index_torch_and_an_installed_torch_is_kept(tmp_path):
-    assert setup_sh(tmp_path, gpu=True)[0] == "install -q --no-compile torch==2.13.0"
+    assert setup_sh(tmp_path, gpu=True)[0] == "install -q torch==2.13.0"
     (tmp_path / "pip.log").unlink()
-    assert setup_sh(tmp_path, gpu=False, STUB_HAS_TORCH="1") == ["install -q --no-compile -e .[dev]"]
+    assert setup_sh(tmp_path, gpu=False, STUB_HAS_TORCH="1") == ["install -q -e .[dev]"]

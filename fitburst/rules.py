@@ -226,7 +226,7 @@ RULES: tuple[Rule, ...] = (
     Rule("liger_kernels_model", ("training", "liger_kernels"),
          lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing() is None
                              and liger_refusal(m) is not None),
-         lambda s, d, f, m: (liger_refusal(m) if m else "", "set training.liger_kernels: false")),
+         lambda s, d, f, m: ((liger_refusal(m) if m else None) or "", "set training.liger_kernels: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

@@ -90,11 +90,12 @@ class Hook:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/fitburst-hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def wait_for(self, subject: str, timeout: float = 60) -> dict:
+    def wait_for(self, subject: str, timeout: float = 60, containing: str = "") -> dict:
+        """The first notification with ``subject`` whose text holds ``containing``."""
         end = time.time() + timeout
         while time.time() < end:
             for m in self.received:
-                if m.get("subject") == subject:
+                if m.get("subject") == subject and containing in m.get("text", ""):
                     return m
             time.sleep(0.3)
         raise AssertionError(f"no {subject!r} notification within {timeout}s; got {self.received}")
@@ -281,9 +282,20 @@ def test_every_pipeline_is_a_deployment_with_its_schedule(stack):
     assert demo["parameter_openapi_schema"]["properties"]["pipeline"]["enum"] == ["demo"]
 
 
-def test_deployment_run_watch_completes_and_records_mlflow(stack):
-    rc, out, took = run_cli(stack, FAST)
-    TIMINGS["deployment run --watch (demo, 3 steps)"] = took
+@pytest.fixture(scope="module")
+def two_runs(stack) -> list[tuple[int, str]]:
+    """(exit code, output) of two ``prefect deployment run --watch`` of demo (3 steps) started at once, made on
+    first use. Shared by the test of what one run records and the test that the two serialize on the local
+    training slot: each flow run is a process that imports torch and transformers before it trains."""
+    t0 = time.time()
+    procs = [stack.trigger(FAST), stack.trigger(FAST)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    TIMINGS["two deployment runs --watch at once (demo, 3 steps)"] = time.time() - t0
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+def test_deployment_run_watch_completes_and_records_mlflow(stack, two_runs):
+    rc, out = two_runs[0]
     assert rc == 0, out
     assert "Completed" in out
     fr = flow_run_id(out)
@@ -303,7 +315,7 @@ def test_deployment_run_watch_completes_and_records_mlflow(stack):
     assert run_id in summary and stack.env["MLFLOW_TRACKING_URI"] in summary
     assert any(a["key"] == "preflight-demo" for a in arts)
 
-    done = stack.hook.wait_for("fitburst: demo completed")
+    done = stack.hook.wait_for("fitburst: demo completed", containing=run_id)  # this run's, not the other's
     assert "eval loss" in done["text"] and run_id in done["text"]
 
 
@@ -406,11 +418,9 @@ def test_scheduled_runs_train_only_when_something_changed(stack):
     assert tags["fitburst.fingerprint.settings"] == first_tags["fitburst.fingerprint.settings"]
 
 
-def test_concurrent_local_trainings_serialize(stack):
-    fast = {**FAST, "eval.enabled": False}
-    procs = [stack.trigger(fast), stack.trigger(fast)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+def test_concurrent_local_trainings_serialize(stack, two_runs):
+    outs = [out for _, out in two_runs]
+    assert [rc for rc, _ in two_runs] == [0, 0], outs
     ids = [flow_run_id(o) for o in outs]
     with stack.http() as c:
         trs = c.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": ids}}}).json()

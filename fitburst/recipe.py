@@ -92,7 +92,6 @@ class Recipe:
         chosen from the config, :mod:`fitburst.builders`), restored from the checkpoint; the data stream. Everything
         a setting can refuse is refused before the model loads."""
         import torch  # heavy: loaded only when training
-        from transformers import get_scheduler
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec, w = self.spec, distributed.world()
@@ -124,6 +123,10 @@ class Recipe:
         self.optimizer = make_optimizer(tr.optimizer, self.params, tr.learning_rate, tr.weight_decay,
                                         adamw_impl(kind, w.size))
         self.steps = total_steps(spec, self.prepared.n_train, w.size)
+        # imported after the refusals: transformers' optimization module pulls in peft, bitsandbytes (which
+        # compiles at import) and scikit-learn, ~5 s of a process that a refused run need not spend
+        from transformers import get_scheduler
+
         self.scheduler = get_scheduler(tr.lr_scheduler, self.optimizer, num_warmup_steps=tr.warmup_steps,
                                        num_training_steps=self.steps)
 

@@ -138,11 +138,23 @@ def test_liger_missing_is_refused_with_field_and_fix(monkeypatch):
     import fitburst.rules as rules
 
     monkeypatch.setattr(rules, "_liger_model_types", lambda: (frozenset(), "liger-kernel is not installed"))
-    (p,) = problems(RunSettings(liger_kernels=True), resolve_device("cuda:24GiB"))
+    (p,) = problems(RunSettings(liger_kernels=True), device_of_kind("cuda"))  # the loop's: it trains here
     assert (p.rule, p.path) == ("liger_kernels_missing", "training.liger_kernels")
     assert "not installed" in str(p) and "pip install 'fitburst[lean]'" in str(p)
-    assert not RUNGS["liger_kernels"].allowed(RunSettings(), resolve_device("cuda:24GiB"),
-                                              shape=load_shape("llama-3.1-8b"))
+    assert not RUNGS["liger_kernels"].allowed(RunSettings(), device_of_kind("cuda"), shape=load_shape("llama-3.1-8b"))
+
+
+def test_the_types_a_plan_reads_without_liger_are_ligers_own():
+    """A plan for another machine where liger-kernel is not installed here reads LIGER_MODEL_TYPES: the bundled
+    configs' model types the installed Liger's MODEL_TYPE_TO_APPLY_LIGER_FN has, no more, no fewer."""
+    from pathlib import Path
+
+    import fitburst
+    from fitburst.rules import LIGER_MODEL_TYPES, _liger_model_types
+
+    configs = Path(fitburst.__file__).parent / "configs"
+    bundled = {json.loads(p.read_text())["model_type"] for p in configs.glob("*.json")}
+    assert LIGER_MODEL_TYPES == bundled & _liger_model_types()[0]
 
 
 @pytest.mark.parametrize("model, device, rule", [("microsoft/phi-1.5", "auto", "liger_kernels_model"),

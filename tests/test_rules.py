@@ -109,6 +109,36 @@ def test_the_tiled_mlp_runs_on_a_dense_decoders_gated_mlp_only(model, why):
     assert problems(RunSettings(), model=model) == []  # the model alone breaks nothing
 
 
+def test_liger_missing_here_decides_only_for_a_run_that_trains_here(monkeypatch, demo_spec):
+    """A CUDA card planned from a machine without liger-kernel (a Mac: `fitburst estimate --device cuda:24GiB`, a
+    burst's GPU): its machine installs the lean extra, so neither the row, the rung nor the analytic estimate reads
+    this install (the model types from LIGER_MODEL_TYPES); the loop's device, the preflight's and validate's (this
+    machine's, named or sized) are refused with the missing row, and the trace, which runs Liger's own patch, says it
+    cannot run here."""
+    from fitburst.hardware import resolve_gpus
+    from fitburst.memory import estimate
+    from fitburst.memory.ladder import RUNGS
+    from fitburst.memory.trace import TraceUnsupported, trace_step
+
+    _probe(monkeypatch, LIGER_MISSING)
+    s = RunSettings(method="qlora", quant="nf4", precision="bf16", seq_len=4096, dropout=0.0)
+    on, llama = replace(s, liger_kernels=True), load_shape("meta-llama/llama-3.1-8b")
+    target = resolve_device("cuda:24GiB")
+    assert problems(on, target, model=LLAMA) == []
+    (p,) = problems(on, target, model=PHI)  # phi is no type Liger patches
+    assert p.rule == "liger_kernels_model" and "not installed here" in str(p)
+    rung = RUNGS["liger_kernels"]
+    assert rung.allowed(s, target, shape=llama)
+    # measured 45.5 GiB against 52.5 GiB without Liger (no checkpointing: every block's norms and MLP saved)
+    assert estimate(llama, on, target).allocated_peak_bytes < 0.9 * estimate(llama, s, target).allocated_peak_bytes
+    for here in (device_of_kind("cuda"), resolve_gpus("cuda:24GiB").device, declared_device("cuda:24GiB")):
+        assert [p.rule for p in problems(on, here, model=LLAMA)] == ["liger_kernels_missing"]
+        assert not rung.allowed(s, here, shape=llama)
+        assert estimate(llama, on, here).allocated_peak_bytes == estimate(llama, s, here).allocated_peak_bytes
+    with pytest.raises(TraceUnsupported, match="not installed here"):
+        trace_step(demo_spec, replace(on, method="lora", quant="none"), seq_len=64, device=target)
+
+
 def test_messages_name_the_device_and_the_fix():
     (p,) = problems(RunSettings(method="qlora"), MPS)
     assert (p.path, str(p)) == ("method.quant", "nf4 weights need bitsandbytes, which has no MPS backend: use "

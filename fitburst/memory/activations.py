@@ -92,11 +92,12 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
 
 
 def liger_modelled(shape: ModelShape, s: RunSettings, device: Device) -> bool:
-    """Liger Kernel's model kernels as the estimates count them: on CUDA, for a model Liger patches (the rule
-    table refuses the rest), its RMS norms and its gated MLP's SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
+    """Liger Kernel's model kernels as the estimates count them: on CUDA where they can run (this install, for a run
+    that trains here), for a model Liger patches (the rule table refuses the rest), its RMS norms and its gated MLP's
+    SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
     facts = ModelFacts.of(shape)
-    return (s.liger_kernels and device.kind == "cuda" and liger_missing() is None and facts is not None
-            and liger_refusal(facts) is None)
+    return (s.liger_kernels and device.kind == "cuda" and liger_missing(device) is None and facts is not None
+            and liger_refusal(facts, device) is None)
 
 
 def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:

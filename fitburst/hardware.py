@@ -526,6 +526,15 @@ def efficient_takes_gqa() -> bool:
     return found is None or (int(found[1]), int(found[2])) >= (2, 14)
 
 
+def attention_masked(device: Device, attention: str, padded: bool) -> bool:
+    """Whether a padded batch (``padded``) hands the attention kernel a b x S x S mask on ``device``: under SDPA and
+    eager, not under FlashAttention-2 (``attention`` flash, which runs on CUDA only): transformers
+    (masking_utils.flash_attention_mask) gives it the 2D padding mask as it is, which _flash_attention_forward
+    unpads into varlen cu_seqlens (modeling_flash_attention_utils._upad_input), the real tokens' q, k and v gathered
+    (no more than the padded ones); a packed batch's position ids become cu_seqlens there too, with no mask."""
+    return padded and not (attention == "flash" and device.kind == "cuda")
+
+
 def sdpa_kernel_for(device: Device, dtype: str, padded: bool, gqa: bool, efficient_gqa: bool | None = None) -> str:
     """The kernel torch's SDPA dispatch (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) runs on a CUDA
     ``device`` for a run computing in ``dtype``: flash | efficient | math. FlashAttention-2 needs sm >= 80

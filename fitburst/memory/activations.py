@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device, expands_kv
+from fitburst.hardware import Device, attention_masked, expands_kv
 from fitburst.rules import ModelFacts, liger_missing, liger_refusal, tiled_mlp_refusal
 from fitburst.settings import RunSettings
 
@@ -66,10 +66,11 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
     mp = s.world_size > 1 and s.amp
     a = 4 if s.kbit and not mp else d
     tokens, rows, seq = s.micro_batch_size * s.seq_len, s.micro_batch_size, s.seq_len
-    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
+    # padded: a b x S x S mask reaches the attention kernel (FlashAttention-2 gets none: varlen over the real tokens)
+    padded = attention_masked(device, s.attention, s.micro_batch_size > 1 if s.padded is None else s.padded)
     if s.packed_fill:  # one row of the real tokens; sdpa/eager get a block-diagonal mask, flash-attn varlen none
         tokens = seq = max(1, round(tokens * s.packed_fill))
-        rows, padded = 1, s.attention != "flash"
+        rows, padded = 1, attention_masked(device, s.attention, True)
     full = s.method == "full"
     attention = s.attention
     if attention == "flash" and device.kind != "cuda":

@@ -20,7 +20,7 @@ from typing import Any
 
 from fitburst.allocator_env import allocator_mode
 from fitburst.errors import UserError
-from fitburst.hardware import Device, MiB
+from fitburst.hardware import Device, MiB, attention_masked
 from fitburst.settings import RunSettings, spec_with_settings
 
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
@@ -361,7 +361,9 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
     sharded.shard_on_meta(model, s)
-    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
+    # FA2 is traced as SDPA's shapes: with no mask where FlashAttention-2 gets none (varlen over the real tokens)
+    padded = attention_masked(device or resolve_device("cpu"), s.attention,
+                              s.micro_batch_size > 1 if s.padded is None else s.padded)
     rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"

@@ -112,13 +112,14 @@ def test_the_tiled_mlp_runs_on_a_dense_decoders_gated_mlp_only(model, why):
 def test_liger_missing_here_decides_only_for_a_run_that_trains_here(monkeypatch, demo_spec):
     """A CUDA card planned from a machine without liger-kernel (a Mac: `fitburst estimate --device cuda:24GiB`, a
     burst's GPU): its machine installs the lean extra, so neither the row, the rung nor the analytic estimate reads
-    this install (the model types from LIGER_MODEL_TYPES); the loop's device, the preflight's and validate's (this
-    machine's, named or sized) are refused with the missing row, and the trace, which runs Liger's own patch, says it
-    cannot run here."""
+    this install (the model types from LIGER_MODEL_TYPES); the loop's device, the preflight's, validate's and the
+    OOM step-down's (this machine's, named or sized) are refused with the missing row, and the trace, which runs
+    Liger's own patch, says it cannot run here."""
     from fitburst.hardware import resolve_gpus
     from fitburst.memory import estimate
     from fitburst.memory.ladder import RUNGS
     from fitburst.memory.trace import TraceUnsupported, trace_step
+    from fitburst.supervisor import training_device
 
     _probe(monkeypatch, LIGER_MISSING)
     s = RunSettings(method="qlora", quant="nf4", precision="bf16", seq_len=4096, dropout=0.0)
@@ -131,7 +132,9 @@ def test_liger_missing_here_decides_only_for_a_run_that_trains_here(monkeypatch,
     assert rung.allowed(s, target, shape=llama)
     # measured 45.5 GiB against 52.5 GiB without Liger (no checkpointing: every block's norms and MLP saved)
     assert estimate(llama, on, target).allocated_peak_bytes < 0.9 * estimate(llama, s, target).allocated_peak_bytes
-    for here in (device_of_kind("cuda"), resolve_gpus("cuda:24GiB").device, declared_device("cuda:24GiB")):
+    named = demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"device": "cuda:24GiB"})})
+    for here in (device_of_kind("cuda"), resolve_gpus("cuda:24GiB").device, declared_device("cuda:24GiB"),
+                 training_device(named, "cuda")):
         assert [p.rule for p in problems(on, here, model=LLAMA)] == ["liger_kernels_missing"]
         assert not rung.allowed(s, here, shape=llama)
         assert estimate(llama, on, here).allocated_peak_bytes == estimate(llama, s, here).allocated_peak_bytes

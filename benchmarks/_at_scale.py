@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import gzip
 import importlib.metadata
 import json
@@ -36,7 +37,7 @@ LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl
 FIELDS = ["config", "role", "stage", "loop", "status", "model", "gpu", "world_size", "seq_len", "micro_batch",
           "device_total_bytes", "context_bytes", "capability", "allocated", "reserved", "max_allocated",
           "max_reserved", "device_used", "adamw", "loss_kernel", "sdpa_backend", "steps_per_s", "tokens_per_s",
-          "mfu", "seconds", "snapshot", "others_bytes"]
+          "mfu", "seconds", "snapshot", "others_bytes", "cap_bytes", "plan"]
 
 LORA = {"method.type": "lora", "method.rank": 16, "method.alpha": 32, "method.dropout": 0.0,
         "method.target_modules": "all-linear"}
@@ -57,6 +58,7 @@ class Case:
     speed: bool = False  # also Hugging Face's Trainer + peft on the same settings, for tokens/s
     cuda_only: bool = False  # refused off CUDA (the dry run skips it and says so)
     resume: bool = False  # trains half the steps, stops (a checkpoint saved), and resumes: the resumed run's peak
+    cap_gib: int = 0  # > 0: the card capped to this many GiB, and the run planned for it (:func:`capped_plan`)
 
 
 # in priority order: a run out of time keeps the first ones
@@ -66,6 +68,10 @@ CASES = [
     Case("qwen7b-lora-2048", "qwen2.5-7b", 2048, LORA, speed=True),
     Case("qwen7b-lora-2048-gc", "qwen2.5-7b", 2048, {**LORA, **GC}),
     Case("llama8b-qlora-nf4-dq-gc-2048", "llama-3.1-8b", 2048, {**QLORA, **GC}),
+    # issue 35's 24 GB row as a real step: Unsloth's settings (r32, dropout 0.05, batch 1), fitburst's plan and
+    # longest length for cuda:24GiB (context_fit.txt's "planned" column), on the card capped to 24 GiB
+    Case("llama8b-qlora-r32-planned-24gib", "llama-3.1-8b", 2048, {**QLORA, "method.rank": 32, "method.dropout": 0.05},
+         cuda_only=True, cap_gib=24),
     Case("llama1b-full-2x1024", "llama-3.2-1b", 1024, {"method.type": "full", **B2}, speed=True),
     Case("gemma1b-lora-2x2048", "gemma-3-1b", 2048, {**LORA, **B2}),
     Case("gemma1b-lora-2x2048-fused", "gemma-3-1b", 2048, {**LORA, **B2, "training.loss": "fused"}),
@@ -134,9 +140,10 @@ def build(model: str, dest: Path, tiny: bool) -> None:
 # --- one configuration, in a child process -------------------------------------------------------------------
 
 
-def fixed_length_data(dest: Path, n: int = 64) -> Path:
-    """Records far longer than any sequence here: each sample is cut to exactly ``data.max_seq_len`` tokens."""
-    text = " ".join(f"word{i % 97}" for i in range(6000))
+def fixed_length_data(dest: Path, n: int = 64, words: int = 6000) -> Path:
+    """Records longer than ``words`` tokens (each word one or more): each sample is cut to exactly
+    ``data.max_seq_len`` tokens."""
+    text = " ".join(f"word{i % 97}" for i in range(words))
     with dest.open("w") as f:
         for i in range(n):
             f.write(json.dumps({"instruction": f"Repeat {i}.", "input": "", "output": text}) + "\n")
@@ -156,6 +163,30 @@ def spec_of(c: Case, model: str, data: Path, steps: int, tiny: bool):
     if tiny and over["training.precision"] != "auto":
         over["training.precision"] = "fp32" if over["training.precision"] == "fp32" else "auto"
     return load_pipeline(REPO / "pipelines.yaml", "demo", over)
+
+
+def capped_plan(c: Case, spec):
+    """``spec`` as fitburst plans it for a ``cuda:<c.cap_gib>GiB`` card with this host's RAM: the longest length
+    its planner finds a plan for (the analytic estimate at its band's upper edge, as ``fitburst estimate`` prints
+    it) and that plan's settings. Returns (the planned spec, the plan)."""
+    from fitburst.hardware import resolve_device
+    from fitburst.memory.host import this_host_limit
+    from fitburst.memory.planner import longest_planned
+    from fitburst.memory.shapes import load_shape
+    from fitburst.settings import settings_from_spec, spec_with_settings
+
+    device = resolve_device(f"cuda:{c.cap_gib}GiB")
+    length, plan = longest_planned(load_shape(c.model), settings_from_spec(spec, device), device,
+                                   host_limit=this_host_limit())
+    if plan is None:
+        raise SystemExit(f"{c.name}: fitburst plans no length of {c.model} on {device.name}")
+    return spec_with_settings(spec.with_overrides({"data.max_seq_len": length}), plan.settings), plan
+
+
+def cap_fraction(cap_bytes: int, total_bytes: int, used_bytes: int) -> float:
+    """torch.cuda.set_per_process_memory_fraction's argument that leaves the allocator what a ``cap_bytes`` card
+    leaves it: the cap less what is in use before the run (the CUDA context, other processes)."""
+    return max(cap_bytes - used_bytes, 0) / total_bytes
 
 
 @contextlib.contextmanager
@@ -196,9 +227,17 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
     cuda = torch.cuda.is_available()
     device = resolve_device("cuda" if cuda else "cpu")
     seen: list[str] = []
+    plan, cap = None, 0
     with tempfile.TemporaryDirectory() as d:
         spec = spec_of(c, str(model_dir(models, c.model, tiny)), fixed_length_data(Path(d) / "long.jsonl"), steps,
                        tiny)
+        if c.cap_gib:  # the planned length, in records long enough for it; the card capped before the model loads
+            spec, plan = capped_plan(c, spec)
+            data = fixed_length_data(Path(d) / "longer.jsonl", n=16, words=spec.data.max_seq_len)
+            spec = spec.with_overrides({"data.path": str(data)})
+            free, total = torch.cuda.mem_get_info()
+            cap = c.cap_gib << 30
+            torch.cuda.set_per_process_memory_fraction(cap_fraction(cap, total, total - free))
         prepared = prepare_pipeline(spec)
         readings = Readings(Path(d), snapshots={"peak"} if snapshot and cuda else set(), history=HISTORY)
         t0 = time.perf_counter()
@@ -213,7 +252,8 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
              "model": c.model if not tiny else str(model_dir(models, c.model, tiny)), "world_size": 1,
              "seq_len": prepared.stats["max"], "micro_batch": spec.training.micro_batch_size, **device_facts(device),
              "adamw": adamw_impl(device.kind), "loss_kernel": result.loss, "sdpa_backend": seen[0] if seen else "",
-             "seconds": round(seconds, 1)}
+             "seconds": round(seconds, 1), "cap_bytes": cap or "",
+             "plan": json.dumps(dataclasses.asdict(plan.settings)) if plan else ""}
     rows = [{**facts, "stage": stage, **r} for stage, r in readings.rows.items()]
     peak = next((r for r in rows if r["stage"] == "peak"), None)
     if peak is None:  # no CUDA: the readings are of the GPU; the run's pace is recorded all the same
@@ -429,6 +469,7 @@ def replay(csv_path: Path) -> int:
     from gpu_check import estimates
 
     from fitburst.hardware import cuda_gpu, resolve_device
+    from fitburst.settings import RunSettings, spec_with_settings
 
     with csv_path.open() as f:
         peaks = [r for r in csv.DictReader(f) if r["stage"] == "peak" and r["loop"] == "fitburst"]
@@ -437,10 +478,13 @@ def replay(csv_path: Path) -> int:
         data = fixed_length_data(Path(d) / "long.jsonl")
         for r in peaks:
             cap = tuple(int(x) for x in r["capability"].split(".")) if r["capability"] else None
-            device = (cuda_gpu(r["gpu"], int(r["device_total_bytes"]), int(r["context_bytes"]),
-                               (cap[0], cap[1]) if cap else None) if r["max_allocated"] else resolve_device("H100"))
+            total = int(r.get("cap_bytes") or r["device_total_bytes"] or 0)  # a capped run: the card it stood for
+            device = (cuda_gpu(r["gpu"], total, int(r["context_bytes"]), (cap[0], cap[1]) if cap else None)
+                      if r["max_allocated"] else resolve_device("H100"))
             c = case(r["config"])
             spec = spec_of(c, r["model"], data, 4, tiny=r["model"] != c.model)
+            if r.get("plan"):  # the settings the run was planned with
+                spec = spec_with_settings(spec, RunSettings.from_dict(json.loads(r["plan"])))
             spec = spec.with_overrides({"preflight.device": "cpu"})
             for method, e in estimates(spec, int(r["seq_len"]), device, adamw=r["adamw"] or "auto").items():
                 print(f"{r['config']:<34} {method:<9} " + " ".join(

@@ -23,19 +23,21 @@ on the probed GPU). One CSV row per configuration and stage goes to ``benchmarks
 with the GPU's facts (memory, context after initialisation, compute capability); a table is printed. Without CUDA it
 says so and exits 2.
 
-``--at-scale``: real-size models on one H100 or H200, in one device run of at most 8 minutes (``--budget`` seconds,
-450 by default, builds included; the configurations in priority order, those out of time named as such): Qwen2.5-7B
-LoRA r16 all-linear bf16 at 1,024 and 2,048 tokens with checkpointing off and on, Llama-3.1-8B QLoRA nf4 + double
-quant + checkpointing at 2,048, Llama-3.2-1B full at 2 x 1,024, Gemma-3-1B LoRA at 2 x 2,048 with the standard and
-the fused loss, then Liger's fused loss, paged AdamW8bit, fp16 + GradScaler, activation offloading and a save +
-resume (:data:`_at_scale.CASES`). Each model is built once with random weights from fitburst's bundled config
-(memory does not depend on the values) and saved (``--models``, not the repository), so fitburst's own loading path
-is measured; each configuration trains through ``fitburst.recipe.train`` with the readings above (an allocator
-snapshot at the peak only, for the first five configurations), its tokens/s and MFU after the warm-up step, the SDPA
-backend that ran and how AdamW stepped; the speed configurations also through Hugging Face's Trainer + peft on the
-same settings. ``--out`` gets ``at_scale.csv`` and ``at_scale.json`` (library versions, each configuration's status)
-after every configuration, and at most 5 ``snap-<config>.pickle.gz``: with the log, the 8 files a device run brings
-back. No estimate is computed on the GPU: ``--replay at_scale.csv`` computes the traced and analytic ones here.
+``--at-scale``: real-size models on one H100 or H200, in one device run of at most 8 minutes (``--budget`` seconds, 450
+by default, builds included; the configurations in priority order, those out of time named as such): Qwen2.5-7B LoRA r16
+all-linear bf16 at 1,024 and 2,048 tokens with checkpointing off and on, Llama-3.1-8B QLoRA nf4 + double quant +
+checkpointing at 2,048, Llama-3.1-8B QLoRA r32 as fitburst plans it for a 24 GB card at its planned longest length on
+the GPU capped to 24 GiB (``set_per_process_memory_fraction``; issue 35's 24 GB row), Llama-3.2-1B full at 2 x 1,024,
+Gemma-3-1B LoRA at 2 x 2,048 with the standard and the fused loss, then Liger's fused loss, paged AdamW8bit, fp16 +
+GradScaler, activation offloading and a save + resume (:data:`_at_scale.CASES`). Each model is built once with random
+weights from fitburst's bundled config (memory does not depend on the values) and saved (``--models``, not the
+repository), so fitburst's own loading path is measured; each configuration trains through ``fitburst.recipe.train``
+with the readings above (an allocator snapshot at the peak only, for the first five configurations), its tokens/s and
+MFU after the warm-up step, the SDPA backend that ran and how AdamW stepped; the speed configurations also through
+Hugging Face's Trainer + peft on the same settings. ``--out`` gets ``at_scale.csv`` and ``at_scale.json`` (library
+versions, each configuration's status) after every configuration, and at most 5 ``snap-<config>.pickle.gz``: with the
+log, the 8 files a device run brings back. No estimate is computed on the GPU: ``--replay at_scale.csv`` computes the
+traced and analytic ones here.
 ``--dry-run`` runs all of it on a CPU with tiny stand-ins of the models (tests/test_gpu_check_at_scale.py).
 
 On the device machine (its image lacks some packages): first, here, ``benchmarks/at_scale_carry.sh`` (wheels into

@@ -268,18 +268,22 @@ def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it
 
 
 def test_k_bit_weights_where_bitsandbytes_does_not_run_are_refused_as_validate_refuses_them(pipelines_file):
-    from fitburst.device import DeviceError, check_quant_supported
+    """The same row, asked by validate of the device preflight.device names and before the load (the Recipe's and
+    the probe's refusal) of the device the run found, gives one message."""
+    from fitburst.builders import refuse_problems
     from fitburst.spec import SpecError, load_pipeline
+    from fitburst.train import TrainError
 
     (row,) = problems(RunSettings(method="qlora"), MPS)
     with pytest.raises(SpecError) as e:
         load_pipeline(pipelines_file, "demo", {"preflight.device": "mps", "method.type": "qlora"})
     assert f"field 'method.quant' (got 'nf4'): {row}" in str(e.value)
-    with pytest.raises(DeviceError) as d:
-        check_quant_supported("nf4", "mps")
-    assert str(d.value) == f"field 'method.quant': {row}"
-    check_quant_supported("nf4", "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
-    check_quant_supported("none", "mps")
+    qlora = load_pipeline(pipelines_file, "demo", {"preflight.device": "auto", "method.type": "qlora"})
+    with pytest.raises(TrainError) as t:
+        refuse_problems(qlora, CAUSAL, 1, "mps")
+    assert str(t.value) == f"pipeline 'demo': field 'method.quant': {row}"
+    refuse_problems(qlora, CAUSAL, 1, "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
+    refuse_problems(qlora.with_overrides({"method.type": "lora", "method.quant": "none"}), CAUSAL, 1, "mps")
 
 
 def test_ranks_on_mps_are_refused_by_the_loop_and_the_process_group_alike(demo_spec):

@@ -92,11 +92,6 @@ def weight_dtype(precision: str, method_type: str, pure_bf16: bool = False):
     return torch_dtype(precision)
 
 
-def check_quant_supported(quant: str, device: str) -> None:
-    """Refuses ``quant`` weights where bitsandbytes does not run on ``device`` (the rule table's k-bit row)."""
-    _refuse(RunSettings(quant=quant), device_of_kind(device.split(":")[0]))  # the kind decides bitsandbytes
-
-
 def warn_pure_bf16(pure_bf16: bool, lr: float) -> None:
     if pure_bf16 and lr < PURE_BF16_MIN_LR:
         log.warning("training.pure_bf16 steps bf16 weights directly: at learning_rate %g most AdamW updates are "

@@ -30,6 +30,10 @@ class Device:
     hourly_hint: str = ""
     capability: tuple[int, int] | None = None  # CUDA compute capability (None: no CUDA GPU, or not known)
     runtime_bytes: int = 0  # CUDA: what training adds outside the allocator after initialisation (CUDA_RUNTIME)
+    # the run trains on this machine (probed, the preflight's device, the loop's): the libraries installed here decide
+    # what can run on it. False: a planned target (a rented GPU, a device named to ``fitburst estimate``), whose node
+    # installs fitburst's lean extra itself (fitburst.cloud.task.NODE_PACKAGES)
+    local: bool = False
 
     @property
     def outside_allocator(self) -> int:
@@ -261,10 +265,10 @@ def resolve_gpus(name: str = "auto") -> Gpus:
     if raw.lower() in ("auto", "local", "cuda"):
         dev = probe_local(raw.lower())
         return Gpus(dev, _cuda_count() if dev.kind == "cuda" else 1, 1, host)
-    dev = resolve_device(raw)
+    dev = replace(resolve_device(raw), local=True)  # named or sized: this machine's, as the preflight names it
     if dev.kind == "cpu" and n:  # N processes on this CPU (gloo): each has its share of the memory
         dev = Device(f"{dev.name} / {n}", "cpu", dev.total_bytes // n, dev.budget_bytes // n, dev.supports_bf16,
-                     dev.supports_bnb, dev.context_bytes)
+                     dev.supports_bnb, dev.context_bytes, local=True)
     return Gpus(dev, n or 1, 1, host)
 
 
@@ -320,7 +324,7 @@ def _cpu_device() -> Device:
                    "free now: close other programs if the run needs more than that")
     # whether QLoRA is possible here: installed is enough (importing it costs seconds and loads its kernels)
     bnb = importlib.util.find_spec("bitsandbytes") is not None
-    return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT)
+    return Device("cpu (local)", "cpu", total, budget, True, bnb, CPU_CONTEXT, local=True)
 
 
 _WARNED: set[str] = set()
@@ -427,7 +431,7 @@ def _cuda_device(torch, index: int) -> Device:
     ctx = max(used_by_others, 141 * MiB)
     cap = tuple(torch.cuda.get_device_capability(index))
     return replace(cuda_gpu(f"cuda ({props.name})", total, min(ctx, 600 * MiB), (cap[0], cap[1])),
-                   budget_bytes=total - ctx - CUDA_RUNTIME)
+                   budget_bytes=total - ctx - CUDA_RUNTIME, local=True)
 
 
 def probe_local(want: str = "auto", indices: list[int] | None = None) -> Device:
@@ -450,7 +454,7 @@ def probe_local(want: str = "auto", indices: list[int] | None = None) -> Device:
         if mps and want in ("auto", "local", "mps"):
             rec = int(torch.mps.recommended_max_memory())
             total, _ = _meminfo()
-            return Device(f"mps ({_apple_chip()})", "mps", total, rec, True, False, 0)
+            return Device(f"mps ({_apple_chip()})", "mps", total, rec, True, False, 0, local=True)
         if want in ("cuda", "mps") or indices:
             raise ValueError(f"no {want} device on this machine (use a named device such as RTX4090)")
     return _cpu_device()
@@ -520,6 +524,15 @@ def efficient_takes_gqa() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return True
     return found is None or (int(found[1]), int(found[2])) >= (2, 14)
+
+
+def attention_masked(device: Device, attention: str, padded: bool) -> bool:
+    """Whether a padded batch (``padded``) hands the attention kernel a b x S x S mask on ``device``: under SDPA and
+    eager, not under FlashAttention-2 (``attention`` flash, which runs on CUDA only): transformers
+    (masking_utils.flash_attention_mask) gives it the 2D padding mask as it is, which _flash_attention_forward
+    unpads into varlen cu_seqlens (modeling_flash_attention_utils._upad_input), the real tokens' q, k and v gathered
+    (no more than the padded ones); a packed batch's position ids become cu_seqlens there too, with no mask."""
+    return padded and not (attention == "flash" and device.kind == "cuda")
 
 
 def sdpa_kernel_for(device: Device, dtype: str, padded: bool, gqa: bool, efficient_gqa: bool | None = None) -> str:

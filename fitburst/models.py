@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl_dir
-from fitburst.device import check_quant_supported, weight_dtype
+from fitburst.device import weight_dtype
 from fitburst.families import Family, family_for
 from fitburst.hardware import Device, expands_kv, probe_local
 from fitburst.memory.shapes import ModelShape, UnmodelledArchitecture, bundled_config, load_shape
@@ -223,10 +223,10 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
     ``resolved``: its reference and family as the run resolved them), revision, token, quantization and attention,
     weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for FSDP (:mod:`fitburst.distributed`), loaded
     into host memory, from where each rank's shards go to ``device``; ``empty``: built without weights
-    (:func:`load_model`)."""
+    (:func:`load_model`). What the settings may not do on ``device`` its callers refuse before they load
+    (:func:`fitburst.builders.refuse_problems`: the Recipe, the probe); evaluation loads after the run trained there."""
     m, method, tr = spec.model, spec.method, spec.training
     quant = resolve_quant(method.type, method.quant)
-    check_quant_supported(quant, device)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)
     target = probe_local("cuda") if device.startswith("cuda") else None
     load_on = "cpu" if sharded else device

@@ -41,20 +41,23 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
     """
     import torch
 
-    from fitburst.builders import build_model, count_params, make_optimizer
+    from fitburst.builders import build_model, count_params, make_optimizer, refuse_problems
     from fitburst.device import make_amp, resolve_precision, select_device
     from fitburst.meter import MemoryMeter
+    from fitburst.models import resolve_model
     from fitburst.train import optimizer_step
 
     tr = spec.training
     device = device or select_device(spec.preflight.device)
+    resolved = resolve_model(spec)
+    refuse_problems(spec, resolved.family, 1, device.split(":")[0], resolved=resolved)  # before the load, as the Recipe
     precision = resolve_precision(tr.precision, device)
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
     torch.manual_seed(tr.seed)
     t0 = time.perf_counter()
     meter = MemoryMeter(device)
     meter.reset()
-    model, tok = build_model(spec, device, precision)
+    model, tok = build_model(spec, device, precision, resolved=resolved)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(tr.optimizer, params, tr.learning_rate, tr.weight_decay)
     batch = longest_batch(prepared, tr.micro_batch_size, tok.pad_token_id)

@@ -90,18 +90,44 @@ def _liger_model_types() -> tuple[frozenset[str], str | None]:
     return frozenset(), f"this liger-kernel has no MODEL_TYPE_TO_APPLY_LIGER_FN in {source}"
 
 
-def liger_missing() -> str | None:
-    """Why Liger Kernel's model kernels cannot be applied in this environment, or None when they can."""
+# The bundled configs' model types Liger Kernel patches (keys of its MODEL_TYPE_TO_APPLY_LIGER_FN): what a plan for
+# another machine reads where liger-kernel is not installed here (a Mac: the lean extra is Linux-only), as that
+# machine installs it (fitburst.cloud.task.NODE_PACKAGES). tests/test_liger_kernels.py checks them against the
+# installed Liger's own mapping.
+LIGER_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_vl",
+                               "qwen3_moe"})
+
+
+def liger_missing_here() -> str | None:
+    """Why Liger Kernel's model kernels cannot be applied on this machine, or None when they can."""
     return _liger_model_types()[1]
 
 
-def liger_refusal(m: ModelFacts) -> str | None:
-    """Why training.liger_kernels does not apply to the model, or None when it does: Liger Kernel patches its model
-    type (its MODEL_TYPE_TO_APPLY_LIGER_FN), and it is a dense text decoder, the architecture both estimates model
-    Liger's Functions in (:mod:`fitburst.memory.model_kernels` stands in for its RMSNorm, SwiGLU / GEGLU and RoPE
-    only: a vision tower's LayerNorm, M-RoPE or the experts' kernels have no stand-in)."""
-    if m.model_type not in _liger_model_types()[0]:
-        return f"Liger Kernel has no apply_liger_kernel_to_{m.model_type} (its MODEL_TYPE_TO_APPLY_LIGER_FN)"
+def liger_missing(device: Device | None) -> str | None:
+    """Why Liger Kernel's model kernels cannot be applied where a run on ``device`` trains, or None when they can:
+    this install decides for a run that trains here (``device.local``), not for a planned target, whose machine
+    installs the lean extra itself; None too where the device is not known."""
+    return liger_missing_here() if device is not None and device.local else None
+
+
+def _liger_types(device: Device | None) -> tuple[frozenset[str], str]:
+    """The model types Liger patches where a run on ``device`` trains, and where that list comes from."""
+    types, missing = _liger_model_types()
+    if missing is None or (device is not None and device.local):
+        return types, "its MODEL_TYPE_TO_APPLY_LIGER_FN"
+    known = ", ".join(sorted(LIGER_MODEL_TYPES))
+    return LIGER_MODEL_TYPES, f"{missing} here; of the bundled models' types it patches {known}"
+
+
+def liger_refusal(m: ModelFacts, device: Device | None = None) -> str | None:
+    """Why training.liger_kernels does not apply to the model where a run on ``device`` trains, or None when it does:
+    Liger Kernel patches its model type (its MODEL_TYPE_TO_APPLY_LIGER_FN: this install's, or for a planned target
+    where none is installed here :data:`LIGER_MODEL_TYPES`), and it is a dense text decoder, the architecture both
+    estimates model Liger's Functions in (:mod:`fitburst.memory.model_kernels` stands in for its RMSNorm, SwiGLU /
+    GEGLU and RoPE only: a vision tower's LayerNorm, M-RoPE or the experts' kernels have no stand-in)."""
+    types, source = _liger_types(device)
+    if m.model_type not in types:
+        return f"Liger Kernel has no apply_liger_kernel_to_{m.model_type} ({source})"
     if m.vision or m.experts or not m.decoder:
         kind = "a vision tower" if m.vision else "experts" if m.experts else "an encoder-decoder's blocks"
         return (f"{m.model_type} has {kind}: fitburst models Liger's kernels in a dense text decoder only "
@@ -220,13 +246,13 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: ("training.liger_kernels patches the model with Liger Kernel's Triton kernels, which run "
                              f"on CUDA GPUs, and this run is on {d.name if d else ''}", "set it false")),
     Rule("liger_kernels_missing", ("training", "liger_kernels"),
-         lambda s, d, f, m: s.liger_kernels and d is not None and d.kind == "cuda" and liger_missing() is not None,
-         lambda s, d, f, m: (f"training.liger_kernels needs Liger Kernel, and {liger_missing()}",
+         lambda s, d, f, m: s.liger_kernels and d is not None and d.kind == "cuda" and liger_missing(d) is not None,
+         lambda s, d, f, m: (f"training.liger_kernels needs Liger Kernel, and {liger_missing(d)}",
                              "pip install 'fitburst[lean]' on Linux, or set it false")),
     Rule("liger_kernels_model", ("training", "liger_kernels"),
-         lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing() is None
-                             and liger_refusal(m) is not None),
-         lambda s, d, f, m: ((liger_refusal(m) if m else None) or "", "set training.liger_kernels: false")),
+         lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing(d) is None
+                             and liger_refusal(m, d) is not None),
+         lambda s, d, f, m: ((liger_refusal(m, d) if m else None) or "", "set training.liger_kernels: false")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "
@@ -280,16 +306,18 @@ def located(found: list[Problem]) -> str:
 
 
 def declared_device(name: str) -> Device | None:
-    """The device ``preflight.device`` names, known without probing this machine: a named or sized device, or the
-    kind alone for ``mps`` and ``cpu`` (what the rules ask of a device: its kind, bf16, bitsandbytes); None for
-    ``auto``, ``cuda`` and ``cuda:0,1`` (only a probe can tell)."""
+    """The device ``preflight.device`` names, this machine's, known without probing it: a named or sized device, or
+    the kind alone for ``mps`` and ``cpu`` (what the rules ask of a device: its kind, bf16, bitsandbytes, what is
+    installed here); None for ``auto``, ``cuda`` and ``cuda:0,1`` (only a probe can tell)."""
     raw = split_count(name)[0]
     if raw.lower() in ("mps", "cpu"):
         return device_of_kind(raw.lower(), raw)
-    return named_device(name)
+    named = named_device(name)
+    return replace(named, local=True) if named is not None else None
 
 
 def device_of_kind(kind: str, name: str | None = None) -> Device:
-    """A device of ``kind`` (cuda | mps | cpu) with the facts every device of that kind has and no others (a CUDA
-    GPU of unknown capability counts as having bf16)."""
-    return replace(resolve_device(f"{kind}:1GiB"), name=name or kind)
+    """This machine's device of ``kind`` (cuda | mps | cpu) with the facts every device of that kind has and no
+    others (a CUDA GPU of unknown capability counts as having bf16): what the loop, which trains here, asks the
+    rule table with."""
+    return replace(resolve_device(f"{kind}:1GiB"), name=name or kind, local=True)

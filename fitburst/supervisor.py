@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from fitburst.checkpoints import drop_optimizer_state, latest_checkpoint
@@ -236,7 +236,7 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
     run_dir = Path(run_dir)
     sharded = ranks if ranks is not None and ranks.size > 1 else None
     device = device or select_device(spec.preflight.device)
-    dev = resolve_device(spec.preflight.device if spec.preflight.device not in ("auto", device) else device)
+    dev = training_device(spec, device)
     longest = int(prepared.stats["max"])
     model = resolve_model(spec)
 
@@ -287,6 +287,14 @@ def train_stepping_down(spec: PipelineSpec, prepared: PreparedData, run_dir: str
                         f" ({record.host_check})" if record.host_check else "")
             if on_stepdown:
                 on_stepdown(record)
+
+
+def training_device(spec: PipelineSpec, device: str) -> Device:
+    """The device a run on this process's ``device`` (cuda | mps | cpu) trains on, as its settings and the
+    step-down read it: ``preflight.device`` where it names one, and this machine's (``local``: the rungs are those
+    this install can run)."""
+    named = spec.preflight.device not in ("auto", device)
+    return replace(resolve_device(spec.preflight.device if named else device), local=True)
 
 
 def next_rung_within_host(settings: RunSettings, dev: Device, spec: PipelineSpec, shape: ModelShape | None,

@@ -138,11 +138,23 @@ def test_liger_missing_is_refused_with_field_and_fix(monkeypatch):
     import fitburst.rules as rules
 
     monkeypatch.setattr(rules, "_liger_model_types", lambda: (frozenset(), "liger-kernel is not installed"))
-    (p,) = problems(RunSettings(liger_kernels=True), resolve_device("cuda:24GiB"))
+    (p,) = problems(RunSettings(liger_kernels=True), device_of_kind("cuda"))  # the loop's: it trains here
     assert (p.rule, p.path) == ("liger_kernels_missing", "training.liger_kernels")
     assert "not installed" in str(p) and "pip install 'fitburst[lean]'" in str(p)
-    assert not RUNGS["liger_kernels"].allowed(RunSettings(), resolve_device("cuda:24GiB"),
-                                              shape=load_shape("llama-3.1-8b"))
+    assert not RUNGS["liger_kernels"].allowed(RunSettings(), device_of_kind("cuda"), shape=load_shape("llama-3.1-8b"))
+
+
+def test_the_types_a_plan_reads_without_liger_are_ligers_own():
+    """A plan for another machine where liger-kernel is not installed here reads LIGER_MODEL_TYPES: the bundled
+    configs' model types the installed Liger's MODEL_TYPE_TO_APPLY_LIGER_FN has, no more, no fewer."""
+    from pathlib import Path
+
+    import fitburst
+    from fitburst.rules import LIGER_MODEL_TYPES, _liger_model_types
+
+    configs = Path(fitburst.__file__).parent / "configs"
+    bundled = {json.loads(p.read_text())["model_type"] for p in configs.glob("*.json")}
+    assert LIGER_MODEL_TYPES == bundled & _liger_model_types()[0]
 
 
 @pytest.mark.parametrize("model, device, rule", [("microsoft/phi-1.5", "auto", "liger_kernels_model"),
@@ -267,6 +279,12 @@ def test_the_trace_follows_the_loop_with_ligers_patch(tmp_path, launches_stubbed
 WIDER = dict(CFG, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=64000)
 QLORA = {"method": "qlora", "quant": "nf4", "frozen_fp32": False, "gradient_checkpointing": True}
+# QLoRA with checkpointing and Liger: traced / analytic reserved - 1, a fixed bound. Measured -9.7 % (274.0 MiB
+# traced, 303.5 MiB analytic; -6.6 % without Liger): the trace's reserved peak drops by 20 MiB (allocator segments)
+# for 10.7 MiB fewer tensors, which the analytic estimate's rounding does not follow, 1.6 points past the CUDA band's
+# -8.1 %. The bound keeps the analytic estimate on the safe side (never below the trace: 0) and at most 11 % above
+# it: 1.3 points (4 MiB, two of the allocator's 2 MiB small segments) beyond the measurement.
+KBIT_VS_TRACE = (-0.11, 0.0)
 
 
 @pytest.mark.parametrize("kw", [{}, {"gradient_checkpointing": True}, {"precision": "fp16"}, QLORA],
@@ -277,10 +295,10 @@ def test_both_estimates_save_what_ligers_kernels_save_on_cuda(tmp_path, kw):
     not the activation's output) save the same bytes, within 20 % (measured -12.2 %, -15.1 %, -12.2 %, -0.1 %: the
     trace also sees the Hugging Face norms' fp32 temporaries, which the analytic estimate counts in neither case).
     Without the MLP's rule the analytic saving is a third of the trace's, without the norms' 56 % (bf16: both fail).
-    With Liger, the analytic estimate stays within its CUDA band of the trace for LoRA (measured -5.4 %, -7.6 %,
-    -5.4 %); for QLoRA with checkpointing it reads 9.7 % above the trace, 1.6 points past the band's edge, where it
-    reads 6.6 % above without Liger: the trace's reserved peak drops by 20 MiB (allocator segments) for 10.7 MiB
-    fewer tensors. Off CUDA nothing changes (the rule table refuses the setting there)."""
+    With Liger, the analytic estimate stays within its CUDA band of the trace for LoRA (traced / analytic reserved,
+    measured -5.4 %, -7.6 %, -5.4 %); for QLoRA with checkpointing it reads above the trace by more than the band
+    allows, and that case holds a fixed bound of its own (KBIT_VS_TRACE). Off CUDA nothing changes (the rule table
+    refuses the setting there)."""
     from fitburst.memory.calibration import band_for
     from fitburst.memory.trace import traced_estimate
     from fitburst.settings import spec_with_settings
@@ -301,7 +319,7 @@ def test_both_estimates_save_what_ligers_kernels_save_on_cuda(tmp_path, kw):
     analytic_saving = a_off.allocated_peak_bytes - a_on.allocated_peak_bytes
     assert traced_saving > 0.03 * t_off.allocated_peak_bytes
     assert abs(analytic_saving / traced_saving - 1) < 0.2, (analytic_saving, traced_saving)
-    if not on.kbit:
-        assert band.low <= t_on.reserved_peak_bytes / a_on.reserved_peak_bytes - 1 <= band.high
+    low, high = KBIT_VS_TRACE if on.kbit else (band.low, band.high)
+    assert low <= t_on.reserved_peak_bytes / a_on.reserved_peak_bytes - 1 <= high, (t_on, a_on)
     cpu = resolve_device("cpu:64GiB")
     assert estimate(shape, on, cpu).allocated_peak_bytes == estimate(shape, off, cpu).allocated_peak_bytes

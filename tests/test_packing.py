@@ -83,11 +83,37 @@ def test_training_loop_runs_packed(demo_spec, demo_prepared, tmp_path):
     assert result.tokens <= 4 * 8 * max(len(r["input_ids"]) for r in rows)
 
 
-def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
+def test_transformers_hands_flash_attention_2_no_square_mask():
+    """What the estimates' rule for FlashAttention-2 (hardware.attention_masked) reads of transformers: a padded
+    batch's mask stays the 2D (b, S) padding mask (modeling_flash_attention_utils unpads it into varlen cu_seqlens),
+    a packed row's position ids make none; SDPA gets a b x 1 x S x S mask for both."""
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=128,
+                         vocab_size=100)
+    embeds, padding = torch.zeros(2, 8, 64), torch.ones(2, 8, dtype=torch.long)
+    padding[1, :3] = 0
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two samples in one row
+    shapes = {}
+    for impl in ("flash_attention_2", "sdpa"):
+        config._attn_implementation = impl
+        masks = (create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=padding, past_key_values=None),
+                 create_causal_mask(config=config, inputs_embeds=embeds[:1], attention_mask=None,
+                                    past_key_values=None, position_ids=packed))
+        shapes[impl] = [None if m is None else tuple(m.shape) for m in masks]
+    assert shapes == {"flash_attention_2": [(2, 8), None], "sdpa": [(2, 1, 8, 8), (1, 1, 8, 8)]}
+
+
+def test_the_analytic_estimate_counts_no_square_mask_under_flash_attention_2():
+    """Qwen2.5-7B LoRA, 8 x 2,048 tokens on CUDA: FlashAttention-2 on the padded batch needs what the unpadded
+    batch and its packed bound (every sample as long as the longest) need (measured 207.9 GiB each; the old rule,
+    a b x S x S mask and a per-layer padding bias as under SDPA, said 217.5); packing then saves only the padding it
+    removes (half the tokens: 114.0). Under SDPA the padded batch's mask still costs (217.5 against 207.9)."""
     from dataclasses import replace
 
-    from fitburst.hardware import GiB, resolve_device
-    from fitburst.memory import Budget, plan_fit
+    from fitburst.hardware import resolve_device
+    from fitburst.memory import Budget
     from fitburst.memory.estimator import RunSettings, estimate
     from fitburst.memory.shapes import load_shape
 
@@ -95,12 +121,41 @@ def test_planner_packs_a_padded_flash_batch_that_misses_by_its_padding_bias():
     s = RunSettings(method="lora", rank=16, target_modules="all-linear", micro_batch_size=8, seq_len=2048,
                     precision="bf16", attention="flash", dropout=0.0)
     big = resolve_device("cuda:200GiB")
-    need = {fill: Budget(big).needed(estimate(shape, replace(s, packed_fill=fill), big)) for fill in (0.0, 1.0, 0.5)}
-    assert need[0.5] < need[1.0] < need[0.0]  # no padding bias; then fewer real tokens, less memory
-    between = resolve_device(f"cuda:{(need[0.0] + need[1.0]) / 2 / 0.97 / GiB + 0.3:.2f}GiB")
-    off = {k: False for k in ("gradient_checkpointing", "optimizer_8bit", "quantize", "reduce_batch", "attention",
-                              "dropout", "fused_loss", "activation_offloading", "tiled_mlp",
-                              "frozen_16bit", "liger_kernels")}  # packing alone
-    plan = plan_fit(shape, s, between, 0.03, off)
-    assert plan.fits and plan.settings.packed_fill == 1.0 and any("packed" in c for c in plan.changes)
-    assert not plan_fit(shape, s, between, 0.03, {**off, "packing": False}).fits
+
+    def need(**kw) -> int:
+        return Budget(big).needed(estimate(shape, replace(s, **kw), big))
+
+    assert need() == need(padded=False) == need(packed_fill=1.0)
+    assert need(packed_fill=0.5) < 0.6 * need()
+    assert need(attention="sdpa") > 1.04 * need(attention="sdpa", padded=False)
+
+
+def test_the_trace_gives_flash_attention_2_no_square_mask(tmp_path):
+    """The trace builds FA2's run with SDPA's shapes (FA2 needs its CUDA package): with no mask for a padded batch,
+    as FA2 gets none, so padded and unpadded trace alike on an A100; under SDPA the padded batch's mask shows."""
+    import json
+    from dataclasses import replace
+
+    from fitburst.hardware import resolve_device
+    from fitburst.memory.estimator import RunSettings
+    from fitburst.memory.trace import traced_estimate
+    from fitburst.settings import spec_with_settings
+    from fitburst.spec import PipelineSpec
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=4096)))
+    s = RunSettings(method="lora", rank=8, target_modules="all-linear", micro_batch_size=4, seq_len=1024,
+                    precision="bf16", attention="flash", dropout=0.0)
+    spec = spec_with_settings(PipelineSpec.model_validate(dict(name="t", model=dict(name=str(d)),
+                                                               data=dict(path="x.jsonl"))), s)
+    a100 = resolve_device("A100-40GB")
+
+    def peak(**kw) -> int:
+        t = replace(s, **kw)
+        return traced_estimate(spec, t, a100, seq_len=t.seq_len).allocated_peak_bytes
+
+    assert peak(padded=True) == peak(padded=False)
+    assert peak(attention="sdpa", padded=True) > peak(attention="sdpa", padded=False)

@@ -77,6 +77,23 @@ def test_probe_under_budget_or_impossible(cpu_spec, demo_report):
     assert "nothing allowed fits" in new.reason
 
 
+def test_probe_refuses_what_the_device_cannot_run_before_it_loads(pipelines_file, demo_prepared, monkeypatch):
+    """As the Recipe does: k-bit weights on MPS (no bitsandbytes there) are refused by the rule table's row, with
+    the field and the fix, before any model loads."""
+    import fitburst.builders
+    from fitburst.probe import probe
+    from fitburst.spec import load_pipeline
+    from fitburst.train import TrainError
+
+    def load(*args, **kwargs):
+        raise AssertionError("the probe loaded the model")
+
+    monkeypatch.setattr(fitburst.builders, "build_model", load)
+    qlora = load_pipeline(pipelines_file, "demo", {"method.type": "qlora"})
+    with pytest.raises(TrainError, match="field 'method.quant': nf4 weights need bitsandbytes, which has no MPS"):
+        probe(qlora, demo_prepared, None, "mps")  # type: ignore[arg-type]  # refused before the estimate is read
+
+
 def _oom_in_step(monkeypatch, make_error):
     """The probe's training step (fitburst.train.optimizer_step) fails with ``make_error()`` on its first call."""
     import fitburst.train

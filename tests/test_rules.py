@@ -50,6 +50,7 @@ CASES = {
     "fused_loss_head_bias": (on(dict(loss="fused"), None, None, PHI), on(dict(loss="fused"), None, None, LLAMA)),
     "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
     "liger_kernels_off_cuda": (on(dict(liger_kernels=True), CPU), on(dict(liger_kernels=True), CUDA)),
+    "liger_kernels_missing": (on(dict(liger_kernels=True), CUDA), on(dict(liger_kernels=True), CUDA)),
     "liger_kernels_model": (on(dict(liger_kernels=True), None, None, MIXTRAL),
                             on(dict(liger_kernels=True), None, None, LLAMA)),
     "embeddings_on_host_mps": (on(dict(embeddings_on_host=True), MPS), on(dict(embeddings_on_host=True), CPU)),
@@ -63,22 +64,36 @@ CASES = {
                                  on(dict(embeddings_on_host=True), None, None, LLAMA)),
 }
 
+# Liger's rows also read this install (fitburst.rules' probe of liger-kernel: installed, and the model types its
+# MODEL_TYPE_TO_APPLY_LIGER_FN patches). Linux CI has it, a Mac dev install has not (the lean extra is Linux-only):
+# each case sets the probe's answer, the same on both. Liger patches Llama and Mixtral (tests/test_liger_kernels.py
+# checks the probe against Liger's own mapping where it is installed).
+LIGER_INSTALLED = (frozenset({"llama", "mixtral"}), None)
+LIGER_MISSING = (frozenset(), "liger-kernel is not installed")
+# rule: the probe's answer for the case it refuses, for the neighbour it accepts (every other row: installed)
+PROBED = {"liger_kernels_missing": (LIGER_MISSING, LIGER_INSTALLED)}
 
-# rows whose fact is this environment, not the settings: tested by patching it (tests/test_liger_kernels.py)
-ENVIRONMENT_ROWS = {"liger_kernels_missing"}
+
+def _probe(monkeypatch, answer: tuple) -> None:
+    import fitburst.rules as rules
+
+    monkeypatch.setattr(rules, "_liger_model_types", lambda: answer)
 
 
 def test_every_row_has_a_case():
-    assert set(CASES) | ENVIRONMENT_ROWS == RULE_KEYS
+    assert set(CASES) == RULE_KEYS
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
-def test_each_row_refuses_what_it_must_and_accepts_its_neighbour(rule):
+def test_each_row_refuses_what_it_must_and_accepts_its_neighbour(rule, monkeypatch):
     (bad, *bad_facts), (good, *good_facts) = CASES[rule]
+    probe_bad, probe_good = PROBED.get(rule, (LIGER_INSTALLED, LIGER_INSTALLED))
+    _probe(monkeypatch, probe_good)
+    assert problems(RunSettings(**good), *good_facts) == []
+    _probe(monkeypatch, probe_bad)
     found = problems(RunSettings(**bad), *bad_facts)
     assert [p.rule for p in found] == [rule], found
     assert found[0].field[0] in ("method", "training") and str(found[0])
-    assert problems(RunSettings(**good), *good_facts) == []
     # a fact the row needs that is not known: the row is not checked
     for i, fact in enumerate(bad_facts):
         if fact is not None:
@@ -92,6 +107,39 @@ def test_the_tiled_mlp_runs_on_a_dense_decoders_gated_mlp_only(model, why):
     found = problems(RunSettings(tiled_mlp=True), model=model)
     assert [why in str(p) for p in found] == ([] if why is None else [True]), found
     assert problems(RunSettings(), model=model) == []  # the model alone breaks nothing
+
+
+def test_liger_missing_here_decides_only_for_a_run_that_trains_here(monkeypatch, demo_spec):
+    """A CUDA card planned from a machine without liger-kernel (a Mac: `fitburst estimate --device cuda:24GiB`, a
+    burst's GPU): its machine installs the lean extra, so neither the row, the rung nor the analytic estimate reads
+    this install (the model types from LIGER_MODEL_TYPES); the loop's device, the preflight's, validate's and the
+    OOM step-down's (this machine's, named or sized) are refused with the missing row, and the trace, which runs
+    Liger's own patch, says it cannot run here."""
+    from fitburst.hardware import resolve_gpus
+    from fitburst.memory import estimate
+    from fitburst.memory.ladder import RUNGS
+    from fitburst.memory.trace import TraceUnsupported, trace_step
+    from fitburst.supervisor import training_device
+
+    _probe(monkeypatch, LIGER_MISSING)
+    s = RunSettings(method="qlora", quant="nf4", precision="bf16", seq_len=4096, dropout=0.0)
+    on, llama = replace(s, liger_kernels=True), load_shape("meta-llama/llama-3.1-8b")
+    target = resolve_device("cuda:24GiB")
+    assert problems(on, target, model=LLAMA) == []
+    (p,) = problems(on, target, model=PHI)  # phi is no type Liger patches
+    assert p.rule == "liger_kernels_model" and "not installed here" in str(p)
+    rung = RUNGS["liger_kernels"]
+    assert rung.allowed(s, target, shape=llama)
+    # measured 45.5 GiB against 52.5 GiB without Liger (no checkpointing: every block's norms and MLP saved)
+    assert estimate(llama, on, target).allocated_peak_bytes < 0.9 * estimate(llama, s, target).allocated_peak_bytes
+    named = demo_spec.model_copy(update={"preflight": demo_spec.preflight.model_copy(update={"device": "cuda:24GiB"})})
+    for here in (device_of_kind("cuda"), resolve_gpus("cuda:24GiB").device, declared_device("cuda:24GiB"),
+                 training_device(named, "cuda")):
+        assert [p.rule for p in problems(on, here, model=LLAMA)] == ["liger_kernels_missing"]
+        assert not rung.allowed(s, here, shape=llama)
+        assert estimate(llama, on, here).allocated_peak_bytes == estimate(llama, s, here).allocated_peak_bytes
+    with pytest.raises(TraceUnsupported, match="not installed here"):
+        trace_step(demo_spec, replace(on, method="lora", quant="none"), seq_len=64, device=target)
 
 
 def test_messages_name_the_device_and_the_fix():
@@ -220,18 +268,22 @@ def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it
 
 
 def test_k_bit_weights_where_bitsandbytes_does_not_run_are_refused_as_validate_refuses_them(pipelines_file):
-    from fitburst.device import DeviceError, check_quant_supported
+    """The same row, asked by validate of the device preflight.device names and before the load (the Recipe's and
+    the probe's refusal) of the device the run found, gives one message."""
+    from fitburst.builders import refuse_problems
     from fitburst.spec import SpecError, load_pipeline
+    from fitburst.train import TrainError
 
     (row,) = problems(RunSettings(method="qlora"), MPS)
     with pytest.raises(SpecError) as e:
         load_pipeline(pipelines_file, "demo", {"preflight.device": "mps", "method.type": "qlora"})
     assert f"field 'method.quant' (got 'nf4'): {row}" in str(e.value)
-    with pytest.raises(DeviceError) as d:
-        check_quant_supported("nf4", "mps")
-    assert str(d.value) == f"field 'method.quant': {row}"
-    check_quant_supported("nf4", "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
-    check_quant_supported("none", "mps")
+    qlora = load_pipeline(pipelines_file, "demo", {"preflight.device": "auto", "method.type": "qlora"})
+    with pytest.raises(TrainError) as t:
+        refuse_problems(qlora, CAUSAL, 1, "mps")
+    assert str(t.value) == f"pipeline 'demo': field 'method.quant': {row}"
+    refuse_problems(qlora, CAUSAL, 1, "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
+    refuse_problems(qlora.with_overrides({"method.type": "lora", "method.quant": "none"}), CAUSAL, 1, "mps")
 
 
 def test_ranks_on_mps_are_refused_by_the_loop_and_the_process_group_alike(demo_spec):

@@ -1,10 +1,12 @@
 """Runs sharded with FSDP over several GPUs: the traced step as rank 0 of N against real gloo runs, the per-GPU
 analytic estimate against the trace, the planner over GPU counts, the spec's counts and `fitburst estimate --gpus`."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,18 +98,44 @@ CASES = [
 ]
 
 
+def runs_by_world_size(run_cases: Callable[[list[int]], list[list[dict]]]) -> Callable[[int], list[dict]]:
+    """Each case's rank results, by case index: ``run_cases`` runs the :data:`CASES` it is given (all of one world
+    size, in one run: its ranks start once) when a case of that world size is first asked for, once."""
+
+    @functools.cache
+    def run(world_size: int) -> dict[int, list[dict]]:
+        index = [i for i, (_, kw) in enumerate(CASES) if kw["world_size"] == world_size]
+        return dict(zip(index, run_cases(index), strict=True))
+
+    return lambda case: run(CASES[case][1]["world_size"])[case]
+
+
 @pytest.fixture(scope="module")
-def real_ranks(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
-    """Each of :data:`CASES` run for real: its model folder and each rank's measured step, by case index. The cases
-    of one world size share one run (its ranks start once)."""
-    cases = [(model_folder(tmp_path_factory.getbasetemp() / "models", arch, weights=RunSettings(**kw).kbit),
-              RunSettings(**kw)) for arch, kw in CASES]
-    runs: dict[int, tuple[Path, list[dict]]] = {}
-    for world_size in sorted({s.world_size for _, s in cases}):
-        index = [i for i, (_, s) in enumerate(cases) if s.world_size == world_size]
-        for i, ranks in zip(index, gloo_peaks_of([cases[i] for i in index]), strict=True):
-            runs[i] = (cases[i][0], ranks)
-    return runs
+def real_ranks(tmp_path_factory) -> Callable[[int], tuple[Path, list[dict]]]:
+    """Each of :data:`CASES` run for real: its model folder and each rank's measured step, by case index; a world
+    size's run starts when a test first asks for one of its cases, so a ``-k`` selection runs only the world sizes it
+    selects, and the whole module each once."""
+    def folder(i: int) -> Path:
+        return model_folder(tmp_path_factory.getbasetemp() / "models", CASES[i][0],
+                            weights=RunSettings(**CASES[i][1]).kbit)
+
+    ranks = runs_by_world_size(lambda index: gloo_peaks_of([(folder(i), RunSettings(**CASES[i][1])) for i in index]))
+    return lambda case: (folder(case), ranks(case))
+
+
+def test_a_selected_case_runs_only_its_world_sizes_ranks():
+    started: list[list[int]] = []
+
+    def run_cases(index: list[int]) -> list[list[dict]]:
+        started.append(index)
+        return [[{"case": i}] for i in index]
+
+    ranks = runs_by_world_size(run_cases)
+    four = next(i for i, (_, kw) in enumerate(CASES) if kw["world_size"] == 4)
+    assert ranks(four) == [{"case": four}] and started == [[i for i, (_, kw) in enumerate(CASES)
+                                                            if kw["world_size"] == 4]]
+    assert [ranks(i) for i in range(len(CASES))] == [[{"case": i}] for i in range(len(CASES))]
+    assert sorted(len(run) for run in started) == [3, 5]  # every world size once, its cases together
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{a}-{k['method']}-{k['precision']}-{k['world_size']}"
@@ -116,7 +144,7 @@ def test_traced_per_rank_peak_is_each_real_ranks_peak_within_1_percent(real_rank
     """The trace stands one process in for rank 0 of N (fake process group, fake tensors); the real run is N gloo
     processes with real weights and collectives, each rank's step measured by torch's MemTracker."""
     s = RunSettings(**CASES[case][1])
-    folder, ranks = real_ranks[case]
+    folder, ranks = real_ranks(case)
     traced = trace_step(spec_for(folder), s, seq_len=s.seq_len).live_peaks()[0]
     for r in ranks:
         assert abs(traced / r["peak"] - 1) <= 0.01, (r, traced)

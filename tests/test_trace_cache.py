@@ -38,6 +38,8 @@ def test_second_request_is_served_from_disk_and_any_change_traces_again(tmp_path
     again = trace_mod.traced_estimate(spec, s, t4, seq_len=32)
     assert len(traced) == 1 and again.reserved_peak_bytes == first.reserved_peak_bytes
     assert again.components == first.components and any("trace cache" in n for n in again.notes)
+    trace_mod.traced_estimate(spec, s, replace(t4, local=True), seq_len=32)  # the same card, trained on here
+    assert len(traced) == 1
 
     trace_mod.traced_estimate(spec, replace(s, rank=8), t4, seq_len=32)
     trace_mod.traced_estimate(spec, s, t4, seq_len=16)

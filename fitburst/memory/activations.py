@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device, expands_kv
+from fitburst.hardware import Device, attention_masked, expands_kv
 from fitburst.rules import ModelFacts, liger_missing, liger_refusal, tiled_mlp_refusal
 from fitburst.settings import RunSettings
 
@@ -66,10 +66,11 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
     mp = s.world_size > 1 and s.amp
     a = 4 if s.kbit and not mp else d
     tokens, rows, seq = s.micro_batch_size * s.seq_len, s.micro_batch_size, s.seq_len
-    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
+    # padded: a b x S x S mask reaches the attention kernel (FlashAttention-2 gets none: varlen over the real tokens)
+    padded = attention_masked(device, s.attention, s.micro_batch_size > 1 if s.padded is None else s.padded)
     if s.packed_fill:  # one row of the real tokens; sdpa/eager get a block-diagonal mask, flash-attn varlen none
         tokens = seq = max(1, round(tokens * s.packed_fill))
-        rows, padded = 1, s.attention != "flash"
+        rows, padded = 1, attention_masked(device, s.attention, True)
     full = s.method == "full"
     attention = s.attention
     if attention == "flash" and device.kind != "cuda":
@@ -92,11 +93,12 @@ def step_context(shape: ModelShape, s: RunSettings, device: Device) -> StepConte
 
 
 def liger_modelled(shape: ModelShape, s: RunSettings, device: Device) -> bool:
-    """Liger Kernel's model kernels as the estimates count them: on CUDA, for a model Liger patches (the rule
-    table refuses the rest), its RMS norms and its gated MLP's SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
+    """Liger Kernel's model kernels as the estimates count them: on CUDA where they can run (this install, for a run
+    that trains here), for a model Liger patches (the rule table refuses the rest), its RMS norms and its gated MLP's
+    SwiGLU / GEGLU (fitburst.memory.model_kernels)."""
     facts = ModelFacts.of(shape)
-    return (s.liger_kernels and device.kind == "cuda" and liger_missing() is None and facts is not None
-            and liger_refusal(facts) is None)
+    return (s.liger_kernels and device.kind == "cuda" and liger_missing(device) is None and facts is not None
+            and liger_refusal(facts, device) is None)
 
 
 def mlp_shard_tokens(shape: ModelShape, s: RunSettings, tokens: int, seq: int) -> int:

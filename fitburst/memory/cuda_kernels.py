@@ -48,7 +48,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 # expands_kv is read here as cuda_kernels.expands_kv by memory.trace
-from fitburst.hardware import Device, expands_kv, sdpa_kernel_for  # noqa: F401
+from fitburst.hardware import Device, attention_masked, expands_kv, sdpa_kernel_for  # noqa: F401
 
 if TYPE_CHECKING:
     from fitburst.settings import RunSettings
@@ -431,7 +431,7 @@ def sdpa_kernel_of(trace, device: Device, settings: RunSettings) -> str | None:
     s = settings
     if s.attention not in ("sdpa", "flash"):
         return None
-    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
+    padded = attention_masked(device, s.attention, s.micro_batch_size > 1 if s.padded is None else s.padded)
     gqa = s.attention == "sdpa" and 0 < trace.kv_heads < trace.heads and not trace.kv_expanded
     return sdpa_kernel_for(device, s.precision, padded, gqa)
 

@@ -127,7 +127,7 @@ LADDER: tuple[Rung, ...] = (
     Rung("packing", 0.9, False,
          lambda s, d: not s.packed_fill and s.micro_batch_size > 1 and s.attention == "flash",
          lambda s, d: replace(s, packed_fill=1.0),
-         lambda s, d: "packed batches: one padding-free row per micro-batch, no padding bias in flash attention"),
+         lambda s, d: "packed batches: one padding-free row per micro-batch (flash-attn varlen): no padding run"),
     Rung("dropout", 0.98, False,
          lambda s, d: s.method != "full" and s.dropout > 0,
          lambda s, d: replace(s, dropout=0.0),

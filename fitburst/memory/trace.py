@@ -20,7 +20,7 @@ from typing import Any
 
 from fitburst.allocator_env import allocator_mode
 from fitburst.errors import UserError
-from fitburst.hardware import Device, MiB
+from fitburst.hardware import Device, MiB, attention_masked
 from fitburst.settings import RunSettings, spec_with_settings
 
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
@@ -329,6 +329,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     from fitburst.device import make_amp
     from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
+    from fitburst.rules import liger_missing_here
     from fitburst.train import optimizer_step
 
     from . import cuda_kernels, model_kernels, sharded
@@ -341,6 +342,9 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         raise TraceUnsupported(
             "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
             "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
+    if s.liger_kernels and (missing := liger_missing_here()) is not None:  # a plan for another machine
+        raise TraceUnsupported(f"the traced estimate applies Liger Kernel's own patch (its kernels on stand-ins), "
+                               f"and {missing} here: the analytic estimate models it")
     wrap = (sharded.fake_process_group(s.world_size) if s.world_size > 1 and not sharded.in_fake_group() else
             model_kernels.liger_stand_ins() if s.liger_kernels and not model_kernels.standing_in() else None)
     if wrap is not None:  # rank 0 of world_size in a fake process group; Liger's patch on stand-ins, undone after
@@ -357,7 +361,9 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     model = prepare_for_training(model, sp)
     sharded.shard_on_meta(model, s)
-    padded = s.micro_batch_size > 1 if s.padded is None else s.padded
+    # FA2 is traced as SDPA's shapes: with no mask where FlashAttention-2 gets none (varlen over the real tokens)
+    padded = attention_masked(device or resolve_device("cpu"), s.attention,
+                              s.micro_batch_size > 1 if s.padded is None else s.padded)
     rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"

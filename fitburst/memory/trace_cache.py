@@ -53,8 +53,10 @@ def _fingerprint() -> str:
 
 def key(config: dict, settings: RunSettings, seq_len: int, device: Device, **step: object) -> str:
     """The cache key of one traced estimate; ``step``: the spec's other fields the traced step reads."""
-    doc = {"config": config, "settings": asdict(settings), "seq_len": seq_len, "device": asdict(device),
-           "step": step, "code": _fingerprint()}
+    # a card traces alike planned from here or trained on here (Device.local): one entry for both
+    dev = {k: v for k, v in asdict(device).items() if k != "local"}
+    doc = {"config": config, "settings": asdict(settings), "seq_len": seq_len, "device": dev, "step": step,
+           "code": _fingerprint()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -233,6 +233,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: s.activation_offloading and d is not None and d.kind != "cuda",
          lambda s, d, f, m: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
                              f"memory, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("activation_offloading_missing", ("training", "activation_offloading"),
+         lambda s, d, f, m: (s.activation_offloading and d is not None and d.kind == "cuda"
+                             and library_missing("trl", d) is not None),
+         lambda s, d, f, m: (f"activation offloading runs TRL's offloading context, and {library_missing('trl', d)}",
+                             "pip install 'fitburst[lean]', or set training.activation_offloading: false")),
     Rule("embeddings_on_host_mps", ("training", "embeddings_on_host"),
          lambda s, d, f, m: s.embeddings_on_host and d is not None and d.kind == "mps",
          lambda s, d, f, m: ("training.embeddings_on_host keeps the input embeddings in host RAM, and on Apple "

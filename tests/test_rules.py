@@ -53,6 +53,8 @@ CASES = {
     "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
     # the lean libraries, hidden here (HIDDEN): refused for this machine's GPU, not for a planned one (a burst node)
     "tiled_mlp_missing": (on(dict(tiled_mlp=True), CUDA), on(dict(tiled_mlp=True), PLANNED)),
+    "activation_offloading_missing": (on(dict(activation_offloading=True), CUDA),
+                                      on(dict(activation_offloading=True), PLANNED)),
     "fused_loss_missing": (on(dict(loss="fused", precision="bf16"), CUDA),
                            on(dict(loss="fused", precision="bf16"), PLANNED)),
     "liger_kernels_off_cuda": (on(dict(liger_kernels=True), CPU), on(dict(liger_kernels=True), CUDA)),
@@ -79,7 +81,8 @@ LIGER_MISSING = (frozenset(), "liger-kernel is not installed")
 # rule: the probe's answer for the case it refuses, for the neighbour it accepts (every other row: installed)
 PROBED = {"liger_kernels_missing": (LIGER_MISSING, LIGER_INSTALLED)}
 # rule: the module hidden from this install in both its cases (what `import` then finds: nothing)
-HIDDEN = {"tiled_mlp_missing": "liger_kernel", "fused_loss_missing": "cut_cross_entropy"}
+HIDDEN = {"tiled_mlp_missing": "liger_kernel", "fused_loss_missing": "cut_cross_entropy",
+          "activation_offloading_missing": "trl"}
 
 
 def _probe(monkeypatch, answer: tuple) -> None:

@@ -160,10 +160,10 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     elsewhere before the model loaded)."""
     if not spec.training.activation_offloading:
         return None
-    import importlib.util
+    from fitburst.hardware import library_missing_here
 
-    if importlib.util.find_spec("trl") is None:
-        raise TrainError("training.activation_offloading runs TRL's offloading context, which is not installed: "
+    if (missing := library_missing_here("trl")) is not None:  # refused before (activation_offloading_missing)
+        raise TrainError(f"training.activation_offloading runs TRL's offloading context, and {missing}: "
                          "pip install 'fitburst[lean]'")
     from trl.models.activation_offloading import get_act_offloading_ctx_manager  # heavy, optional: lean extra
 

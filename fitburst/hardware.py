@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 MiB = 1 << 20
@@ -32,7 +33,7 @@ class Device:
     runtime_bytes: int = 0  # CUDA: what training adds outside the allocator after initialisation (CUDA_RUNTIME)
     # the run trains on this machine (probed, the preflight's device, the loop's): the libraries installed here decide
     # what can run on it. False: a planned target (a rented GPU, a device named to ``fitburst estimate``), whose node
-    # installs fitburst's lean extra itself (fitburst.cloud.task.NODE_PACKAGES)
+    # installs fitburst's lean extra itself (fitburst.hardware.NODE_PACKAGES)
     local: bool = False
 
     @property
@@ -380,11 +381,39 @@ def fused_loss_kernel(device: Device, dtype: str) -> tuple[str, str]:
                            f"{device.kind})")
 
 
-def fused_loss_installed(device: Device, dtype: str) -> bool:
-    """Whether the library of the fused loss ``device`` runs (:func:`fused_loss_kernel`) is installed here (the
-    planner takes only a loss this install can run; a cloud node installs the lean libraries itself)."""
+def fused_loss_missing(device: Device, dtype: str) -> str | None:
+    """Why the fused loss ``device`` runs (:func:`fused_loss_kernel`) cannot run where a run on it trains (its
+    library, :func:`library_missing`), or None when it can."""
     module = FUSED_MODULES.get(fused_loss_kernel(device, dtype)[0])
-    return module is None or importlib.util.find_spec(module) is not None
+    return library_missing(module, device) if module is not None else None
+
+
+# --- what a run's machine has installed ------------------------------------------------------------------------
+# What a burst node pip-installs (fitburst.cloud.task pins each to the launcher's version): the lean extra's
+# libraries among them, as a rented GPU runs the plan's kernels whatever the launcher has.
+NODE_PACKAGES = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "tokenizers", "pydantic",
+                 "pyyaml", "rich", "mlflow",
+                 # the lean extra: the fused losses, Liger's kernels, the tiled MLP, activation offloading (CUDA)
+                 "liger-kernel", "cut-cross-entropy", "trl"]
+LIBRARIES = {"cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel", "trl": "trl"}  # import: pip
+
+
+def library_missing_here(module: str) -> str | None:
+    """Why ``module`` (a key of :data:`LIBRARIES`) cannot be imported on this machine, or None when it can."""
+    return None if importlib.util.find_spec(module) is not None else f"{LIBRARIES[module]} is not installed here"
+
+
+def library_missing(module: str, device: Device | None, here: Callable[[], str | None] | None = None) -> str | None:
+    """Why ``module`` (a key of :data:`LIBRARIES`) cannot be imported where a run on ``device`` trains, or None
+    when it can: this install decides for a run that trains here (``device.local``) and for a planned MPS or CPU
+    device (another such machine's install is not known); a planned CUDA target is a burst node, which installs
+    :data:`NODE_PACKAGES`. None too where the device is not known. ``here``: this install's probe, where one says
+    more than :func:`library_missing_here`."""
+    if device is None:
+        return None
+    if device.local or device.kind != "cuda":
+        return here() if here is not None else library_missing_here(module)
+    return None if LIBRARIES[module] in NODE_PACKAGES else f"a burst node does not install {LIBRARIES[module]}"
 
 
 def available_host_bytes() -> int | None:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fitburst.hardware import Device, named_device, resolve_device, split_count
+from fitburst.hardware import (
+    Device,
+    fused_loss_kernel,
+    fused_loss_missing,
+    library_missing,
+    named_device,
+    resolve_device,
+    split_count,
+)
 
 if TYPE_CHECKING:
     from fitburst.memory.shapes import ModelShape
@@ -92,7 +100,7 @@ def _liger_model_types() -> tuple[frozenset[str], str | None]:
 
 # The bundled configs' model types Liger Kernel patches (keys of its MODEL_TYPE_TO_APPLY_LIGER_FN): what a plan for
 # another machine reads where liger-kernel is not installed here (a Mac: the lean extra is Linux-only), as that
-# machine installs it (fitburst.cloud.task.NODE_PACKAGES). tests/test_liger_kernels.py checks them against the
+# machine installs it (fitburst.hardware.NODE_PACKAGES). tests/test_liger_kernels.py checks them against the
 # installed Liger's own mapping.
 LIGER_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_vl",
                                "qwen3_moe"})
@@ -105,9 +113,9 @@ def liger_missing_here() -> str | None:
 
 def liger_missing(device: Device | None) -> str | None:
     """Why Liger Kernel's model kernels cannot be applied where a run on ``device`` trains, or None when they can:
-    this install decides for a run that trains here (``device.local``), not for a planned target, whose machine
-    installs the lean extra itself; None too where the device is not known."""
-    return liger_missing_here() if device is not None and device.local else None
+    :func:`fitburst.hardware.library_missing` (this install for a run that trains here, a burst node's packages for a
+    planned CUDA target), this install read by :func:`liger_missing_here`."""
+    return library_missing("liger_kernel", device, liger_missing_here)
 
 
 def _liger_types(device: Device | None) -> tuple[frozenset[str], str]:
@@ -173,6 +181,11 @@ def _bnb_where(d: Device | None) -> tuple[str, str]:
     return ("has no MPS backend", "on MPS") if d.kind == "mps" else (f"does not run on {d.name}", f"on {d.name}")
 
 
+def _kernel(d: Device | None, s: RunSettings) -> str:
+    """The fused loss's kernel on ``d`` for the settings' precision (fitburst.hardware.fused_loss_kernel)."""
+    return fused_loss_kernel(d, s.precision)[0] if d is not None else ""
+
+
 RULES: tuple[Rule, ...] = (
     Rule("full_quantized", ("method", "quant"),
          lambda s, d, f, m: s.method == "full" and s.kbit,
@@ -220,6 +233,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: s.activation_offloading and d is not None and d.kind != "cuda",
          lambda s, d, f, m: ("training.activation_offloading moves saved activations from a CUDA GPU to pinned host "
                              f"memory, and this run is on {d.name if d else ''}", "set it false")),
+    Rule("activation_offloading_missing", ("training", "activation_offloading"),
+         lambda s, d, f, m: (s.activation_offloading and d is not None and d.kind == "cuda"
+                             and library_missing("trl", d) is not None),
+         lambda s, d, f, m: (f"activation offloading runs TRL's offloading context, and {library_missing('trl', d)}",
+                             "pip install 'fitburst[lean]', or set training.activation_offloading: false")),
     Rule("embeddings_on_host_mps", ("training", "embeddings_on_host"),
          lambda s, d, f, m: s.embeddings_on_host and d is not None and d.kind == "mps",
          lambda s, d, f, m: ("training.embeddings_on_host keeps the input embeddings in host RAM, and on Apple "
@@ -267,6 +285,16 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: s.loss == "fused" and m is not None and m.head_bias,
          lambda s, d, f, m: (f"the fused loss takes a bias-free linear output head, and {m.model_type if m else ''}'s "
                              "adds a bias", "set training.loss: standard (or auto)")),
+    Rule("fused_loss_missing", ("training", "loss"),
+         lambda s, d, f, m: s.loss == "fused" and d is not None and fused_loss_missing(d, s.precision) is not None,
+         lambda s, d, f, m: (f"the fused loss on {d.name if d else ''} is {_kernel(d, s)}, and "
+                             f"{fused_loss_missing(d, s.precision) if d else ''}",
+                             "pip install 'fitburst[lean]', or set training.loss: standard (or auto)")),
+    Rule("tiled_mlp_missing", ("training", "tiled_mlp"),
+         lambda s, d, f, m: s.tiled_mlp and library_missing("liger_kernel", d) is not None,
+         lambda s, d, f, m: ("the tiled MLP is liger-kernel's apply_tiled_mlp, and "
+                             f"{library_missing('liger_kernel', d)}",
+                             "pip install 'fitburst[lean]' on Linux, or set training.tiled_mlp: false")),
     Rule("tiled_mlp_model", ("training", "tiled_mlp"),
          lambda s, d, f, m: s.tiled_mlp and m is not None and tiled_mlp_refusal(m) is not None,
          lambda s, d, f, m: (f"the tiled MLP shards a gated MLP (gate, up, down) and "

@@ -3,10 +3,11 @@ ladder, the loop and the cloud ranking give the same answer for the same row."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
-from conftest import fake_cuda_card
+from conftest import config_folder, fake_cuda_card
 
 from fitburst.families import CAUSAL, SEQ2SEQ, VISION_LANGUAGE
 from fitburst.hardware import resolve_device
@@ -16,6 +17,7 @@ from fitburst.settings import RunSettings
 
 T4, A6000 = resolve_device("T4"), resolve_device("A6000")
 MPS, CPU, CUDA = device_of_kind("mps"), device_of_kind("cpu"), device_of_kind("cuda")
+PLANNED = resolve_device("cuda:24GiB")  # a card planned from here (fitburst estimate --device, a burst's GPU)
 
 LLAMA, PHI = ModelFacts.of(load_shape("meta-llama/llama-3.1-8b")), ModelFacts.of(load_shape("microsoft/phi-1.5"))
 MIXTRAL, T5 = ModelFacts.of(load_shape("mistralai/mixtral-8x7b")), ModelFacts.of(load_shape("google/flan-t5-xl"))
@@ -49,6 +51,12 @@ CASES = {
     "family_fused_loss": (on(dict(loss="fused"), None, SEQ2SEQ), on(dict(loss="fused"), None, CAUSAL)),
     "fused_loss_head_bias": (on(dict(loss="fused"), None, None, PHI), on(dict(loss="fused"), None, None, LLAMA)),
     "tiled_mlp_model": (on(dict(tiled_mlp=True), None, None, PHI), on(dict(tiled_mlp=True), None, None, LLAMA)),
+    # the lean libraries, hidden here (HIDDEN): refused for this machine's GPU, not for a planned one (a burst node)
+    "tiled_mlp_missing": (on(dict(tiled_mlp=True), CUDA), on(dict(tiled_mlp=True), PLANNED)),
+    "activation_offloading_missing": (on(dict(activation_offloading=True), CUDA),
+                                      on(dict(activation_offloading=True), PLANNED)),
+    "fused_loss_missing": (on(dict(loss="fused", precision="bf16"), CUDA),
+                           on(dict(loss="fused", precision="bf16"), PLANNED)),
     "liger_kernels_off_cuda": (on(dict(liger_kernels=True), CPU), on(dict(liger_kernels=True), CUDA)),
     "liger_kernels_missing": (on(dict(liger_kernels=True), CUDA), on(dict(liger_kernels=True), CUDA)),
     "liger_kernels_model": (on(dict(liger_kernels=True), None, None, MIXTRAL),
@@ -72,6 +80,9 @@ LIGER_INSTALLED = (frozenset({"llama", "mixtral"}), None)
 LIGER_MISSING = (frozenset(), "liger-kernel is not installed")
 # rule: the probe's answer for the case it refuses, for the neighbour it accepts (every other row: installed)
 PROBED = {"liger_kernels_missing": (LIGER_MISSING, LIGER_INSTALLED)}
+# rule: the module hidden from this install in both its cases (what `import` then finds: nothing)
+HIDDEN = {"tiled_mlp_missing": "liger_kernel", "fused_loss_missing": "cut_cross_entropy",
+          "activation_offloading_missing": "trl"}
 
 
 def _probe(monkeypatch, answer: tuple) -> None:
@@ -88,6 +99,8 @@ def test_every_row_has_a_case():
 def test_each_row_refuses_what_it_must_and_accepts_its_neighbour(rule, monkeypatch):
     (bad, *bad_facts), (good, *good_facts) = CASES[rule]
     probe_bad, probe_good = PROBED.get(rule, (LIGER_INSTALLED, LIGER_INSTALLED))
+    if rule in HIDDEN:
+        monkeypatch.setitem(sys.modules, HIDDEN[rule], None)
     _probe(monkeypatch, probe_good)
     assert problems(RunSettings(**good), *good_facts) == []
     _probe(monkeypatch, probe_bad)
@@ -233,18 +246,55 @@ def test_validate_and_the_loop_refuse_a_models_architecture_alike(tmp_path, trai
 def test_the_ladder_asks_the_models_rows_with_the_shape():
     """The planner and the OOM step-down (both through Rung.allowed) take neither the tiled MLP nor the fused loss
     where the model's architecture refuses them; without the shape the tiled MLP is not taken (the table cannot
-    check it) and the fused loss is (no row reads the model then)."""
+    check it) and the fused loss is (no row reads the model then). An A6000 planned from here: its burst node installs
+    both libraries, whatever this machine has."""
     from fitburst.memory.ladder import RUNGS
 
     s = RunSettings(precision="bf16", optimizer="adamw8bit", gradient_checkpointing=True)
     phi, llama = load_shape("microsoft/phi-1.5"), load_shape("meta-llama/llama-3.1-8b")
     tiled, fused = RUNGS["tiled_mlp"], RUNGS["fused_loss"]
-    if tiled.applies(s, A6000):  # liger-kernel installed
-        assert tiled.allowed(s, A6000, shape=llama) and not tiled.allowed(s, A6000, shape=phi)
-        assert not tiled.allowed(s, A6000)
-    if fused.applies(s, A6000):  # the fused loss's library installed
-        assert fused.allowed(s, A6000, shape=llama) and not fused.allowed(s, A6000, shape=phi)
-        assert fused.allowed(s, A6000)
+    assert tiled.allowed(s, A6000, shape=llama) and not tiled.allowed(s, A6000, shape=phi)
+    assert not tiled.allowed(s, A6000)
+    assert fused.allowed(s, A6000, shape=llama) and not fused.allowed(s, A6000, shape=phi)
+    assert fused.allowed(s, A6000)
+
+
+@pytest.mark.parametrize("module, rung, rule", [("liger_kernel", "tiled_mlp", "tiled_mlp_missing"),
+                                                ("cut_cross_entropy", "fused_loss", "fused_loss_missing")])
+def test_a_lean_library_missing_here_decides_only_for_a_run_that_trains_here(monkeypatch, tmp_path_factory, module,
+                                                                              rung, rule):
+    """The tiled MLP (liger-kernel) and the fused loss (CCE on a bf16 card) with their library missing here (a Mac,
+    a preflight-only install): a CUDA card planned from here gets the rung and its saving in the analytic estimate
+    (its burst node installs NODE_PACKAGES); this machine's device (the loop's, the preflight's, validate's) is
+    refused with the row and the rung is not taken; the trace, which runs liger-kernel's apply_tiled_mlp, says it
+    cannot run here (the fused loss's trace runs a stand-in, no library)."""
+    from fitburst.hardware import LIBRARIES, NODE_PACKAGES, resolve_gpus
+    from fitburst.memory import estimate
+    from fitburst.memory.ladder import RUNGS
+    from fitburst.memory.trace import TraceUnsupported, trace_step
+    from fitburst.spec import PipelineSpec
+
+    assert LIBRARIES[module] in NODE_PACKAGES
+    monkeypatch.setitem(sys.modules, module, None)
+    # the tiled MLP's saving shows where the loss's logits are not the peak: with the fused loss
+    s = RunSettings(method="qlora", quant="nf4", precision="bf16", seq_len=16384, dropout=0.0,
+                    gradient_checkpointing=True, loss="fused" if rung == "tiled_mlp" else "auto")
+    llama, on = load_shape("meta-llama/llama-3.1-8b"), RUNGS[rung].take(s, PLANNED)
+    assert RUNGS[rung].allowed(s, PLANNED, shape=llama) and problems(on, PLANNED, model=LLAMA) == []
+    # measured: tiled 18.9 GiB against 22.7 untiled (fused loss on); fused 22.7 GiB against 44.2 (standard loss)
+    assert estimate(llama, on, PLANNED).allocated_peak_bytes < 0.9 * estimate(llama, s, PLANNED).allocated_peak_bytes
+    for here in (CUDA, resolve_gpus("cuda:24GiB").device, declared_device("cuda:24GiB")):
+        assert [p.rule for p in problems(on, here, model=LLAMA)] == [rule]
+        assert not RUNGS[rung].allowed(s, here, shape=llama)
+    tiny = config_folder(tmp_path_factory, "tiny", dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4, vocab_size=256))
+    spec = PipelineSpec.model_validate(dict(name="t", model=dict(name=str(tiny)), data=dict(path="x.jsonl")))
+    small = replace(on, method="lora", quant="none")
+    if rung == "tiled_mlp":
+        with pytest.raises(TraceUnsupported, match="liger-kernel is not installed here"):
+            trace_step(spec, small, seq_len=64, device=PLANNED)
+    else:
+        assert trace_step(spec, small, seq_len=64, device=PLANNED).live_peaks()[0] > 0
 
 
 def test_a_bf16_precision_the_probed_gpu_lacks_is_refused_as_validate_refuses_it(pipelines_file, monkeypatch):

@@ -16,7 +16,7 @@ import yaml
 import fitburst
 from fitburst.cloud.rank import Candidate
 from fitburst.errors import UserError
-from fitburst.hardware import SKY_CLOUD, SKY_NAMES
+from fitburst.hardware import NODE_PACKAGES, SKY_CLOUD, SKY_NAMES
 from fitburst.spec import ENV_REF, PipelineSpec
 
 TASK_YAML = Path(str(resources.files("fitburst.cloud").joinpath("train.yaml")))  # package data: works from pip
@@ -27,23 +27,6 @@ STOPPABLE = ("aws", "gcp", "azure")  # can stop a cluster (disk kept); RunPod an
 WORKDIR_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".env", ".env.*", "*.pem", "*.egg-info", "build",
                                         ".pytest_cache", ".ruff_cache", "runs", "mlruns", "mlflow.db", ".venv*",
                                         ".fitburst", ".git")
-NODE_PACKAGES = [
-    "torch",
-    "transformers",
-    "peft",
-    "accelerate",
-    "bitsandbytes",
-    "datasets",
-    "tokenizers",
-    "pydantic",
-    "pyyaml",
-    "rich",
-    "mlflow",
-    # the lean extra: the fused losses and activation offloading a plan may switch on (CUDA kernels)
-    "liger-kernel",
-    "cut-cross-entropy",
-    "trl",
-]
 # Secrets taken from the launcher's environment when set (never written to YAML, logs or MLflow): the model hub
 # token only. The tracking server's credentials go only when the node logs to it; artifacts then travel through
 # the server (`mlflow server` proxies its artifact store), so no raw cloud keys (AWS_*, GOOGLE_*, ...) ever leave.

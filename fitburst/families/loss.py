@@ -22,10 +22,8 @@ from typing import Any
 
 from fitburst.errors import UserError
 from fitburst.families.base import IGNORE_INDEX
-from fitburst.hardware import FUSED_MODULES
+from fitburst.hardware import FUSED_MODULES, library_missing_here
 from fitburst.settings import EVAL_CHUNK_TOKENS
-
-LIBRARY = {"cce": "cut-cross-entropy", "cce_compile": "cut-cross-entropy", "liger": "liger-kernel"}
 
 
 class FusedLossError(UserError, ValueError):
@@ -33,13 +31,11 @@ class FusedLossError(UserError, ValueError):
 
 
 def check_installed(kernel: str) -> None:
-    """A FusedLossError naming the package (fitburst's ``lean`` extra) when ``kernel``'s library is missing."""
-    import importlib.util
-
+    """A FusedLossError naming the package (fitburst's ``lean`` extra) when ``kernel``'s library is missing here."""
     module = FUSED_MODULES.get(kernel)
-    if module is not None and importlib.util.find_spec(module) is None:
-        raise FusedLossError(f"training.loss: fused runs {LIBRARY[kernel]} here, which is not installed: "
-                             "pip install 'fitburst[lean]' (or set training.loss: standard)")
+    if module is not None and (missing := library_missing_here(module)) is not None:
+        raise FusedLossError(f"training.loss: fused runs {kernel} here, and {missing}: pip install 'fitburst[lean]' "
+                             "(or set training.loss: standard)")
 
 
 def head_of(model) -> Any:

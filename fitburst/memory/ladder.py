@@ -5,8 +5,9 @@ The planner (:mod:`fitburst.memory.planner`) searches combinations of rungs befo
 those a resumed run can take (``midrun``). Both ask the same rungs the same questions, so for the same settings
 they choose the same next rung. A smaller micro-batch keeps the effective batch exactly (:func:`smaller_batch`).
 A rung applies where its own condition holds (what it changes is not on already, and changes what runs) and the
-settings it makes break no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, what FSDP
-refuses, and what the model's architecture refuses when the model is known).
+settings it makes break no row of the rule table (:func:`fitburst.rules.new_problems`: what runs where, whether its
+library is installed where the run trains, what FSDP refuses, and what the model's architecture refuses when the
+model is known).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device, fused_loss_installed, fused_loss_kernel
+from fitburst.hardware import Device, fused_loss_kernel
 from fitburst.rules import ModelFacts, new_problems
 from fitburst.settings import RunSettings
 
@@ -154,7 +155,7 @@ LADDER: tuple[Rung, ...] = (
                       "the GPU (the frozen table is not needed on the GPU)",
          needs_model=True),
     Rung("fused_loss", 1.01, True,
-         lambda s, d: s.loss == "auto" and fused_loss_installed(d, s.precision),
+         lambda s, d: s.loss == "auto",
          lambda s, d: replace(s, loss="fused"),
          lambda s, d: f"fused linear cross-entropy ({fused_loss_kernel(d, s.precision)[0]}): no batch x seq x vocab "
                       "logits, the same loss and gradients"),
@@ -172,7 +173,7 @@ LADDER: tuple[Rung, ...] = (
          lambda s, d: smaller_batch(s),
          _batch_text),
     Rung("tiled_mlp", TILED_MLP_COST, True,
-         lambda s, d: not s.tiled_mlp and importlib.util.find_spec("liger_kernel") is not None,
+         lambda s, d: not s.tiled_mlp,
          lambda s, d: replace(s, tiled_mlp=True),
          lambda s, d: "tiled MLP on: each block's gated MLP over sequence shards, recomputed in backward "
                       "(liger-kernel's apply_tiled_mlp): no whole layer's MLP intermediates at full length",

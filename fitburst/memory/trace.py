@@ -327,7 +327,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
 
     from fitburst.builders import prepare_for_training
     from fitburst.device import make_amp
-    from fitburst.hardware import resolve_device
+    from fitburst.hardware import library_missing_here, resolve_device
     from fitburst.models import EXPANDED_KV
     from fitburst.rules import liger_missing_here
     from fitburst.train import optimizer_step
@@ -345,6 +345,9 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     if s.liger_kernels and (missing := liger_missing_here()) is not None:  # a plan for another machine
         raise TraceUnsupported(f"the traced estimate applies Liger Kernel's own patch (its kernels on stand-ins), "
                                f"and {missing} here: the analytic estimate models it")
+    if s.tiled_mlp and (missing := library_missing_here("liger_kernel")) is not None:  # a plan for another machine
+        raise TraceUnsupported(f"the traced estimate runs liger-kernel's apply_tiled_mlp, and {missing}: the "
+                               "analytic estimate models it")
     wrap = (sharded.fake_process_group(s.world_size) if s.world_size > 1 and not sharded.in_fake_group() else
             model_kernels.liger_stand_ins() if s.liger_kernels and not model_kernels.standing_in() else None)
     if wrap is not None:  # rank 0 of world_size in a fake process group; Liger's patch on stand-ins, undone after

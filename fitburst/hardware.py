@@ -395,7 +395,8 @@ NODE_PACKAGES = ["torch", "transformers", "peft", "accelerate", "bitsandbytes", 
                  "pyyaml", "rich", "mlflow",
                  # the lean extra: the fused losses, Liger's kernels, the tiled MLP, activation offloading (CUDA)
                  "liger-kernel", "cut-cross-entropy", "trl"]
-LIBRARIES = {"cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel", "trl": "trl"}  # import: pip
+LIBRARIES = {"cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel", "trl": "trl",
+             "flash_attn": "flash-attn"}  # import name: pip name
 
 
 def library_missing_here(module: str) -> str | None:

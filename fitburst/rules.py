@@ -186,6 +186,14 @@ def _kernel(d: Device | None, s: RunSettings) -> str:
     return fused_loss_kernel(d, s.precision)[0] if d is not None else ""
 
 
+def _flash_missing(d: Device | None) -> str | None:
+    """Why FlashAttention-2 cannot load where a run on ``d`` trains (None: it can, or ``d`` is not known): a CUDA
+    GPU with flash-attn there (:func:`fitburst.hardware.library_missing`: a burst node does not install it)."""
+    if d is None:
+        return None
+    return f"it runs on CUDA GPUs only, not on {d.name}" if d.kind != "cuda" else library_missing("flash_attn", d)
+
+
 RULES: tuple[Rule, ...] = (
     Rule("full_quantized", ("method", "quant"),
          lambda s, d, f, m: s.method == "full" and s.kbit,
@@ -271,6 +279,11 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: (s.liger_kernels and m is not None and liger_missing(d) is None
                              and liger_refusal(m, d) is not None),
          lambda s, d, f, m: ((liger_refusal(m, d) if m else None) or "", "set training.liger_kernels: false")),
+    Rule("flash_attention_missing", ("training", "attention"),
+         lambda s, d, f, m: s.attention == "flash" and _flash_missing(d) is not None,
+         lambda s, d, f, m: (f"training.attention: flash loads FlashAttention-2, and {_flash_missing(d)}",
+                             "set training.attention: sdpa (or auto), or pip install flash-attn on an Ampere or newer "
+                             "GPU")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "

@@ -50,3 +50,25 @@ def test_the_analytic_estimate_follows_the_trace_of_the_best_plan(tiny, off):
     assert -0.02 <= t.allocated_peak_bytes / a.allocated_peak_bytes - 1 <= 0.02, (a.phases, t.phases)
     assert -0.05 <= t.device_total_bytes / a.device_total_bytes - 1 <= 0.02
 
+
+def test_ligers_kernels_leave_the_best_plans_forward_peak_where_it_was(tiny):
+    """The best plan takes Liger's model kernels on CUDA. Its forward peaks in the last block's attention (a
+    checkpointed block, the MLP tiled), where Liger changes no tensor: on k-bit's fp32 stream Liger's RMSNorm leaves
+    the same fp32 output as Hugging Face's, and the RoPE temporaries Liger does without are freed before the peak.
+    So both estimates put the forward's peak at the same bytes with and without Liger, and with Liger the analytic
+    estimate follows the trace within the fixed bounds of the test above (measured: allocated +0.2 %, device total
+    -2.8 %, as without Liger). A rule counting an fp32 tensor of the hidden width less at that peak (2 MiB here)
+    moves the analytic peak into the backward and reads the trace 4.0 % over it: it fails. At full size the trace's
+    device total drops with Liger by 1.40 GiB where its allocated peak does not move: that is the caching
+    allocator's reserve, which neither rule here models (benchmarks/results/liger_reserve.txt)."""
+    shape, spec = tiny
+    dev = resolve_device("A100-80GB")
+    on = replace(BEST, liger_kernels=True)
+    a_on, a_off = (estimate(shape, s, dev, calibrate=False) for s in (on, BEST))
+    t_on, t_off = (traced_estimate(spec, s, dev, seq_len=s.seq_len) for s in (on, BEST))
+    assert a_on.peak_phase == t_on.peak_phase == "forward"
+    assert a_on.phases["forward"] == a_off.phases["forward"]
+    assert t_on.phases["forward"] == t_off.phases["forward"]
+    assert -0.02 <= t_on.allocated_peak_bytes / a_on.allocated_peak_bytes - 1 <= 0.02, (a_on.phases, t_on.phases)
+    assert -0.05 <= t_on.device_total_bytes / a_on.device_total_bytes - 1 <= 0.02
+

@@ -57,6 +57,7 @@ CASES = {
                                       on(dict(activation_offloading=True), PLANNED)),
     "fused_loss_missing": (on(dict(loss="fused", precision="bf16"), CUDA),
                            on(dict(loss="fused", precision="bf16"), PLANNED)),
+    "flash_attention_missing": (on(dict(attention="flash"), CUDA), on(dict(attention="sdpa"), CUDA)),
     "liger_kernels_off_cuda": (on(dict(liger_kernels=True), CPU), on(dict(liger_kernels=True), CUDA)),
     "liger_kernels_missing": (on(dict(liger_kernels=True), CUDA), on(dict(liger_kernels=True), CUDA)),
     "liger_kernels_model": (on(dict(liger_kernels=True), None, None, MIXTRAL),
@@ -82,7 +83,7 @@ LIGER_MISSING = (frozenset(), "liger-kernel is not installed")
 PROBED = {"liger_kernels_missing": (LIGER_MISSING, LIGER_INSTALLED)}
 # rule: the module hidden from this install in both its cases (what `import` then finds: nothing)
 HIDDEN = {"tiled_mlp_missing": "liger_kernel", "fused_loss_missing": "cut_cross_entropy",
-          "activation_offloading_missing": "trl"}
+          "activation_offloading_missing": "trl", "flash_attention_missing": "flash_attn"}
 
 
 def _probe(monkeypatch, answer: tuple) -> None:
@@ -374,3 +375,23 @@ def test_the_analytic_estimate_refuses_what_the_fsdp_int8_row_refuses():
     with pytest.raises(ValueError, match="int8 weights cannot be sharded by FSDP"):
         estimate(shape, s, A6000)
     assert estimate(shape, replace(s, quant="nf4"), A6000).allocated_peak_bytes > 0  # its neighbour
+
+
+def test_flash_attention_is_planned_only_where_flash_attn_is_installed(monkeypatch):
+    """FlashAttention-2 needs the flash-attn package where the run trains: a GPU here with it installed gets the
+    attention rung's flash and passes the row; a burst node (a planned card) does not install it, so its plan keeps
+    SDPA and the row refuses flash there, whatever this machine has."""
+    import importlib.machinery
+    import types
+
+    from fitburst.memory.ladder import _fast_attention
+
+    flash_attn = types.ModuleType("flash_attn")
+    flash_attn.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)  # installed here
+    s = RunSettings(attention="eager", precision="bf16")
+    here, planned = replace(A6000, local=True), replace(A6000, local=False)
+    assert _fast_attention(s, here) == "flash" and _fast_attention(s, planned) == "sdpa"
+    assert problems(replace(s, attention="flash"), here) == []
+    for elsewhere in (planned, MPS, CPU):
+        assert [p.rule for p in problems(replace(s, attention="flash"), elsewhere)] == ["flash_attention_missing"]

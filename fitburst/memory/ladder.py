@@ -12,11 +12,10 @@ model is known).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device, fused_loss_kernel
+from fitburst.hardware import Device, fused_loss_kernel, library_missing
 from fitburst.rules import ModelFacts, new_problems
 from fitburst.settings import RunSettings
 
@@ -59,9 +58,10 @@ def smaller_batch(s: RunSettings) -> RunSettings:
 
 def _fast_attention(s: RunSettings, device: Device) -> str:
     """FlashAttention-2 where it runs: 16-bit compute on an Ampere or newer card (bf16 marks them) with the
-    ``flash_attn`` package installed; SDPA everywhere else."""
+    ``flash_attn`` package where the run trains (:func:`fitburst.hardware.library_missing`: a burst node does not
+    install it); SDPA everywhere else."""
     flash = (device.kind == "cuda" and device.supports_bf16 and s.precision != "fp32"
-             and importlib.util.find_spec("flash_attn") is not None)
+             and library_missing("flash_attn", device) is None)
     return "flash" if flash else "sdpa"
 
 

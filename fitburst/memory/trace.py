@@ -19,12 +19,12 @@ from dataclasses import asdict
 from typing import Any
 
 from fitburst.allocator_env import allocator_mode
-from fitburst.errors import UserError
 from fitburst.hardware import Device, MiB, attention_masked
 from fitburst.settings import RunSettings, spec_with_settings
 
 from .estimator import RESERVED_FACTOR, RESERVED_FLOOR, Estimate
 from .trace_events import Event, StepTrace, live_peaks, peak_components
+from .trace_guards import TraceUnsupported, device_sdpa, fake_kernels_of, untraceable
 
 PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 # Micro-batches of an accumulation window the trace steps through. The third and later ones repeat the second's
@@ -34,10 +34,6 @@ PHASES = ("load", "forward", "loss", "backward", "optimizer_step")
 # benchmarks/trace_micro.py, its figures in docs/preflight.md).
 TRACED_MICRO = 2
 CPU_RUNTIME_FLOOR = 32 * MiB  # first-step heap of torch on CPU outside tensors (see estimator.RESERVED_FLOOR)
-
-
-class TraceUnsupported(UserError, ValueError):
-    """This configuration cannot be traced; the message says which part and what to do instead."""
 
 
 # --- making transformers behave as on a GPU --------------------------------------------------------------
@@ -327,9 +323,8 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
 
     from fitburst.builders import prepare_for_training
     from fitburst.device import make_amp
-    from fitburst.hardware import library_missing_here, resolve_device
+    from fitburst.hardware import resolve_device
     from fitburst.models import EXPANDED_KV
-    from fitburst.rules import liger_missing_here
     from fitburst.train import optimizer_step
 
     from . import cuda_kernels, model_kernels, sharded
@@ -338,16 +333,8 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     from .recorder import Recorder  # torch: imported only to trace
 
     s = settings
-    if s.quant == "int8":
-        raise TraceUnsupported(
-            "the traced estimate does not cover int8 quantization yet (bitsandbytes 8-bit layers on the meta "
-            "device): use the analytic estimate (fitburst estimate without --exact), or quant nf4")
-    if s.liger_kernels and (missing := liger_missing_here()) is not None:  # a plan for another machine
-        raise TraceUnsupported(f"the traced estimate applies Liger Kernel's own patch (its kernels on stand-ins), "
-                               f"and {missing} here: the analytic estimate models it")
-    if s.tiled_mlp and (missing := library_missing_here("liger_kernel")) is not None:  # a plan for another machine
-        raise TraceUnsupported(f"the traced estimate runs liger-kernel's apply_tiled_mlp, and {missing}: the "
-                               "analytic estimate models it")
+    if (why := untraceable(s)) is not None:
+        raise TraceUnsupported(why)
     wrap = (sharded.fake_process_group(s.world_size) if s.world_size > 1 and not sharded.in_fake_group() else
             model_kernels.liger_stand_ins() if s.liger_kernels and not model_kernels.standing_in() else None)
     if wrap is not None:  # rank 0 of world_size in a fake process group; Liger's patch on stand-ins, undone after
@@ -370,7 +357,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     rec = Recorder()
     prefix = ["warmup."]
     kind = device.kind if device is not None else "cpu"
-    sdpa = _device_sdpa(device)
+    sdpa = device_sdpa(device)
     with (bnb_caches_kept(s.kbit), FakeTensorMode(allow_non_fake_inputs=True), rec, sharded.traced(rec, s),
           gpu_like_masking(padded), device_autocast(autocast_of), sdpa, contextlib.ExitStack() as stack):
         load_bytes = _loaded(model, rec, s, kbit_read_ahead, kind)
@@ -393,7 +380,7 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         if s.activation_offloading and kind == "cuda":
             lean["offload"] = cuda_kernels.offloaded_activations(rec)
         stack.enter_context(traced_fused_loss(lean.get("loss", "chunked")))
-        with _fake_kernels_of(sp.model.name):
+        with fake_kernels_of(sp.model.name):
             step(model, opt, params, micro[:traced_micro], device="cpu", max_grad_norm=tr.max_grad_norm, amp=amp,
                  **lean)
         del micro
@@ -414,26 +401,6 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
                      heads=heads, load_bytes=load_bytes, kv_heads=kv_heads,
                      kv_expanded=text._attn_implementation == EXPANDED_KV,
                      vocab=int(getattr(text, "vocab_size", 0) or 0))
-
-
-def _device_sdpa(device: Device | None) -> contextlib.AbstractContextManager:
-    """SDPA as ``device`` runs it: CUDA's fused kernel of that device, MPS's math composite, else the CPU's own."""
-    from . import cuda_kernels, mps_kernels
-
-    if device is not None and device.kind == "cuda":
-        return cuda_kernels.cuda_sdpa_dispatch(device.supports_bf16)
-    return mps_kernels.mps_sdpa_math() if device is not None and device.kind == "mps" else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _fake_kernels_of(model_name: str) -> Iterator[None]:
-    """A step whose op has no fake kernel for this case (e.g. MoE mm) is a :class:`TraceUnsupported`."""
-    try:
-        yield
-    except (RuntimeError, NotImplementedError) as e:
-        raise TraceUnsupported(f"{model_name}: a kernel of this model cannot run on fake tensors in this "
-                               f"configuration ({str(e).splitlines()[0][:160]}); the analytic estimate and its "
-                               "wider error band decide") from None
 
 
 def _loaded(model, rec, s: RunSettings, kbit_read_ahead: int, kind: str) -> int:

@@ -183,12 +183,6 @@ def capped_plan(c: Case, spec):
     return spec_with_settings(spec.with_overrides({"data.max_seq_len": length}), plan.settings), plan
 
 
-def cap_fraction(cap_bytes: int, total_bytes: int, used_bytes: int) -> float:
-    """torch.cuda.set_per_process_memory_fraction's argument that leaves the allocator what a ``cap_bytes`` card
-    leaves it: the cap less what is in use before the run (the CUDA context, other processes)."""
-    return max(cap_bytes - used_bytes, 0) / total_bytes
-
-
 @contextlib.contextmanager
 def sdpa_backends(seen: list[str]):
     """SDPA's first call recorded: the backend torch picks for its inputs (``torch._fused_sdp_choice``, the choice
@@ -231,13 +225,16 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
     with tempfile.TemporaryDirectory() as d:
         spec = spec_of(c, str(model_dir(models, c.model, tiny)), fixed_length_data(Path(d) / "long.jsonl"), steps,
                        tiny)
-        if c.cap_gib:  # the planned length, in records long enough for it; the card capped before the model loads
+        if c.cap_gib:  # the planned length, in records long enough for it, two steps (warm-up, measured), no
+            # snapshot; the allocator held to the budget the plan was judged against (the card less its context
+            # and the CUDA runtime: fitburst.hardware.Device.budget_bytes) before the model loads
             spec, plan = capped_plan(c, spec)
-            data = fixed_length_data(Path(d) / "longer.jsonl", n=16, words=spec.data.max_seq_len)
-            spec = spec.with_overrides({"data.path": str(data)})
-            free, total = torch.cuda.mem_get_info()
-            cap = c.cap_gib << 30
-            torch.cuda.set_per_process_memory_fraction(cap_fraction(cap, total, total - free))
+            data = fixed_length_data(Path(d) / "longer.jsonl", n=8, words=spec.data.max_seq_len)
+            steps, snapshot, cap = 2, False, c.cap_gib << 30
+            spec = spec.with_overrides({"data.path": str(data), "training.max_steps": steps,
+                                        "training.log_every": steps})
+            budget = resolve_device(f"cuda:{c.cap_gib}GiB").budget_bytes
+            torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.mem_get_info()[1])
         prepared = prepare_pipeline(spec)
         readings = Readings(Path(d), snapshots={"peak"} if snapshot and cuda else set(), history=HISTORY)
         t0 = time.perf_counter()

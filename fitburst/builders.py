@@ -12,11 +12,11 @@ from dataclasses import replace
 from fitburst import distributed
 from fitburst.distributed import SINGLE, World
 from fitburst.families import Family, family_for
-from fitburst.hardware import available_host_bytes
+from fitburst.hardware import Device, available_host_bytes
 from fitburst.memory.fsdp_terms import loads_once
 from fitburst.memory.shapes import ModelShape
 from fitburst.models import ResolvedModel, embeddings_to_host, load_pipeline_model, prepare_kbit, tokenizer_for
-from fitburst.rules import ModelFacts, device_of_kind, explain, problems
+from fitburst.rules import ModelFacts, explain, problems
 from fitburst.settings import settings_from_spec
 from fitburst.spec import PipelineSpec, resolve_quant
 from fitburst.train import TrainError
@@ -170,15 +170,15 @@ def activation_offloading(spec: PipelineSpec, model, device: str) -> contextlib.
     return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
 
 
-def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, kind: str | None = None, *,
+def refuse_problems(spec: PipelineSpec, family: Family, world_size: int = 1, device: Device | None = None, *,
                     resolved: ResolvedModel | None = None) -> None:
-    """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on a
-    ``kind`` device: cuda | mps | cpu, None: not known) breaks a row of the rule table
+    """A TrainError naming each field and its fix where what this process runs (``world_size`` processes on
+    ``device``: this process's, :func:`fitburst.device.probed_device`; None: not known) breaks a row of the rule table
     (:func:`fitburst.rules.problems`), for the model's family and architecture (``resolved``: its shape as the
     recipe resolved it; None: read from its config.json)."""
     s = replace(settings_from_spec(spec), world_size=world_size)
     facts = ModelFacts.of(resolved.shape) if resolved is not None else _model_facts(spec)
-    found = problems(s, device_of_kind(kind) if kind else None, family, facts)
+    found = problems(s, device, family, facts)
     if found:
         raise TrainError(explain(spec.name, found))
 

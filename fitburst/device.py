@@ -50,13 +50,13 @@ def resolve_precision(precision: str, device: str) -> str:
     """The compute precision (fp32, bf16 or fp16); ``auto`` follows :func:`fitburst.hardware.auto_precision`
     (the estimate's rule). An explicit one the probed device cannot run is refused by the rule table's row, with the
     message ``validate`` gives for a device named so."""
-    probed = _probed(device)
+    probed = probed_device(device)
     if precision != "auto":
         _refuse(RunSettings(precision=precision), probed)
     return precision if precision != "auto" else auto_precision(probed.kind, probed.supports_bf16)
 
 
-def _probed(device: str) -> Device:
+def probed_device(device: str) -> Device:
     """This process's ``device`` (cuda | mps | cpu) with what the rule table asks of it: on CUDA the current GPU's
     name and whether it has native bf16, read in this process (sm >= 80: torch's default also says yes where it
     merely emulates bf16, on a T4, which would train in slow emulated bf16 while the preflight planned fp16, as

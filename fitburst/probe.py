@@ -42,7 +42,7 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
     import torch
 
     from fitburst.builders import build_model, count_params, make_optimizer, refuse_problems
-    from fitburst.device import make_amp, resolve_precision, select_device
+    from fitburst.device import make_amp, probed_device, resolve_precision, select_device
     from fitburst.meter import MemoryMeter
     from fitburst.models import resolve_model
     from fitburst.train import optimizer_step
@@ -50,7 +50,7 @@ def probe(spec: PipelineSpec, prepared: PreparedData, estimate: Estimate, device
     tr = spec.training
     device = device or select_device(spec.preflight.device)
     resolved = resolve_model(spec)
-    refuse_problems(spec, resolved.family, 1, device.split(":")[0], resolved=resolved)  # before the load, as the Recipe
+    refuse_problems(spec, resolved.family, 1, probed_device(device), resolved=resolved)  # before the load
     precision = resolve_precision(tr.precision, device)
     amp = make_amp(precision, device, pure_bf16=tr.pure_bf16)
     torch.manual_seed(tr.seed)

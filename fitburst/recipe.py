@@ -39,7 +39,7 @@ from fitburst.checkpoints import (
     spec_keeping_effective_batch,
 )
 from fitburst.data import PreparedData, batch_tokens, load_split
-from fitburst.device import make_amp, resolve_precision, select_device, warn_pure_bf16
+from fitburst.device import make_amp, probed_device, resolve_precision, select_device, warn_pure_bf16
 from fitburst.distributed import World
 from fitburst.memory.cuda_kernels import adamw_impl
 from fitburst.meter import MemoryMeter
@@ -98,7 +98,7 @@ class Recipe:
         resolved = self.resolved = self.resolved or resolve_model(spec)
         self.family, self.shape = resolved.family, resolved.shape
         self.device = self.device or select_device(spec.preflight.device)
-        refuse_problems(spec, self.family, w.size, self.device.split(":")[0], resolved=resolved)  # before the load
+        refuse_problems(spec, self.family, w.size, probed_device(self.device), resolved=resolved)  # before the load
         if w.sharded:
             refuse_offload_beyond_host_ram(spec, self.shape, w)
             self.device = distributed.start(w, self.device)

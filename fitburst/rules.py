@@ -98,12 +98,19 @@ def _liger_model_types() -> tuple[frozenset[str], str | None]:
     return frozenset(), f"this liger-kernel has no MODEL_TYPE_TO_APPLY_LIGER_FN in {source}"
 
 
-# The bundled configs' model types Liger Kernel patches (keys of its MODEL_TYPE_TO_APPLY_LIGER_FN): what a plan for
-# another machine reads where liger-kernel is not installed here (a Mac: the lean extra is Linux-only), as that
-# machine installs it (fitburst.hardware.NODE_PACKAGES). tests/test_liger_kernels.py checks them against the
-# installed Liger's own mapping.
-LIGER_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_vl",
-                               "qwen3_moe"})
+# The model types Liger Kernel 0.8.5 patches (the keys of its MODEL_TYPE_TO_APPLY_LIGER_FN): what a plan for another
+# machine reads where liger-kernel is not installed here (a Mac: the lean extra is Linux-only), as that machine
+# installs it (fitburst.hardware.NODE_PACKAGES). tests/test_liger_kernels.py checks them against the installed
+# Liger's own mapping.
+LIGER_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2",
+                               "gemma3", "gemma3_text", "gemma4", "gemma4_text", "glm4", "glm4v", "glm4v_moe",
+                               "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "internvl", "llama",
+                               "llama4", "llama4_text", "llava", "ministral", "mistral", "mixtral", "mllama",
+                               "mllama_text_model", "muse_glimmer", "nemotron", "olmo2", "olmo3", "paligemma", "phi3",
+                               "pixtral", "qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text",
+                               "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+                               "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_vl_text",
+                               "smollm3", "smolvlm"})
 
 
 def liger_missing_here() -> str | None:
@@ -123,8 +130,7 @@ def _liger_types(device: Device | None) -> tuple[frozenset[str], str]:
     types, missing = _liger_model_types()
     if missing is None or (device is not None and device.local):
         return types, "its MODEL_TYPE_TO_APPLY_LIGER_FN"
-    known = ", ".join(sorted(LIGER_MODEL_TYPES))
-    return LIGER_MODEL_TYPES, f"{missing} here; of the bundled models' types it patches {known}"
+    return LIGER_MODEL_TYPES, f"{missing} here; the types Liger Kernel 0.8.5 patches, which a burst node installs"
 
 
 def liger_refusal(m: ModelFacts, device: Device | None = None) -> str | None:
@@ -181,17 +187,24 @@ def _bnb_where(d: Device | None) -> tuple[str, str]:
     return ("has no MPS backend", "on MPS") if d.kind == "mps" else (f"does not run on {d.name}", f"on {d.name}")
 
 
-def _kernel(d: Device | None, s: RunSettings) -> str:
+def _fused_loss_kernel_name(d: Device | None, s: RunSettings) -> str:
     """The fused loss's kernel on ``d`` for the settings' precision (fitburst.hardware.fused_loss_kernel)."""
     return fused_loss_kernel(d, s.precision)[0] if d is not None else ""
 
 
-def _flash_missing(d: Device | None) -> str | None:
-    """Why FlashAttention-2 cannot load where a run on ``d`` trains (None: it can, or ``d`` is not known): a CUDA
-    GPU with flash-attn there (:func:`fitburst.hardware.library_missing`: a burst node does not install it)."""
+def flash_refusal(s: RunSettings, d: Device | None) -> str | None:
+    """Why FlashAttention-2 cannot run ``s`` where a run on ``d`` trains, or None (also where ``d`` is not known):
+    it needs a CUDA GPU of Ampere or newer (bf16 marks them) computing in 16 bits, with flash-attn installed there
+    (:func:`fitburst.hardware.library_missing`: a burst node does not install it)."""
     if d is None:
         return None
-    return f"it runs on CUDA GPUs only, not on {d.name}" if d.kind != "cuda" else library_missing("flash_attn", d)
+    if d.kind != "cuda":
+        return f"it runs on CUDA GPUs only, not on {d.name}"
+    if not d.supports_bf16:
+        return f"it needs an Ampere or newer GPU, and {d.name} is older"
+    if s.precision == "fp32":
+        return "it computes in 16 bits, and training.precision is fp32"
+    return library_missing("flash_attn", d)
 
 
 RULES: tuple[Rule, ...] = (
@@ -280,10 +293,10 @@ RULES: tuple[Rule, ...] = (
                              and liger_refusal(m, d) is not None),
          lambda s, d, f, m: ((liger_refusal(m, d) if m else None) or "", "set training.liger_kernels: false")),
     Rule("flash_attention_missing", ("training", "attention"),
-         lambda s, d, f, m: s.attention == "flash" and _flash_missing(d) is not None,
-         lambda s, d, f, m: (f"training.attention: flash loads FlashAttention-2, and {_flash_missing(d)}",
-                             "set training.attention: sdpa (or auto), or pip install flash-attn on an Ampere or newer "
-                             "GPU")),
+         lambda s, d, f, m: s.attention == "flash" and flash_refusal(s, d) is not None,
+         lambda s, d, f, m: (f"training.attention: flash runs FlashAttention-2, and {flash_refusal(s, d)}",
+                             "set training.attention: sdpa (or auto), or train on an Ampere or newer GPU in 16 bits "
+                             "with flash-attn installed")),
     Rule("packing_images", ("training", "packing"),
          lambda s, d, f, m: s.packed_fill > 0 and (s.images > 0 or s.image_tokens > 0),
          lambda s, d, f, m: ("packed batches carry no images", "set training.packing: false for a pipeline with "
@@ -300,7 +313,7 @@ RULES: tuple[Rule, ...] = (
                              "adds a bias", "set training.loss: standard (or auto)")),
     Rule("fused_loss_missing", ("training", "loss"),
          lambda s, d, f, m: s.loss == "fused" and d is not None and fused_loss_missing(d, s.precision) is not None,
-         lambda s, d, f, m: (f"the fused loss on {d.name if d else ''} is {_kernel(d, s)}, and "
+         lambda s, d, f, m: (f"the fused loss on {d.name if d else ''} is {_fused_loss_kernel_name(d, s)}, and "
                              f"{fused_loss_missing(d, s.precision) if d else ''}",
                              "pip install 'fitburst[lean]', or set training.loss: standard (or auto)")),
     Rule("tiled_mlp_missing", ("training", "tiled_mlp"),

@@ -3,7 +3,10 @@ ladder, the loop and the cloud ranking give the same answer for the same row."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import sys
+import types
 from dataclasses import replace
 
 import pytest
@@ -196,7 +199,7 @@ def test_validate_the_ladder_the_loop_and_the_cloud_give_one_answer(pipelines_fi
     sharded = demo_spec.model_copy(update={"training": demo_spec.training.model_copy(
         update={"distributed": "fsdp", "optimizer": "adamw8bit"})})
     with pytest.raises(TrainError) as t:  # the loop: refused before the model loads
-        refuse_problems(sharded, CAUSAL, 2, "cuda")
+        refuse_problems(sharded, CAUSAL, 2, CUDA)
     assert f"field 'training.optimizer': {row}" in str(t.value)
 
     rung = RUNGS["optimizer_8bit"]  # the ladder: the rung that would make it is not offered when sharded
@@ -238,10 +241,10 @@ def test_validate_and_the_loop_refuse_a_models_architecture_alike(tmp_path, trai
     spec = PipelineSpec.model_validate({"name": "a", "model": {"name": "microsoft/phi-1.5"},
                                         "data": {"path": "d.jsonl"}, "training": {key: value}})
     with pytest.raises(TrainError) as t:
-        refuse_problems(spec, CAUSAL, 1, "cpu")
+        refuse_problems(spec, CAUSAL, 1, CPU)
     assert f"pipeline 'a': field '{field}': {row}" == str(t.value)
     llama = spec.model_copy(update={"model": spec.model.model_copy(update={"name": "meta-llama/llama-3.1-8b"})})
-    refuse_problems(llama, CAUSAL, 1, "cpu")  # its neighbour: a gated MLP, a bias-free head
+    refuse_problems(llama, CAUSAL, 1, CPU)  # its neighbour: a gated MLP, a bias-free head
 
 
 def test_the_ladder_asks_the_models_rows_with_the_shape():
@@ -331,10 +334,10 @@ def test_k_bit_weights_where_bitsandbytes_does_not_run_are_refused_as_validate_r
     assert f"field 'method.quant' (got 'nf4'): {row}" in str(e.value)
     qlora = load_pipeline(pipelines_file, "demo", {"preflight.device": "auto", "method.type": "qlora"})
     with pytest.raises(TrainError) as t:
-        refuse_problems(qlora, CAUSAL, 1, "mps")
+        refuse_problems(qlora, CAUSAL, 1, MPS)
     assert str(t.value) == f"pipeline 'demo': field 'method.quant': {row}"
-    refuse_problems(qlora, CAUSAL, 1, "cpu")  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
-    refuse_problems(qlora.with_overrides({"method.type": "lora", "method.quant": "none"}), CAUSAL, 1, "mps")
+    refuse_problems(qlora, CAUSAL, 1, CPU)  # its neighbours: bitsandbytes on the CPU, no k-bit weights on MPS
+    refuse_problems(qlora.with_overrides({"method.type": "lora", "method.quant": "none"}), CAUSAL, 1, MPS)
 
 
 def test_ranks_on_mps_are_refused_by_the_loop_and_the_process_group_alike(demo_spec):
@@ -344,7 +347,7 @@ def test_ranks_on_mps_are_refused_by_the_loop_and_the_process_group_alike(demo_s
 
     (row,) = problems(RunSettings(world_size=2), MPS)
     with pytest.raises(TrainError, match="field 'training.distributed'") as t:
-        refuse_problems(demo_spec, CAUSAL, 2, "mps")
+        refuse_problems(demo_spec, CAUSAL, 2, MPS)
     with pytest.raises(DistributedError) as d:
         start(World(0, 2, 0, 2), "mps")
     assert str(row) in str(t.value) and str(d.value) == f"2 processes were started: field 'training.distributed': {row}"
@@ -381,9 +384,6 @@ def test_flash_attention_is_planned_only_where_flash_attn_is_installed(monkeypat
     """FlashAttention-2 needs the flash-attn package where the run trains: a GPU here with it installed gets the
     attention rung's flash and passes the row; a burst node (a planned card) does not install it, so its plan keeps
     SDPA and the row refuses flash there, whatever this machine has."""
-    import importlib.machinery
-    import types
-
     from fitburst.memory.ladder import _fast_attention
 
     flash_attn = types.ModuleType("flash_attn")
@@ -395,3 +395,58 @@ def test_flash_attention_is_planned_only_where_flash_attn_is_installed(monkeypat
     assert problems(replace(s, attention="flash"), here) == []
     for elsewhere in (planned, MPS, CPU):
         assert [p.rule for p in problems(replace(s, attention="flash"), elsewhere)] == ["flash_attention_missing"]
+    # the card and the precision: the rung and the row read one rule (an older card, fp32 compute: neither)
+    for t, d in ((replace(s, precision="fp16"), replace(T4, local=True)), (replace(s, precision="fp32"), here)):
+        assert _fast_attention(t, d) == "sdpa"
+        assert [p.rule for p in problems(replace(t, attention="flash"), d)] == ["flash_attention_missing"]
+
+
+def test_the_loop_asks_the_fused_loss_row_of_the_gpu_it_probed(pipelines_file, monkeypatch):
+    """Before the load the Recipe asks the table of the GPU torch probes: on a T4 (no native bf16) the fused loss is
+    Liger's, so a T4 with liger-kernel and without cut-cross-entropy trains it; a generic CUDA device (bf16 assumed)
+    would have asked for CCE and refused the run."""
+    from fitburst.builders import refuse_problems
+    from fitburst.device import probed_device
+    from fitburst.spec import load_pipeline
+    from fitburst.train import TrainError
+
+    fake_cuda_card(monkeypatch, "T4", 7, 5)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)
+    _liger_importable(monkeypatch)
+    spec = load_pipeline(pipelines_file, "demo", {"preflight.device": "auto", "training.loss": "fused",
+                                                  "training.precision": "fp16"})
+    t4 = probed_device("cuda")
+    assert not t4.supports_bf16 and t4.local
+    refuse_problems(spec, CAUSAL, 1, t4)  # Liger's kernel, installed here
+    with pytest.raises(TrainError, match="fused_loss|cut-cross-entropy"):
+        refuse_problems(spec, CAUSAL, 1, CUDA)  # the old question: an Ampere-like card, CCE's kernel
+
+
+def test_the_planner_leaves_out_rungs_that_break_a_row_together(monkeypatch):
+    """fp32 -> bf16 and the fused loss each pass the table on an Ampere card with Liger Kernel and without
+    cut-cross-entropy (in fp32 the fused loss is Liger's); together they make it CCE's, which is not installed: the
+    planner never offers that combination, so no plan is refused before the load."""
+    from fitburst.memory.ladder import LADDER
+    from fitburst.memory.planner import _combinations
+
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)
+    _liger_importable(monkeypatch)
+    here = replace(A6000, local=True)
+    s = RunSettings(precision="fp32", loss="auto")
+    allowed = {r.key: True for r in LADDER}
+    combos = list(_combinations(s, here, allowed, load_shape("meta-llama/llama-3.1-8b")))
+    keys = [c.keys for c in combos]
+    assert any("fused_loss" in k for k in keys) and any("precision" in k for k in keys)
+    assert not any({"fused_loss", "precision"} <= k for k in keys)
+    assert all(problems(c.settings, here) == [] for c in combos)
+
+
+def _liger_importable(monkeypatch) -> None:
+    """liger-kernel importable here, as on Linux CI (a Mac dev install has none: a module spec stands in)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        liger = types.ModuleType("liger_kernel")
+        liger.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+        monkeypatch.setitem(sys.modules, "liger_kernel", liger)

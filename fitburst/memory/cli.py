@@ -65,8 +65,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default="auto",
-        help="auto, a named device (T4, RTX4090, A100-80GB, M2-Max-64GB...), "
-        "or cuda:24GiB / mps:36GiB / cpu:64GiB",
+        help="auto (this machine's), a named device (T4, RTX4090, A100-80GB, M2-Max-64GB...), or cuda:24GiB / "
+        "mps:36GiB / cpu:64GiB: a named or sized CUDA card is planned as a burst node runs it, with the libraries "
+        "that node installs (fitburst preflight plans its preflight.device with this machine's)",
     )
     p.add_argument(
         "--safety-margin", type=float, default=SAFETY_MARGIN,
@@ -164,13 +165,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             quick = quick_estimate(spec, args.seq_len)
         exact = _traced(spec, args.seq_len) if args.exact or (shape is None and quick is None) else quick
         # with --exact the trace verifies the plan too, as in the preflight: one figure decides both lines
-        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=exact,
-                        quick=quick if args.exact else None, gpus_per_node=args.gpus, host_limit=host)
-        if exact is not None:
-            est = exact(settings, device)
-        else:
-            assert shape is not None  # an unmodelled architecture is always traced
-            est = estimate(shape, settings, device)
+        plan, est = _planned(shape, settings, device, args, exact, quick, host)
     except ValueError as e:  # ModelConfigError, TraceUnsupported and bad arguments: a message, no traceback
         what = f"{args.model}: {why}, and the traced estimate cannot run: " if why else ""
         print(f"error: {what}{e}", file=sys.stderr)
@@ -258,6 +253,32 @@ def _print_host_and_longest(est: Estimate, plan: Plan, host: int, longest: dict 
               f"configured {words(longest['as_configured'])}{chosen}; with the plan it would choose at that length "
               f"{words(longest['planned'])}"
               + (f" ({longest['planned_settings']})" if longest["planned"] else ""))
+
+
+def _planned(shape: ModelShape | None, settings: RunSettings, device: Device, args: argparse.Namespace,
+             exact: EstimateFn | None, quick: EstimateFn | None, host: int) -> tuple[Plan, Estimate]:
+    """The plan and the estimate as configured, by ``exact`` (the trace) where given. Where the trace cannot run
+    here (TraceUnsupported: a plan for a card whose libraries this machine lacks, int8 weights) and the analytic
+    estimate models the model, both by the analytic estimate with its wider band, and a note says why."""
+    from .trace_guards import TraceUnsupported
+
+    def planned_by(by: EstimateFn | None) -> tuple[Plan, Estimate]:
+        plan = plan_fit(shape, settings, device, safety_margin=args.safety_margin, exact=by,
+                        quick=quick if args.exact and by is not None else None, gpus_per_node=args.gpus,
+                        host_limit=host)
+        if by is not None:
+            return plan, by(settings, device)
+        assert shape is not None  # an unmodelled architecture is always traced
+        return plan, estimate(shape, settings, device)
+
+    try:
+        return planned_by(exact)
+    except TraceUnsupported as e:
+        if exact is None or shape is None:
+            raise
+        plan, est = planned_by(None)
+        est.notes.append(f"the traced estimate cannot run here ({e}): planned by the analytic estimate")
+        return plan, est
 
 
 def _traced(spec: PipelineSpec, seq_len: int) -> EstimateFn:

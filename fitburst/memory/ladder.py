@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from fitburst.hardware import Device, fused_loss_kernel, library_missing
-from fitburst.rules import ModelFacts, new_problems
+from fitburst.hardware import Device, fused_loss_kernel
+from fitburst.rules import ModelFacts, flash_refusal, new_problems
 from fitburst.settings import RunSettings
 
 from .shapes import ModelShape
@@ -57,12 +57,9 @@ def smaller_batch(s: RunSettings) -> RunSettings:
 
 
 def _fast_attention(s: RunSettings, device: Device) -> str:
-    """FlashAttention-2 where it runs: 16-bit compute on an Ampere or newer card (bf16 marks them) with the
-    ``flash_attn`` package where the run trains (:func:`fitburst.hardware.library_missing`: a burst node does not
-    install it); SDPA everywhere else."""
-    flash = (device.kind == "cuda" and device.supports_bf16 and s.precision != "fp32"
-             and library_missing("flash_attn", device) is None)
-    return "flash" if flash else "sdpa"
+    """FlashAttention-2 where it runs (:func:`fitburst.rules.flash_refusal`: 16-bit compute on an Ampere or newer
+    card with flash-attn where the run trains), SDPA everywhere else."""
+    return "flash" if flash_refusal(s, device) is None else "sdpa"
 
 
 def _lower_resolution(s: RunSettings, device: Device) -> RunSettings:

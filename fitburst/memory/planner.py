@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 
 from fitburst.hardware import Device, GiB
-from fitburst.rules import new_problems
+from fitburst.rules import ModelFacts, new_problems
 from fitburst.settings import RunSettings
 from fitburst.spec import SAFETY_MARGIN
 
@@ -98,8 +98,10 @@ class _Combination:
 def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, bool],
                   shape: ModelShape | None = None) -> Iterator[_Combination]:
     """Every combination of the rungs that apply to ``settings`` (and to the model ``shape``) and every number of
-    micro-batch steps, the run as configured first."""
+    micro-batch steps, the run as configured first; a combination whose rungs together break a row of the rule
+    table that none breaks alone (fp32 -> bf16 with the fused loss: CCE's kernel, not Liger's) is left out."""
     rungs = [r for r in LADDER if r.key != "reduce_batch" and r.allowed(settings, device, allowed, shape)]
+    facts = ModelFacts.of(shape) if shape is not None else None
     steps = 0
     while allowed["reduce_batch"] and _batch_steps(settings, steps).micro_batch_size > 1:
         steps += 1
@@ -108,6 +110,8 @@ def _combinations(settings: RunSettings, device: Device, allowed: Mapping[str, b
             s, cost = settings, 1.0
             for r in combo:
                 s, cost = r.take(s, device), cost * r.cost
+            if n > 1 and new_problems(settings, s, device, model=facts):
+                continue
             texts = [r.explain(settings, device) for r in combo]
             for k in range(steps + 1):
                 yield _Combination(_batch_steps(s, k), frozenset(r.key for r in combo), texts, k,

@@ -174,7 +174,7 @@ def test_validate_and_the_loop_refuse_it_where_it_cannot_run(tmp_path, model, de
                                         "training": {"liger_kernels": True}})
     kind = "cuda" if device == "auto" else device
     with pytest.raises(TrainError) as t:
-        refuse_problems(spec, CAUSAL, 1, kind)
+        refuse_problems(spec, CAUSAL, 1, device_of_kind(kind))
     (row,) = problems(RunSettings(liger_kernels=True), device_of_kind(kind), model=ModelFacts.of(load_shape(model)))
     assert row.rule == rule
     assert str(t.value) == f"pipeline 'a': field 'training.liger_kernels': {row}"

@@ -277,7 +277,7 @@ def _planned(shape: ModelShape | None, settings: RunSettings, device: Device, ar
         if exact is None or shape is None:
             raise
         plan, est = planned_by(None)
-        est.notes.append(f"the traced estimate cannot run here ({e}): planned by the analytic estimate")
+        est.notes.append(f"planned by the analytic estimate and its band: {e}")
         return plan, est
 
 

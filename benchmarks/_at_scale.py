@@ -59,6 +59,7 @@ class Case:
     cuda_only: bool = False  # refused off CUDA (the dry run skips it and says so)
     resume: bool = False  # trains half the steps, stops (a checkpoint saved), and resumes: the resumed run's peak
     cap_gib: int = 0  # > 0: the card capped to this many GiB, and the run planned for it (:func:`capped_plan`)
+    planned_seq: int = 0  # > 0 (with cap_gib): the planned settings trained at this length, not the planned longest
 
 
 # in priority order: a run out of time keeps the first ones
@@ -72,6 +73,9 @@ CASES = [
     # longest length for cuda:24GiB (context_fit.txt's "planned" column), on the card capped to 24 GiB
     Case("llama8b-qlora-r32-planned-24gib", "llama-3.1-8b", 2048, {**QLORA, "method.rank": 32, "method.dropout": 0.05},
          cuda_only=True, cap_gib=24),
+    # the same plan at 4,096 tokens: whether a failure of the case above follows the length (memory) or the settings
+    Case("llama8b-qlora-r32-planned-24gib-4096", "llama-3.1-8b", 2048,
+         {**QLORA, "method.rank": 32, "method.dropout": 0.05}, cuda_only=True, cap_gib=24, planned_seq=4096),
     Case("llama1b-full-2x1024", "llama-3.2-1b", 1024, {"method.type": "full", **B2}, speed=True),
     Case("gemma1b-lora-2x2048", "gemma-3-1b", 2048, {**LORA, **B2}),
     Case("gemma1b-lora-2x2048-fused", "gemma-3-1b", 2048, {**LORA, **B2, "training.loss": "fused"}),
@@ -229,6 +233,8 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
             # snapshot; the allocator held to the budget the plan was judged against (the card less its context
             # and the CUDA runtime: fitburst.hardware.Device.budget_bytes) before the model loads
             spec, plan = capped_plan(c, spec)
+            spec = spec.with_overrides({"data.max_seq_len": c.planned_seq}) if c.planned_seq else spec
+            print(f"{c.name}: {spec.data.max_seq_len} tokens, planned: {'; '.join(plan.changes)}", flush=True)
             data = fixed_length_data(Path(d) / "longer.jsonl", n=8, words=spec.data.max_seq_len)
             steps, snapshot, cap = 2, False, c.cap_gib << 30
             spec = spec.with_overrides({"data.path": str(data), "training.max_steps": steps,
@@ -386,8 +392,14 @@ def child(args: list[str], timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         return -1, f"over {timeout:.0f} s, stopped"
     sys.stdout.write(p.stdout)
-    sys.stderr.write(p.stderr[-4000:])
+    sys.stderr.write(_without_progress_bars(p.stderr)[-30_000:])  # a failure's first traceback too
     return p.returncode, (p.stderr.strip().splitlines() or [""])[-1][:300]
+
+
+def _without_progress_bars(text: str) -> str:
+    """``text`` less the lines of tqdm's bars (a carriage return in them, or one of their ticks)."""
+    return "\n".join(line for line in text.splitlines() if "\r" not in line and "it/s]" not in line
+                     and "examples/s]" not in line)
 
 
 def run_all(out: Path, models: Path, budget: float, steps: int, tiny: bool, only: list[str] | None = None) -> int:

@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = max(args.steps or (6 if args.at_scale or args.dry_run else 4), 2)
     if args.replay:
         return at_scale.replay(args.replay) if is_at_scale(args.replay) else replay(args.replay)
-    if args.at_scale or args.dry_run:
+    if args.at_scale or args.dry_run or args.build or args.case or args.trainer:
         return run_at_scale(args)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # counting the GPUs makes no CUDA context
     n = cuda_or_exit()

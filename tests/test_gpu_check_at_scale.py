@@ -106,3 +106,17 @@ def test_the_capped_case_trains_the_plan_fitburst_makes_for_the_card_it_stands_f
     assert back == plan.settings.__class__(**{**plan.settings.__dict__, "seq_len": planned.data.max_seq_len})
     assert problems(back, device) == [] and problems(back, device_of_kind("cuda")) == []  # planned, and at the load
     assert back.rank == 32 and back.method == "qlora" and back.micro_batch_size == 1  # Unsloth's row, as asked
+
+
+@pytest.mark.parametrize("child", ["--build", "--case", "--trainer"])
+def test_a_child_on_a_gpu_runs_its_at_scale_part_not_the_small_check(check, monkeypatch, tmp_path, child):
+    """The parent starts its children with ``--build``/``--case``/``--trainer`` and no ``--at-scale`` (nor, on a
+    GPU, ``--dry-run``): each must run its part of the at-scale check. On the first H200 run each child ran the
+    small-model check instead, until the parent's deadline."""
+    gpu_check, at_scale = check
+    ran: list[tuple] = []
+    monkeypatch.setattr(at_scale, "child_main", lambda kind, name, *a: ran.append((kind, name)) or 0)
+    monkeypatch.setattr(gpu_check, "cuda_or_exit", lambda: 1)  # a GPU is there
+    monkeypatch.setattr(gpu_check, "run_all", lambda *a: pytest.fail("the small check started"))
+    assert gpu_check.main([child, "llama-3.2-1b", "--out", str(tmp_path), "--models", str(tmp_path)]) == 0
+    assert ran == [(child.lstrip("-"), "llama-3.2-1b")]

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
@@ -37,6 +38,7 @@ OWNER_TAG = "fitburst.owner"  # host:pid:process start time of the process that 
 PREVIOUS_TAG = "fitburst.closed_stale_runs"  # runs of this pipeline found open with a dead owner, closed on start
 RESUMED_TAG = "fitburst.resumed_from_run"  # the run whose checkpoint this run resumed
 INIT_TAG = "fitburst.init_from"  # the adapter a run started from (method.init_from): models:/NAME/VERSION or a folder
+SYSTEM_METRICS_CLOSE_S = 5.0  # the wait for the system metrics' last samples: a second's sampling and one request
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +387,12 @@ class Tracker:
         try:
             yield monitor
         finally:
-            monitor.finish()
+            # finish() sends the samples its thread has not logged from the calling thread: with the server gone,
+            # that is the training thread waiting on a dead server (MLflow's retries take minutes). It runs on a
+            # thread of its own, waited for SYSTEM_METRICS_CLOSE_S, as long as a live server needs.
+            closing = threading.Thread(target=monitor.finish, name="mlflow-system-metrics-close", daemon=True)
+            closing.start()
+            closing.join(SYSTEM_METRICS_CLOSE_S)
 
     def log_model(self, spec: PipelineSpec, adapter_dir: str | Path, *, precision: str = "fp32",
                   tags: dict | None = None):

@@ -1,6 +1,7 @@
 """scripts/setup.sh chooses the torch build by rule, run against a stub venv whose pip records what it was asked
 (no real install): the CPU build pinned (+cpu) where there is no NVIDIA GPU, from the configured sources first and
-PyTorch's CPU index only when they lack it; the index's torch where a GPU is; a torch already there is kept."""
+PyTorch's CPU index only when they lack it; the index's torch where a GPU is; a torch already there is kept. pip
+compiles nothing; compileall compiles the venv's packages once pip is done."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 STUB_PYTHON = """#!/usr/bin/env bash
 case "$*" in *"import torch"*) [ -n "${STUB_HAS_TORCH:-}" ] || exit 1; echo 2.13.0+cu128;; esac
+case "$*" in *sysconfig*) echo /stub/site;; *compileall*) echo "python $*" >> "$STUB_LOG";; esac
 exit 0
 """
+COMPILE = "python -m compileall -q -j 0 /stub/site"  # the venv's packages, on every core, once pip is done
 STUB_PIP = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_LOG"
 case "$*" in *"+cpu"*) case "$*" in *extra-index-url*) ;; *) [ -n "${STUB_LOCAL_CPU:-}" ] || exit 1;; esac;; esac
@@ -41,18 +44,18 @@ def setup_sh(tmp_path: Path, gpu: bool, **env: str) -> list[str]:
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="the CPU-build rule is Linux's")
 def test_no_gpu_pins_the_cpu_build_from_configured_sources_first(tmp_path):
     calls = setup_sh(tmp_path, gpu=False, STUB_LOCAL_CPU="1")
-    assert calls == ["install -q torch==2.13.0+cpu", "install -q -e .[dev]"]
+    assert calls == ["install -q --no-compile torch==2.13.0+cpu", "install -q --no-compile -e .[dev]", COMPILE]
 
 
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="the CPU-build rule is Linux's")
 def test_no_gpu_and_no_local_cpu_wheel_adds_the_pytorch_cpu_index(tmp_path):
     calls = setup_sh(tmp_path, gpu=False)
-    assert calls == ["install -q torch==2.13.0+cpu",
-                     "install -q torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu",
-                     "install -q -e .[dev]"]
+    assert calls == ["install -q --no-compile torch==2.13.0+cpu",
+                     "install -q --no-compile torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu",
+                     "install -q --no-compile -e .[dev]", COMPILE]
 
 
 def test_a_gpu_gets_the_index_torch_and_an_installed_torch_is_kept(tmp_path):
-    assert setup_sh(tmp_path, gpu=True)[0] == "install -q torch==2.13.0"
+    assert setup_sh(tmp_path, gpu=True)[0] == "install -q --no-compile torch==2.13.0"
     (tmp_path / "pip.log").unlink()
-    assert setup_sh(tmp_path, gpu=False, STUB_HAS_TORCH="1") == ["install -q -e .[dev]"]
+    assert setup_sh(tmp_path, gpu=False, STUB_HAS_TORCH="1") == ["install -q --no-compile -e .[dev]", COMPILE]

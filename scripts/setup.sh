@@ -10,10 +10,11 @@
 #     PyTorch's CPU index (https://download.pytorch.org/whl/cpu). No network probe decides anything.
 # The packages are compiled to bytecode once, here: with PYTHONDONTWRITEBYTECODE set, as on this project's
 # machines, Python would otherwise compile torch, transformers and peft from source again in every process, every
-# run and every test's subprocess. pip installs them without compiling (--no-compile) and compileall then compiles
-# the venv on every core. pip compiles one file after another: into a fresh venv on a 2-core box this script took
-# 82 s with pip compiling and takes 65 s this way. A few modules written for newer Pythons (torch's
-# testing/_internal/py312_intrinsics.py) fail to compile under either, which is no error.
+# run and every test's subprocess. pip installs them without compiling (--no-compile); compileall then compiles the
+# venv and fitburst's own folders (an editable install: imported from here) on every core. pip compiles one file
+# after another: into a fresh venv on a 2-core box this script took 82 s with pip compiling and takes 65 s this way.
+# A few modules written for newer Pythons (torch's testing/_internal/py312_intrinsics.py) fail to compile under
+# either, which is no error.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FITBURST_VENV:-.venv}
@@ -36,5 +37,5 @@ else
 fi
 "${PIP[@]}" -e '.[dev]'
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-"$VENV/bin/python" -m compileall -q -j 0 "$SITE" >/dev/null || true
+"$VENV/bin/python" -m compileall -q -j 0 "$SITE" fitburst flows tasks tests >/dev/null || true
 echo "fitburst installed in $VENV; put it on PATH with: source $VENV/bin/activate"

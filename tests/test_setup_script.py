@@ -18,7 +18,7 @@ case "$*" in *"import torch"*) [ -n "${STUB_HAS_TORCH:-}" ] || exit 1; echo 2.13
 case "$*" in *sysconfig*) echo /stub/site;; *compileall*) echo "python $*" >> "$STUB_LOG";; esac
 exit 0
 """
-COMPILE = "python -m compileall -q -j 0 /stub/site"  # the venv's packages, on every core, once pip is done
+COMPILE = "python -m compileall -q -j 0 /stub/site fitburst flows tasks tests"  # the venv's and fitburst's, once
 STUB_PIP = """#!/usr/bin/env bash
 echo "$*" >> "$STUB_LOG"
 case "$*" in *"+cpu"*) case "$*" in *extra-index-url*) ;; *) [ -n "${STUB_LOCAL_CPU:-}" ] || exit 1;; esac;; esac

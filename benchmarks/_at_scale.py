@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -233,7 +234,9 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
             # snapshot; the allocator held to the budget the plan was judged against (the card less its context
             # and the CUDA runtime: fitburst.hardware.Device.budget_bytes) before the model loads
             spec, plan = capped_plan(c, spec)
-            spec = spec.with_overrides({"data.max_seq_len": c.planned_seq}) if c.planned_seq else spec
+            if c.planned_seq:  # shorter than the planned longest: the same settings, less memory
+                assert c.planned_seq <= spec.data.max_seq_len, (c.planned_seq, spec.data.max_seq_len)
+                spec = spec.with_overrides({"data.max_seq_len": c.planned_seq})
             print(f"{c.name}: {spec.data.max_seq_len} tokens, planned: {'; '.join(plan.changes)}", flush=True)
             data = fixed_length_data(Path(d) / "longer.jsonl", n=8, words=spec.data.max_seq_len)
             steps, snapshot, cap = 2, False, c.cap_gib << 30
@@ -256,7 +259,8 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
              "seq_len": prepared.stats["max"], "micro_batch": spec.training.micro_batch_size, **device_facts(device),
              "adamw": adamw_impl(device.kind), "loss_kernel": result.loss, "sdpa_backend": seen[0] if seen else "",
              "seconds": round(seconds, 1), "cap_bytes": cap or "",
-             "plan": json.dumps(dataclasses.asdict(plan.settings)) if plan else ""}
+             "plan": json.dumps(dataclasses.asdict(dataclasses.replace(plan.settings, seq_len=spec.data.max_seq_len)))
+             if plan else ""}
     rows = [{**facts, "stage": stage, **r} for stage, r in readings.rows.items()]
     peak = next((r for r in rows if r["stage"] == "peak"), None)
     if peak is None:  # no CUDA: the readings are of the GPU; the run's pace is recorded all the same
@@ -392,14 +396,18 @@ def child(args: list[str], timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         return -1, f"over {timeout:.0f} s, stopped"
     sys.stdout.write(p.stdout)
-    sys.stderr.write(_without_progress_bars(p.stderr)[-30_000:])  # a failure's first traceback too
-    return p.returncode, (p.stderr.strip().splitlines() or [""])[-1][:300]
+    err = _without_progress_bars(p.stderr)
+    sys.stderr.write(err[-30_000:])  # a failure's first traceback too
+    return p.returncode, (err.strip().splitlines() or [""])[-1][:300]
+
+
+PROGRESS_BAR = re.compile(r"(it/s|s/it|examples/s)\]\s*$")
 
 
 def _without_progress_bars(text: str) -> str:
-    """``text`` less the lines of tqdm's bars (a carriage return in them, or one of their ticks)."""
-    return "\n".join(line for line in text.splitlines() if "\r" not in line and "it/s]" not in line
-                     and "examples/s]" not in line)
+    """``text`` less tqdm's bars (their lines, split at their carriage returns, end in a rate) and blank lines."""
+    return "".join(line + "\n" for line in text.splitlines()
+                   if line.strip() and not PROGRESS_BAR.search(line))
 
 
 def run_all(out: Path, models: Path, budget: float, steps: int, tiny: bool, only: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ OWNER_TAG = "fitburst.owner"  # host:pid:process start time of the process that 
 PREVIOUS_TAG = "fitburst.closed_stale_runs"  # runs of this pipeline found open with a dead owner, closed on start
 RESUMED_TAG = "fitburst.resumed_from_run"  # the run whose checkpoint this run resumed
 INIT_TAG = "fitburst.init_from"  # the adapter a run started from (method.init_from): models:/NAME/VERSION or a folder
-SYSTEM_METRICS_CLOSE_S = 5.0  # the wait for the system metrics' last samples: a second's sampling and one request
+SYSTEM_METRICS_CLOSE_S = 5.0  # the wait for the system metrics' last samples: two requests to a live server
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +393,9 @@ class Tracker:
             closing = threading.Thread(target=monitor.finish, name="mlflow-system-metrics-close", daemon=True)
             closing.start()
             closing.join(SYSTEM_METRICS_CLOSE_S)
+            if closing.is_alive():
+                log.warning("the last system metrics are still on their way to MLflow after %.0f s; the run goes on",
+                            SYSTEM_METRICS_CLOSE_S)
 
     def log_model(self, spec: PipelineSpec, adapter_dir: str | Path, *, precision: str = "fp32",
                   tags: dict | None = None):

@@ -114,6 +114,8 @@ def test_a_child_on_a_gpu_runs_its_at_scale_part_not_the_small_check(check, monk
     GPU, ``--dry-run``): each must run its part of the at-scale check. On the first H200 run each child ran the
     small-model check instead, until the parent's deadline."""
     gpu_check, at_scale = check
+    for name in ("PYTORCH_NVML_BASED_CUDA_CHECK", "FITBURST_TRACE_CACHE"):  # main() sets them for its process
+        monkeypatch.delenv(name, raising=False)
     ran: list[tuple] = []
     monkeypatch.setattr(at_scale, "child_main", lambda kind, name, *a: ran.append((kind, name)) or 0)
     monkeypatch.setattr(gpu_check, "cuda_or_exit", lambda: 1)  # a GPU is there

@@ -561,7 +561,8 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
         nodes.append(subprocess.Popen(["bash", "-c", task.run], cwd=task.workdir, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
-    assert all(n.returncode == 0 for n in nodes), "\n---\n".join(o[-3000:] for o in outputs)
+    logs = [f"{log}:\n{log.read_text()[-3000:]}" for log in sorted(tmp_path.glob("node*/**/*.log"))]
+    assert all(n.returncode == 0 for n in nodes), "\n---\n".join([o[-3000:] for o in outputs] + logs)
     assert "(2 ranks)" in outputs[0]
     assert (tmp_path / "oom-once").exists()  # rank 1 ran out of memory once
     node_run = [tmp_path / f"node{r}" / "fitburst-job" / "run" for r in (0, 1)]

@@ -225,8 +225,10 @@ class Readings:
                     torch.cuda.reset_peak_memory_stats()  # the estimate's peak is the measured step's
             return loss
 
-        cuda = torch.cuda.is_available()
-        if cuda:
+        # the allocator's history only for a snapshot: torch 2.11 breaks a checkpoint's recompute re-entering a
+        # custom autograd Function while it records (pytorch/pytorch#179536; the tiled MLP's, on the H200)
+        history = torch.cuda.is_available() and self.snapshots != set()
+        if history:
             torch.cuda.memory._record_memory_history(stacks="all" if self.history >= 1_000_000 else "python",
                                                      max_entries=self.history)
         with (mock.patch.object(builders, "load_pipeline_model", loaded),
@@ -234,7 +236,7 @@ class Readings:
               mock.patch.object(loop, "optimizer_step", stepped)):
             yield
         self.take("peak")
-        if cuda:
+        if history:
             torch.cuda.memory._record_memory_history(enabled=None)
 
 

@@ -122,3 +122,21 @@ def test_a_child_on_a_gpu_runs_its_at_scale_part_not_the_small_check(check, monk
     monkeypatch.setattr(gpu_check, "run_all", lambda *a: pytest.fail("the small check started"))
     assert gpu_check.main([child, "llama-3.2-1b", "--out", str(tmp_path), "--models", str(tmp_path)]) == 0
     assert ran == [(child.lstrip("-"), "llama-3.2-1b")]
+
+
+@pytest.mark.parametrize("snapshots, recorded", [(set(), []), ({"peak"}, ["on", "off"]), (None, ["on", "off"])])
+def test_the_allocator_history_is_recorded_only_for_a_snapshot(check, monkeypatch, tmp_path, snapshots, recorded):
+    """A run that keeps no snapshot (the capped, planned cases) trains without the allocator's history: torch 2.11
+    fails a checkpoint's recompute inside a custom Function's backward while it records (the H200's SystemError)."""
+    import torch
+
+    gpu_check, _ = check
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **k: calls.append("off" if enabled is None else "on"))
+    readings = gpu_check.Readings(tmp_path, snapshots=snapshots)
+    monkeypatch.setattr(readings, "take", lambda stage: None)
+    with readings.around_training():
+        pass
+    assert calls == recorded

@@ -1,0 +1,173 @@
+"""Which setting of the 24 GiB plan breaks its backward on CUDA: the H200 run of llama8b-qlora-r32-planned-24gib
+(benchmarks/results/at_scale-NVIDIA_H200.log) ended in a SystemError from liger-kernel's tiled MLP, re-entered by a
+checkpoint's recompute inside the tiled MLP's own backward.
+
+The plan's settings (QLoRA nf4 r32, dropout 0.05, checkpointing, offloaded activations, the tiled MLP, the input
+embeddings in host RAM, the fused loss, 8-bit AdamW) train Llama-3.1-8B's architecture cut to 4 layers (random
+weights) for 2 steps at 8,192 tokens (2 MLP shards); then each setting off in turn, and two changes that are not
+settings: TRL's offloading without its side stream, and torch's checkpoint without early stop. Each variant is a
+process of its own; a JSON line per variant is appended to ``--out``/tiled_probe.jsonl as it ends.
+
+Usage: python benchmarks/tiled_probe.py --out DIR --models DIR [--budget SECONDS] [--only NAME ...]
+       python benchmarks/tiled_probe.py --dry-run --out DIR --models DIR  (CPU: the plumbing, a tiny stand-in)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _at_scale import QLORA, REPO, fixed_length_data, tiny_config  # noqa: E402
+
+PLAN = {**QLORA, "method.rank": 32, "method.dropout": 0.05, "training.gradient_checkpointing": True,
+        "training.activation_offloading": True, "training.tiled_mlp": True, "training.embeddings_on_host": True,
+        "training.loss": "fused", "training.optimizer": "adamw8bit"}
+OFF = {"activation_offloading": {"training.activation_offloading": False}, "tiled_mlp": {"training.tiled_mlp": False},
+       "embeddings_on_host": {"training.embeddings_on_host": False}, "loss": {"training.loss": "standard"},
+       "optimizer": {"training.optimizer": "adamw"}, "qlora": {"method.type": "lora"},
+       "dropout": {"method.dropout": 0.0}}
+# name -> (settings, a change that is not a setting)
+VARIANTS: dict[str, tuple[dict, str]] = {  # the likeliest first: a run out of time keeps them
+    "plan": (PLAN, ""),
+    "no-activation_offloading": ({**PLAN, **OFF["activation_offloading"]}, ""),
+    "no-tiled_mlp": ({**PLAN, **OFF["tiled_mlp"]}, ""),
+    "plan-offload-no-streams": (PLAN, "no_streams"),
+    "plan-no-early-stop": (PLAN, "no_early_stop"),
+    # as planned at full size (the planner takes dropout off)
+    "plan-d0": ({**PLAN, **OFF["dropout"]}, ""),
+    "plan-d0-offload-no-streams": ({**PLAN, **OFF["dropout"]}, "no_streams"),
+    "plan-d0-no-tiled_mlp": ({**PLAN, **OFF["dropout"], **OFF["tiled_mlp"]}, ""),
+    "plan-d0-no-activation_offloading": ({**PLAN, **OFF["dropout"], **OFF["activation_offloading"]}, ""),
+    **{f"no-{k}": ({**PLAN, **v}, "") for k, v in OFF.items() if k not in ("activation_offloading", "tiled_mlp")},
+}
+LAYERS, SEQ, STEPS = 4, 8192, 2
+
+
+def patched(change: str) -> None:
+    """``change`` applied in this process before training."""
+    if change == "no_streams":
+        import trl.models.activation_offloading as ao
+
+        made = ao.get_act_offloading_ctx_manager
+        ao.get_act_offloading_ctx_manager = lambda *a, **k: made(*a, **{**k, "use_streams": False})
+    elif change == "no_early_stop":
+        import torch.utils.checkpoint as ckpt
+
+        ckpt._enable_checkpoint_early_stop = False
+
+
+def build(dest: Path, tiny: bool, layers: int) -> None:
+    """Llama-3.1-8B's bundled config cut to :data:`LAYERS` layers (``tiny``: the dry run's stand-in), random bf16
+    weights and the demo tokenizer, saved to ``dest``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fitburst.demo_models import demo_tokenizer
+    from fitburst.memory.shapes import CONFIG_DIR
+
+    if (dest / "config.json").exists():
+        return
+    cfg = {**json.loads((CONFIG_DIR / "llama-3.1-8b.json").read_text()), "num_hidden_layers": layers}
+    cfg = tiny_config(cfg) if tiny else cfg
+    tok = demo_tokenizer(1024)
+    cfg.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
+                                                 dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+
+
+def run_variant(name: str, model: Path, tiny: bool, layers: int) -> dict:
+    """One variant trained (this process): its peak, seconds and loss."""
+    import torch
+
+    from fitburst.data import prepare_pipeline
+    from fitburst.recipe import train
+    from fitburst.spec import load_pipeline
+
+    over, change = VARIANTS[name]
+    if tiny:  # the CPU's subset: the rule table refuses CUDA's settings off CUDA
+        over = {**QLORA, "method.type": "lora", "training.gradient_checkpointing": True}
+    patched(change)
+    seq = SEQ // 64 if tiny else SEQ
+    with tempfile.TemporaryDirectory() as d:
+        data = fixed_length_data(Path(d) / "long.jsonl", n=8, words=seq)
+        spec = load_pipeline(REPO / "pipelines.yaml", "demo", {
+            "model.name": str(model), "data.path": str(data), "data.val_split": 0.0, "data.max_seq_len": seq,
+            "eval.enabled": False, "training.max_steps": STEPS, "training.checkpoint_every": 10_000,
+            "training.log_every": STEPS, "training.grad_accum": 1, "training.micro_batch_size": 1,
+            "training.warmup_steps": 1, "burst.policy": "never", "preflight.device": "cpu" if tiny else "cuda",
+            "training.precision": "auto" if tiny else "bf16", **over})
+        t0 = time.perf_counter()
+        result = train(spec, prepare_pipeline(spec), Path(d) / "run", device="cpu" if tiny else "cuda",
+                       progress=False)
+    cuda = torch.cuda.is_available()
+    return {"variant": name, "layers": layers, "seq_len": seq, "status": "ok",
+            "seconds": round(time.perf_counter() - t0, 1), "loss": round(result.final_loss, 4),
+            "max_allocated_mib": torch.cuda.max_memory_allocated() >> 20 if cuda else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=240.0)
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # the child's side
+    ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    model = a.models / f"llama8b-{a.layers}layer{'-tiny' if a.dry_run else ''}"
+    if a.build:
+        build(model, a.dry_run, a.layers)
+        return 0
+    if a.variant:
+        print(json.dumps(run_variant(a.variant, model, a.dry_run, a.layers)), flush=True)
+        return 0
+    return run_all(a, model)
+
+
+def run_all(a: argparse.Namespace, model: Path) -> int:
+    """The build, then each variant in a child process while the budget lasts; a JSON line each."""
+    deadline = time.monotonic() + a.budget
+    a.out.mkdir(parents=True, exist_ok=True)
+    log = a.out / "tiled_probe.jsonl"
+    base = [sys.executable, __file__, "--out", str(a.out), "--models", str(a.models), "--layers", str(a.layers)]
+    base += ["--dry-run"] * a.dry_run
+    subprocess.run([*base, "--build"], check=True, timeout=max(deadline - time.monotonic(), 1))
+    for name in [v for v in VARIANTS if not a.only or v in a.only]:
+        left = deadline - time.monotonic()
+        if left < 15:
+            row = {"variant": name, "status": "not run: out of time"}
+        else:
+            row = child([*base, "--variant", name], left, name)
+        with log.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{name:36} {row['status'][:160]} {row.get('seconds', '')}", flush=True)
+    return 0
+
+
+def child(cmd: list[str], timeout: float, name: str) -> dict:
+    """A variant's process: its JSON line, or its failure's last line."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"variant": name, "status": f"over {timeout:.0f} s, stopped"}
+    if p.returncode == 0:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    sys.stderr.write(p.stderr[-6000:])
+    last = (p.stderr.strip().splitlines() or [""])[-1][:300]
+    return {"variant": name, "status": f"failed: {last}", "seconds": round(time.monotonic() - t0, 1)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

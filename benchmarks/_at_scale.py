@@ -75,10 +75,12 @@ CASES = [
     # longest length for cuda:24GiB (context_fit.txt's "planned" column), on the card capped to 24 GiB
     Case("llama8b-qlora-r32-planned-24gib", "llama-3.1-8b", 2048, {**QLORA, "method.rank": 32, "method.dropout": 0.05},
          cuda_only=True, cap_gib=24),
-    # the same plan on the whole card: the planned run's peak against the 24 GiB budget it was planned for
+    # the same plan on the whole card: the planned run's peak, read where no cap can end it (the CSV's plan column
+    # holds the settings; its cap_bytes is empty)
     Case("llama8b-qlora-r32-planned-24gib-uncapped", "llama-3.1-8b", 2048,
          {**QLORA, "method.rank": 32, "method.dropout": 0.05}, cuda_only=True, cap_gib=24, capped=False),
-    # the same plan at 4,096 tokens: whether a failure of the case above follows the length (memory) or the settings
+    # the same plan at 4,096 tokens: whether a failure of llama8b-qlora-r32-planned-24gib follows the length
+    # (memory) or the settings
     Case("llama8b-qlora-r32-planned-24gib-4096", "llama-3.1-8b", 2048,
          {**QLORA, "method.rank": 32, "method.dropout": 0.05}, cuda_only=True, cap_gib=24, planned_seq=4096),
     Case("llama1b-full-2x1024", "llama-3.2-1b", 1024, {"method.type": "full", **B2}, speed=True),
@@ -235,19 +237,19 @@ def run_case(c: Case, models: Path, out: Path, steps: int, tiny: bool, snapshot:
         spec = spec_of(c, str(model_dir(models, c.model, tiny)), fixed_length_data(Path(d) / "long.jsonl"), steps,
                        tiny)
         if c.cap_gib:  # the planned length, in records long enough for it, two steps (warm-up, measured), no
-            # snapshot; the allocator held to the budget the plan was judged against (the card less its context
-            # and the CUDA runtime: fitburst.hardware.Device.budget_bytes) before the model loads
+            # snapshot; when ``capped``, the allocator held to the budget the plan was judged against (the card less
+            # its context and the CUDA runtime: fitburst.hardware.Device.budget_bytes) before the model loads
             spec, plan = capped_plan(c, spec)
             if c.planned_seq:  # shorter than the planned longest: the same settings, less memory
                 assert c.planned_seq <= spec.data.max_seq_len, (c.planned_seq, spec.data.max_seq_len)
                 spec = spec.with_overrides({"data.max_seq_len": c.planned_seq})
             print(f"{c.name}: {spec.data.max_seq_len} tokens, planned: {'; '.join(plan.changes)}", flush=True)
             data = fixed_length_data(Path(d) / "longer.jsonl", n=8, words=spec.data.max_seq_len)
-            steps, snapshot, cap = 2, False, c.cap_gib << 30 if c.capped else 0
+            steps, snapshot, cap = 2, False, (c.cap_gib << 30) if c.capped else 0
             spec = spec.with_overrides({"data.path": str(data), "training.max_steps": steps,
                                         "training.log_every": steps})
-            budget = resolve_device(f"cuda:{c.cap_gib}GiB").budget_bytes
             if c.capped:
+                budget = resolve_device(f"cuda:{c.cap_gib}GiB").budget_bytes
                 torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.mem_get_info()[1])
         prepared = prepare_pipeline(spec)
         readings = Readings(Path(d), snapshots={"peak"} if snapshot and cuda else set(), history=HISTORY)

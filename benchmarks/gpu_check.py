@@ -15,7 +15,8 @@ Each single-GPU configuration trains in a process of its own (a fresh CUDA conte
 ``fitburst.recipe.train`` itself, with the loop's own functions wrapped to take memory readings: after the model
 loads (``fitburst.builders.load_pipeline_model``), after k-bit preparation and LoRA (``prepare_for_training``), after
 the warm-up step and at the measured steps' peak (``optimizer_step``): ``torch.cuda.memory._snapshot()`` (pickled
-beside the CSV, the allocator's history recorded from the start, so the peak's state can be rebuilt),
+beside the CSV, the allocator's history recorded from the start of a run that keeps a snapshot, so the peak's state
+can be rebuilt),
 ``max_memory_allocated`` / ``max_memory_reserved`` (reset after the warm-up step, as the estimate's measured step
 is) and ``mem_get_info`` (device memory in use, CUDA context included). The estimates are the preflight's: the
 analytic and the traced estimate of the settings the run trains with (``fitburst.settings.settings_from_spec``
@@ -225,19 +226,21 @@ class Readings:
                     torch.cuda.reset_peak_memory_stats()  # the estimate's peak is the measured step's
             return loss
 
-        # the allocator's history only for a snapshot: torch 2.11 breaks a checkpoint's recompute re-entering a
-        # custom autograd Function while it records (pytorch/pytorch#179536; the tiled MLP's, on the H200)
-        history = torch.cuda.is_available() and self.snapshots != set()
-        if history:
+        # the allocator's history only for a snapshot: while it records, torch 2.11 raises a SystemError when a
+        # checkpoint's recompute runs inside a custom autograd Function's backward (pytorch/pytorch#179536)
+        recording = torch.cuda.is_available() and (self.snapshots is None or bool(self.snapshots))
+        if recording:
             torch.cuda.memory._record_memory_history(stacks="all" if self.history >= 1_000_000 else "python",
                                                      max_entries=self.history)
-        with (mock.patch.object(builders, "load_pipeline_model", loaded),
-              mock.patch.object(builders, "prepare_for_training", prepared),
-              mock.patch.object(loop, "optimizer_step", stepped)):
-            yield
-        self.take("peak")
-        if history:
-            torch.cuda.memory._record_memory_history(enabled=None)
+        try:
+            with (mock.patch.object(builders, "load_pipeline_model", loaded),
+                  mock.patch.object(builders, "prepare_for_training", prepared),
+                  mock.patch.object(loop, "optimizer_step", stepped)):
+                yield
+            self.take("peak")
+        finally:
+            if recording:
+                torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _local_ref(spec):

@@ -1,14 +1,14 @@
-"""Which setting of the 24 GiB plan breaks its backward on CUDA: the H200 run of llama8b-qlora-r32-planned-24gib
-(benchmarks/results/at_scale-NVIDIA_H200.log) ended in a SystemError from liger-kernel's tiled MLP, re-entered by a
-checkpoint's recompute inside the tiled MLP's own backward.
+"""Variants of a plan's settings trained on CUDA, each in a process of its own, to tell which setting, or which
+change that is not a setting, a failure follows.
 
-The plan's settings (QLoRA nf4 r32, dropout 0.05, checkpointing, offloaded activations, the tiled MLP, the input
-embeddings in host RAM, the fused loss, 8-bit AdamW) train Llama-3.1-8B's architecture cut to 4 layers (random
-weights) for 2 steps at 8,192 tokens (2 MLP shards); then each setting off in turn, and two changes that are not
-settings: TRL's offloading without its side stream, and torch's checkpoint without early stop. Each variant is a
-process of its own; a JSON line per variant is appended to ``--out``/tiled_probe.jsonl as it ends.
+The plan is the one fitburst makes for Llama-3.1-8B QLoRA r32 on a 24 GiB card (nf4, checkpointing, offloaded
+activations, the tiled MLP, the input embeddings in host RAM, the fused loss, 8-bit AdamW). It trains Llama-3.1-8B's
+architecture cut to ``--layers`` layers (random weights) for 2 steps at 8,192 tokens (2 MLP shards). Each variant
+turns one setting off, or changes what is not a setting: TRL's offloading without its side stream, torch's
+checkpoint without early stop, or the allocator's history recorded as gpu_check's snapshots record it. A JSON line
+per variant is appended to ``--out``/tiled_probe.jsonl as it ends; the exit status is 1 when one did not train.
 
-Usage: python benchmarks/tiled_probe.py --out DIR --models DIR [--budget SECONDS] [--only NAME ...]
+Usage: python benchmarks/tiled_probe.py --out DIR --models DIR [--layers N] [--budget SECONDS] [--only NAME ...]
        python benchmarks/tiled_probe.py --dry-run --out DIR --models DIR  (CPU: the plumbing, a tiny stand-in)
 """
 
@@ -35,6 +35,7 @@ OFF = {"activation_offloading": {"training.activation_offloading": False}, "tile
 # name -> (settings, a change that is not a setting)
 VARIANTS: dict[str, tuple[dict, str]] = {  # the likeliest first: a run out of time keeps them
     "plan": (PLAN, ""),
+    "plan-history": (PLAN, "history"),
     "no-activation_offloading": ({**PLAN, **OFF["activation_offloading"]}, ""),
     "no-tiled_mlp": ({**PLAN, **OFF["tiled_mlp"]}, ""),
     "plan-offload-no-streams": (PLAN, "no_streams"),
@@ -60,10 +61,15 @@ def patched(change: str) -> None:
         import torch.utils.checkpoint as ckpt
 
         ckpt._enable_checkpoint_early_stop = False
+    elif change == "history":  # as gpu_check's Readings record it for a snapshot
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
 
 
 def build(dest: Path, tiny: bool, layers: int) -> None:
-    """Llama-3.1-8B's bundled config cut to :data:`LAYERS` layers (``tiny``: the dry run's stand-in), random bf16
+    """Llama-3.1-8B's bundled config cut to ``layers`` layers (``tiny``: the dry run's stand-in), random bf16
     weights and the demo tokenizer, saved to ``dest``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,37 +142,42 @@ def main() -> int:
 
 
 def run_all(a: argparse.Namespace, model: Path) -> int:
-    """The build, then each variant in a child process while the budget lasts; a JSON line each."""
+    """The build, then each variant in a child process while the budget lasts; a JSON line each. Returns 1 when a
+    variant that started did not train."""
     deadline = time.monotonic() + a.budget
     a.out.mkdir(parents=True, exist_ok=True)
     log = a.out / "tiled_probe.jsonl"
     base = [sys.executable, __file__, "--out", str(a.out), "--models", str(a.models), "--layers", str(a.layers)]
     base += ["--dry-run"] * a.dry_run
     subprocess.run([*base, "--build"], check=True, timeout=max(deadline - time.monotonic(), 1))
+    failed = 0
     for name in [v for v in VARIANTS if not a.only or v in a.only]:
         left = deadline - time.monotonic()
+        facts = {"variant": name, "layers": a.layers}
         if left < 15:
-            row = {"variant": name, "status": "not run: out of time"}
+            row = {**facts, "status": "not run: out of time"}
         else:
-            row = child([*base, "--variant", name], left, name)
+            row = {**facts, **child([*base, "--variant", name], left)}
+            failed += row["status"] != "ok"
         with log.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{name:36} {row['status'][:160]} {row.get('seconds', '')}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
-def child(cmd: list[str], timeout: float, name: str) -> dict:
-    """A variant's process: its JSON line, or its failure's last line."""
+def child(cmd: list[str], timeout: float) -> dict:
+    """A variant's process: its JSON line, or why there is none (its failure's last line, or the budget's end)."""
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
-        return {"variant": name, "status": f"over {timeout:.0f} s, stopped"}
-    if p.returncode == 0:
-        return json.loads(p.stdout.strip().splitlines()[-1])
+        return {"status": f"stopped: the budget's last {timeout:.0f} s ran out", "seconds": round(timeout, 1)}
+    lines = p.stdout.strip().splitlines()
+    if p.returncode == 0 and lines and lines[-1].startswith("{"):
+        return json.loads(lines[-1])
     sys.stderr.write(p.stderr[-6000:])
-    last = (p.stderr.strip().splitlines() or [""])[-1][:300]
-    return {"variant": name, "status": f"failed: {last}", "seconds": round(time.monotonic() - t0, 1)}
+    last = (p.stderr.strip().splitlines() or ["no JSON line and no error"])[-1][:300]
+    return {"status": f"failed: {last}", "seconds": round(time.monotonic() - t0, 1)}
 
 
 if __name__ == "__main__":

@@ -126,8 +126,9 @@ def test_a_child_on_a_gpu_runs_its_at_scale_part_not_the_small_check(check, monk
 
 @pytest.mark.parametrize("snapshots, recorded", [(set(), []), ({"peak"}, ["on", "off"]), (None, ["on", "off"])])
 def test_the_allocator_history_is_recorded_only_for_a_snapshot(check, monkeypatch, tmp_path, snapshots, recorded):
-    """A run that keeps no snapshot (the capped, planned cases) trains without the allocator's history: torch 2.11
-    fails a checkpoint's recompute inside a custom Function's backward while it records (the H200's SystemError)."""
+    """A run that keeps no snapshot trains without the allocator's history (torch 2.11 raises a SystemError when a
+    checkpoint's recompute runs inside a custom Function's backward while it records); one that keeps one records
+    it, and switches it off after."""
     import torch
 
     gpu_check, _ = check

@@ -122,9 +122,10 @@ def model_dir(models: Path, model: str, tiny: bool) -> Path:
     return models / (f"{model}-tiny" if tiny else model)
 
 
-def build(model: str, dest: Path, tiny: bool) -> None:
-    """``model``'s bundled config with random weights (bf16) and the demo tokenizer, saved to ``dest`` (built in
-    GPU memory where there is one: seconds, where a CPU takes minutes for 8B weights)."""
+def build(model: str, dest: Path, tiny: bool, layers: int | None = None) -> None:
+    """``model``'s bundled config (``layers``: cut to that many layers) with random weights (bf16) and the demo
+    tokenizer, saved to ``dest`` (built in GPU memory where there is one: seconds, where a CPU takes minutes for 8B
+    weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,6 +135,7 @@ def build(model: str, dest: Path, tiny: bool) -> None:
     if (dest / "config.json").exists():
         return
     cfg = json.loads((CONFIG_DIR / f"{model}.json").read_text())
+    cfg = {**cfg, "num_hidden_layers": layers} if layers else cfg
     cfg = tiny_config(cfg) if tiny else cfg
     tok = demo_tokenizer(1024)
     cfg.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)

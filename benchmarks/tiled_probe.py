@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _at_scale import QLORA, REPO, fixed_length_data, tiny_config  # noqa: E402
+from _at_scale import QLORA, TINY, Case, build, fixed_length_data, spec_of  # noqa: E402
 
 PLAN = {**QLORA, "method.rank": 32, "method.dropout": 0.05, "training.gradient_checkpointing": True,
         "training.activation_offloading": True, "training.tiled_mlp": True, "training.embeddings_on_host": True,
@@ -47,7 +47,7 @@ VARIANTS: dict[str, tuple[dict, str]] = {  # the likeliest first: a run out of t
     "plan-d0-no-activation_offloading": ({**PLAN, **OFF["dropout"], **OFF["activation_offloading"]}, ""),
     **{f"no-{k}": ({**PLAN, **v}, "") for k, v in OFF.items() if k not in ("activation_offloading", "tiled_mlp")},
 }
-LAYERS, SEQ, STEPS = 4, 8192, 2
+MODEL, LAYERS, SEQ, STEPS = "llama-3.1-8b", 4, 8192, 2
 
 
 def patched(change: str) -> None:
@@ -68,53 +68,26 @@ def patched(change: str) -> None:
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
 
 
-def build(dest: Path, tiny: bool, layers: int) -> None:
-    """Llama-3.1-8B's bundled config cut to ``layers`` layers (``tiny``: the dry run's stand-in), random bf16
-    weights and the demo tokenizer, saved to ``dest``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fitburst.demo_models import demo_tokenizer
-    from fitburst.memory.shapes import CONFIG_DIR
-
-    if (dest / "config.json").exists():
-        return
-    cfg = {**json.loads((CONFIG_DIR / "llama-3.1-8b.json").read_text()), "num_hidden_layers": layers}
-    cfg = tiny_config(cfg) if tiny else cfg
-    tok = demo_tokenizer(1024)
-    cfg.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg),
-                                                 dtype=torch.bfloat16)
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
-
-
-def run_variant(name: str, model: Path, tiny: bool, layers: int) -> dict:
-    """One variant trained (this process): its peak, seconds and loss."""
+def run_variant(name: str, model: Path, tiny: bool) -> dict:
+    """One variant trained (this process): its peak, seconds and loss, and the depth of the model it trained."""
     import torch
 
     from fitburst.data import prepare_pipeline
     from fitburst.recipe import train
-    from fitburst.spec import load_pipeline
 
     over, change = VARIANTS[name]
     if tiny:  # the CPU's subset: the rule table refuses CUDA's settings off CUDA
         over = {**QLORA, "method.type": "lora", "training.gradient_checkpointing": True}
     patched(change)
-    seq = SEQ // 64 if tiny else SEQ
     with tempfile.TemporaryDirectory() as d:
+        seq = SEQ // TINY if tiny else SEQ  # what spec_of sets
         data = fixed_length_data(Path(d) / "long.jsonl", n=8, words=seq)
-        spec = load_pipeline(REPO / "pipelines.yaml", "demo", {
-            "model.name": str(model), "data.path": str(data), "data.val_split": 0.0, "data.max_seq_len": seq,
-            "eval.enabled": False, "training.max_steps": STEPS, "training.checkpoint_every": 10_000,
-            "training.log_every": STEPS, "training.grad_accum": 1, "training.micro_batch_size": 1,
-            "training.warmup_steps": 1, "burst.policy": "never", "preflight.device": "cpu" if tiny else "cuda",
-            "training.precision": "auto" if tiny else "bf16", **over})
+        spec = spec_of(Case(name, MODEL, SEQ, over), str(model), data, STEPS, tiny)
         t0 = time.perf_counter()
         result = train(spec, prepare_pipeline(spec), Path(d) / "run", device="cpu" if tiny else "cuda",
                        progress=False)
     cuda = torch.cuda.is_available()
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     return {"variant": name, "layers": layers, "seq_len": seq, "status": "ok",
             "seconds": round(time.perf_counter() - t0, 1), "loss": round(result.final_loss, 4),
             "max_allocated_mib": torch.cuda.max_memory_allocated() >> 20 if cuda else None}
@@ -133,10 +106,10 @@ def main() -> int:
     a = ap.parse_args()
     model = a.models / f"llama8b-{a.layers}layer{'-tiny' if a.dry_run else ''}"
     if a.build:
-        build(model, a.dry_run, a.layers)
+        build(MODEL, model, a.dry_run, a.layers)
         return 0
     if a.variant:
-        print(json.dumps(run_variant(a.variant, model, a.dry_run, a.layers)), flush=True)
+        print(json.dumps(run_variant(a.variant, model, a.dry_run)), flush=True)
         return 0
     return run_all(a, model)
 

@@ -11,8 +11,8 @@
 # The packages are compiled to bytecode once, here: with PYTHONDONTWRITEBYTECODE set, as on this project's
 # machines, Python would otherwise compile torch, transformers and peft from source again in every process, every
 # run and every test's subprocess. pip installs them without compiling (--no-compile); compileall then compiles the
-# venv and fitburst's own folders (an editable install: imported from here) on every core. pip compiles one file
-# after another: into a fresh venv on a 2-core box this script took 82 s with pip compiling and takes 65 s this way.
+# venv and fitburst's own folders (an editable install: imported from here) on every core, where pip compiles one
+# file after another (benchmarks/results/suite_time.txt: a fresh venv in 65 s instead of 82 s on 2 cores).
 # A few modules written for newer Pythons (torch's testing/_internal/py312_intrinsics.py) fail to compile under
 # either, which is no error.
 set -euo pipefail

@@ -24,6 +24,14 @@ def adapter(run_dir: str) -> dict:
     return load_file(str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))
 
 
+def saved_checkpoint(runs: Path) -> Path | None:
+    """A checkpoint the rerun resumes from, in any run folder under ``runs`` (a ``step-N.tmp`` being written, whose
+    state.json may already exist, is not one: killed there, the rerun starts afresh)."""
+    from fitburst.checkpoints import latest_checkpoint
+
+    return next(filter(None, map(latest_checkpoint, runs.glob("*"))), None)
+
+
 def test_sigkill_then_rerun_resumes_and_closes_the_killed_run(tmp_path, pipelines_file, root, demo_prepared,
                                                               monkeypatch):
     from mlflow.tracking import MlflowClient
@@ -41,7 +49,7 @@ def test_sigkill_then_rerun_resumes_and_closes_the_killed_run(tmp_path, pipeline
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = json.loads(killed.stdout.readline())["mlflow_run_id"]
     deadline = time.monotonic() + 120
-    while not list((tmp_path / "runs" / "demo").glob("*/checkpoints/step-*/state.json")):
+    while not saved_checkpoint(tmp_path / "runs" / "demo"):
         assert killed.poll() is None, killed.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)

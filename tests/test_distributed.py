@@ -447,6 +447,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
         tmp_path, pipelines_file, demo_prepared, monkeypatch):
     import psutil
     from mlflow.tracking import MlflowClient
+    from test_crash_resume import saved_checkpoint
 
     from fitburst.supervisor import train_local_run
     from fitburst.tracking import Tracker
@@ -461,7 +462,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = json.loads(launcher.stdout.readline())["mlflow_run_id"]
     deadline = time.monotonic() + 180
-    while not list((tmp_path / "runs" / "demo").glob("*/checkpoints/step-*/state.json")):
+    while not saved_checkpoint(tmp_path / "runs" / "demo"):
         assert launcher.poll() is None, launcher.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)

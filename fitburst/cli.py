@@ -236,8 +236,11 @@ def _train_rank(spec, prepared, args) -> int:
     """A rank torchrun started: the Recipe, on this rank's shard of the run (the supervisor that started torchrun
     holds the MLflow run, steps down and evaluates)."""
     from fitburst import distributed
+    from fitburst.rank_imports import leave_out, unused_packages
     from fitburst.recipe import Recipe
+    from fitburst.settings import settings_from_spec
 
+    leave_out(unused_packages(settings_from_spec(spec)))  # before the Recipe imports peft and transformers
     w = distributed.world()
     try:
         result = Recipe(spec, prepared, args.run_dir, device=args.device, progress=not args.quiet and w.main).run()

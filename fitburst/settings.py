@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fitburst.hardware import Device, auto_precision
-from fitburst.rules import FamilyFacts, problems
+from fitburst.rules import OPTIMIZERS_8BIT, FamilyFacts, problems
 
 if TYPE_CHECKING:  # the schema reads its choices from here; the conversion only reads a spec's fields
     from fitburst.spec import PipelineSpec
@@ -120,6 +120,11 @@ class RunSettings:
     @property
     def kbit(self) -> bool:
         return self.quant != "none"
+
+    @property
+    def uses_bitsandbytes(self) -> bool:
+        """Quantized weights or bitsandbytes' 8-bit optimizer."""
+        return self.kbit or self.optimizer in OPTIMIZERS_8BIT
 
     @property
     def sharded(self) -> bool:

@@ -240,6 +240,7 @@ def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(caus
     # built: each rank half of the weights, and of LoRA's (added after loading: 16 % of the demo's weights in fp32)
     assert rank[0]["built"] == pytest.approx(rank[1]["built"], rel=0.02)
     assert whole / 2 <= rank[1]["built"] <= 0.6 * whole
+    assert rank[0]["imported"] == rank[1]["imported"] == []  # fitburst.rank_imports: neither package is used
     assert_same_run(root / "one", root / "two", spec.training.learning_rate)
 
 
@@ -255,6 +256,7 @@ def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path,
              demo_prepared, tmp_path / "two", hooks={"held": str(held)})
     rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert rank[0]["loaded"] == rank[1]["loaded"] > 0
+    assert rank[0]["imported"] == rank[1]["imported"] == ["bitsandbytes"]  # 4-bit weights need it; not sklearn
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert a.keys() == b.keys()
     for step in a:

@@ -7,7 +7,8 @@ this folder on PYTHONPATH and FITBURST_TEST_RANK_HOOKS set to JSON, every rank w
                  allocator's out-of-memory error once (the marker file, created then, stops it happening again)
     held         a folder: each rank writes rank-<r>.json there, the bytes of parameter storage it holds when
                  fitburst.builders has loaded the base model ("loaded": meta tensors hold none) and when build_model
-                 returns ("built": a sharded parameter's local shard)
+                 returns ("built": a sharded parameter's local shard), and which of bitsandbytes and scikit-learn
+                 the rank had imported by then ("imported")
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _record_held(module, folder: str) -> None:
     def build_model(*a, **k):
         out = build(*a, **k)
         seen["built"] = _held(out[0])
+        seen["imported"] = sorted(n for n in ("bitsandbytes", "sklearn") if sys.modules.get(n) is not None)
         write()
         return out
 

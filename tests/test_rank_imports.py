@@ -1,0 +1,36 @@
+"""A rank leaves out the optional packages its settings never call (fitburst.rank_imports), and the libraries
+that would import them take their own not-installed branch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from fitburst.rank_imports import leave_out, unused_packages
+from fitburst.settings import RunSettings
+
+
+@pytest.mark.parametrize(("settings", "unused"), [
+    (RunSettings(method="lora"), ["sklearn", "bitsandbytes"]),
+    (RunSettings(method="full"), ["sklearn", "bitsandbytes"]),
+    (RunSettings(method="qlora", quant="nf4"), ["sklearn"]),
+    (RunSettings(method="lora", quant="int8"), ["sklearn"]),
+    (RunSettings(method="lora", optimizer="adamw8bit"), ["sklearn"]),
+    (RunSettings(method="lora", optimizer="paged_adamw8bit"), ["sklearn"]),
+])
+def test_bitsandbytes_is_left_out_unless_the_run_quantizes_or_uses_its_optimizer(settings, unused):
+    assert unused_packages(settings) == unused
+
+
+def test_a_package_left_out_is_not_installed_for_peft_and_transformers(monkeypatch):
+    from peft.import_utils import is_bnb_available
+
+    for name in ("bitsandbytes", "sklearn"):
+        monkeypatch.setitem(sys.modules, name, None)  # restored (or removed) after the test, as it was before
+        del sys.modules[name]
+    assert leave_out(["bitsandbytes", "sklearn", "json"]) == ["bitsandbytes", "sklearn"]  # json: imported already
+    assert sys.modules["json"] is not None
+    assert not is_bnb_available()
+    with pytest.raises(ImportError):
+        import sklearn  # noqa: F401

@@ -235,12 +235,15 @@ def cmd_train(args) -> int:
 def _train_rank(spec, prepared, args) -> int:
     """A rank torchrun started: the Recipe, on this rank's shard of the run (the supervisor that started torchrun
     holds the MLflow run, steps down and evaluates)."""
-    from fitburst import distributed
     from fitburst.rank_imports import leave_out, unused_packages
-    from fitburst.recipe import Recipe
     from fitburst.settings import settings_from_spec
 
-    leave_out(unused_packages(settings_from_spec(spec)))  # before the Recipe imports peft and transformers
+    # first: nothing in this process has asked yet whether they are installed (main imported transformers, which
+    # asks only when its modeling and generation modules load: the Recipe's model builds them)
+    leave_out(unused_packages(settings_from_spec(spec)))
+    from fitburst import distributed
+    from fitburst.recipe import Recipe
+
     w = distributed.world()
     try:
         result = Recipe(spec, prepared, args.run_dir, device=args.device, progress=not args.quiet and w.main).run()

@@ -2,12 +2,12 @@
 
 - CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after ``reset_peak_memory_stats``.
 - MPS: no peak counter; ``torch.mps.driver_allocated_memory()`` is sampled every step.
-- CPU: the process high-water mark (VmHWM, reset through /proc/self/clear_refs) minus the resident size at
-  the start, taken after the training stack (transformers, peft, bitsandbytes) is imported, so the figure is
-  what the run adds: weights, training tensors, glibc slack and the first step's runtime heap. That is what
+- CPU: the process high-water mark (VmHWM, reset through /proc/self/clear_refs) minus the resident size at the start,
+  taken after the training stack (transformers, peft; bitsandbytes where the process may use it) is imported, so the
+  figure is what the run adds: weights, training tensors, glibc slack and the first step's runtime heap. That is what
   the estimate's ``reserved_peak_bytes`` models on CPU (``fitburst.memory.Estimate.comparable_bytes``). fitburst does
-  not pin glibc (MALLOC_MMAP_THRESHOLD_=131072 brings VmHWM within a few % of tensor bytes but made the demo's
-  steps ~35 % slower); the method string says which allocator mode a figure was taken under.
+  not pin glibc (MALLOC_MMAP_THRESHOLD_=131072 brings VmHWM within a few % of tensor bytes but made the demo's steps
+  ~35 % slower); the method string says which allocator mode a figure was taken under.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Together they are about a quarter of a rank's start-up CPU (a two-rank run of th
 15 s without; ``benchmarks/results/suite_time.txt``), paid by every rank of every attempt. A rank process trains
 exactly one run (a step-down starts new ranks with the new settings), so what its settings never use can be left
 out: ``None`` in ``sys.modules`` is Python's own "not there", for which ``importlib.util.find_spec`` answers None
-and ``import`` raises ImportError, so both libraries take their own not-installed branch.
+and ``import`` raises ImportError, so both libraries take their own not-installed branch. That holds when it is
+marked before anything in the process asks whether they are installed: transformers and peft cache the answer
+(``is_sklearn_available``, ``is_bnb_available``), and a cached "yes" would meet an import that fails.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from collections.abc import Iterable
 from fitburst.settings import RunSettings
 
 
-def unused_packages(settings: RunSettings) -> list[str]:
-    """The optional packages a rank training ``settings`` never calls: scikit-learn always (a rank does not
-    generate), bitsandbytes unless the run has quantized weights or an 8-bit optimizer."""
-    return ["sklearn", *([] if settings.uses_bitsandbytes else ["bitsandbytes"])]
+def unused_packages(*runs: RunSettings) -> list[str]:
+    """The optional packages a rank training each of ``runs`` never calls: scikit-learn always (a rank does not
+    generate), bitsandbytes unless a run has quantized weights or an 8-bit optimizer."""
+    return ["sklearn", *([] if any(s.uses_bitsandbytes for s in runs) else ["bitsandbytes"])]
 
 
 def leave_out(names: Iterable[str]) -> list[str]:

@@ -220,7 +220,7 @@ RULES: tuple[Rule, ...] = (
          lambda s, d, f, m: (f"{s.quant} weights need bitsandbytes, which {_bnb_where(d)[0]}",
                              f"use method.type: lora with quant: none {_bnb_where(d)[1]}, or a CUDA device")),
     Rule("optimizer_8bit_needs_bnb", ("training", "optimizer"),
-         lambda s, d, f, m: d is not None and not d.supports_bnb and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f, m: d is not None and not d.supports_bnb and s.optimizer_8bit,
          lambda s, d, f, m: (f"{s.optimizer} is bitsandbytes' optimizer, which {_bnb_where(d)[0]}",
                              f"use optimizer: adamw {_bnb_where(d)[1]}, or a CUDA device")),
     Rule("fsdp_on_mps", ("training", "distributed"),
@@ -237,7 +237,7 @@ RULES: tuple[Rule, ...] = (
                              "use quant: nf4 (its 4-bit weights shard in the compute dtype), or training.distributed: "
                              "none")),
     Rule("fsdp_optimizer_8bit", ("training", "optimizer"),
-         lambda s, d, f, m: s.sharded and s.optimizer in OPTIMIZERS_8BIT,
+         lambda s, d, f, m: s.sharded and s.optimizer_8bit,
          lambda s, d, f, m: ("bitsandbytes' 8-bit optimizers do not run on FSDP's sharded parameters",
                              "use optimizer: adamw (FSDP shards its state over the GPUs already), or "
                              "training.distributed: none")),

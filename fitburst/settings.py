@@ -122,9 +122,14 @@ class RunSettings:
         return self.quant != "none"
 
     @property
+    def optimizer_8bit(self) -> bool:
+        """bitsandbytes' 8-bit AdamW (paged or not)."""
+        return self.optimizer in OPTIMIZERS_8BIT
+
+    @property
     def uses_bitsandbytes(self) -> bool:
         """Quantized weights or bitsandbytes' 8-bit optimizer."""
-        return self.kbit or self.optimizer in OPTIMIZERS_8BIT
+        return self.kbit or self.optimizer_8bit
 
     @property
     def sharded(self) -> bool:

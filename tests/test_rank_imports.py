@@ -15,6 +15,7 @@ from fitburst.settings import RunSettings
 @pytest.mark.parametrize(("settings", "unused"), [
     (RunSettings(method="lora"), ["sklearn", "bitsandbytes"]),
     (RunSettings(method="full"), ["sklearn", "bitsandbytes"]),
+    (RunSettings(method="qlora"), ["sklearn"]),  # quant resolved to nf4
     (RunSettings(method="qlora", quant="nf4"), ["sklearn"]),
     (RunSettings(method="lora", quant="int8"), ["sklearn"]),
     (RunSettings(method="lora", optimizer="adamw8bit"), ["sklearn"]),
@@ -25,15 +26,16 @@ def test_bitsandbytes_is_left_out_unless_the_run_quantizes_or_uses_its_optimizer
 
 
 def test_a_package_left_out_is_not_installed_for_peft_and_transformers(monkeypatch):
-    from peft.import_utils import is_bnb_available
-
     for name in ("bitsandbytes", "sklearn"):
         monkeypatch.setitem(sys.modules, name, None)  # restored (or removed) after the test, as it was before
         del sys.modules[name]
     assert leave_out(["bitsandbytes", "sklearn", "json"]) == ["bitsandbytes", "sklearn"]  # json: imported already
     assert sys.modules["json"] is not None
-    # what both libraries ask (peft caches its answer for the process: a rank asks after leave_out, as here)
-    assert importlib.util.find_spec("bitsandbytes") is importlib.util.find_spec("sklearn") is None
-    assert not is_bnb_available.__wrapped__()
+    assert importlib.util.find_spec("bitsandbytes") is importlib.util.find_spec("sklearn") is None  # what both ask
     with pytest.raises(ImportError):
         import sklearn  # noqa: F401
+
+
+def test_a_rank_leaves_out_what_none_of_its_runs_uses():
+    assert unused_packages(RunSettings(method="lora"), RunSettings(method="full")) == ["sklearn", "bitsandbytes"]
+    assert unused_packages(RunSettings(method="lora"), RunSettings(method="qlora")) == ["sklearn"]

@@ -103,6 +103,18 @@ def pytest_collection_modifyitems(config, items) -> None:
         scopes = {d.scope for fd in (defs.name2fixturedefs.values() if defs else ()) for d in fd}
         if "module" in scopes or "class" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: _start_rank(item.path.name))  # stable: each module's own order kept
+
+
+# modules of long tests that share no fixture, first: xdist hands out its groups first (the largest first), then the
+# other tests in this order, one at a time as a worker frees; long tests last leave one worker idle while the other
+# finishes them (measured: 43 s of one worker's time at the end of a run, test_warm_preflight's two 20 s tests)
+START_FIRST = ("test_distributed.py", "test_warm_preflight.py", "test_cloud_node.py", "test_outage.py",
+               "test_crash_resume.py", "test_local_slot.py", "test_oom.py", "test_first_hour.py", "test_nightly.py")
+
+
+def _start_rank(module: str) -> int:
+    return START_FIRST.index(module) if module in START_FIRST else len(START_FIRST)
 
 
 @pytest.fixture(scope="session")

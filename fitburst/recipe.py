@@ -125,7 +125,7 @@ class Recipe:
         self.steps = total_steps(spec, self.prepared.n_train, w.size)
         # imported after the refusals: transformers' optimization module pulls in peft, bitsandbytes (which
         # compiles at import) and scikit-learn, ~5 s of a process that a refused run need not spend (a rank has
-        # left out the last two unless its run uses them: fitburst.rank_imports)
+        # left out the last two unless its run uses them: fitburst.unused_imports)
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(tr.lr_scheduler, self.optimizer, num_warmup_steps=tr.warmup_steps,

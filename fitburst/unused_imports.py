@@ -1,19 +1,22 @@
-"""What a rank of a sharded run leaves unimported: the optional packages its run never calls.
+"""What a fitburst process leaves unimported: the optional packages it never calls.
 
 Two libraries import an optional package whenever it is installed, whatever the run does with it:
 
+- transformers imports scikit-learn's metrics for assisted generation (``generation.candidate_generator``), which
+  fitburst never runs; scikit-learn is installed because MLflow requires it. Every ``fitburst`` process leaves it
+  out (:func:`fitburst.cli.entry`): 1.1-1.7 s of each command that loads a model or traces one;
 - peft imports bitsandbytes (``peft.helpers``), and bitsandbytes sets up torch.compile for its CPU kernels as it
-  is imported;
-- transformers imports scikit-learn's metrics for assisted generation (``generation.candidate_generator``);
-  scikit-learn is installed because MLflow requires it.
+  is imported. Only a rank leaves it out, when its run uses neither 4-bit weights nor an 8-bit optimizer: a rank
+  process trains exactly one run (a step-down starts new ranks with the new settings), where the supervisor and
+  ``fitburst run`` may step down to QLoRA in the same process.
 
 Together they are about a quarter of a rank's start-up CPU (a two-rank run of the demo: 20 s of CPU with them,
-15 s without; ``benchmarks/results/suite_time.txt``), paid by every rank of every attempt. A rank process trains
-exactly one run (a step-down starts new ranks with the new settings), so what its settings never use can be left
-out: ``None`` in ``sys.modules`` is Python's own "not there", for which ``importlib.util.find_spec`` answers None
-and ``import`` raises ImportError, so both libraries take their own not-installed branch. That holds when it is
-marked before anything in the process asks whether they are installed: transformers and peft cache the answer
-(``is_sklearn_available``, ``is_bnb_available``), and a cached "yes" would meet an import that fails.
+15 s without; ``benchmarks/results/suite_time.txt``). ``None`` in ``sys.modules`` is Python's own "not there", for
+which ``importlib.util.find_spec`` answers None and ``import`` raises ImportError, so both libraries take their own
+not-installed branch. That holds when it is marked before anything in the process asks whether they are installed:
+transformers and peft cache the answer (``is_sklearn_available``, ``is_bnb_available``), and a cached "yes" would
+meet an import that fails. So the marks are made first thing in a process's entry, never in a function a test
+calls in-process.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from collections.abc import Iterable
 
 from fitburst.settings import RunSettings
 
+NEVER_CALLED = ("sklearn",)  # by any fitburst process
+
 
 def unused_packages(*runs: RunSettings) -> list[str]:
     """The optional packages a rank training each of ``runs`` never calls: scikit-learn always (a rank does not
     generate), bitsandbytes unless a run has quantized weights or an 8-bit optimizer."""
-    return ["sklearn", *([] if any(s.uses_bitsandbytes for s in runs) else ["bitsandbytes"])]
+    return [*NEVER_CALLED, *([] if any(s.uses_bitsandbytes for s in runs) else ["bitsandbytes"])]
 
 
 def leave_out(names: Iterable[str]) -> list[str]:

@@ -28,10 +28,10 @@ from fitburst.device import make_amp, torch_dtype, weight_dtype
 from fitburst.distributed import shard
 from fitburst.memory.trace import _batch
 from fitburst.models import auto_model_class, quantization_config
-from fitburst.rank_imports import leave_out, unused_packages
 from fitburst.settings import RunSettings, spec_with_settings
 from fitburst.spec import PipelineSpec
 from fitburst.train import optimizer_step
+from fitburst.unused_imports import leave_out, unused_packages
 
 
 class FrozenAwareTracker(MemTracker):
@@ -111,7 +111,7 @@ GLOO_COUNTED = [False]
 
 def main() -> None:
     cases = json.loads(sys.argv[1])
-    # as a rank of fitburst's does (fitburst.rank_imports): what none of the cases calls stays unimported
+    # as a rank of fitburst's does (fitburst.unused_imports): what none of the cases calls stays unimported
     leave_out(unused_packages(*(RunSettings(**settings) for _, settings in cases)))
     dist.init_process_group("gloo")
     count_gloo_internals(GLOO_COUNTED)

@@ -240,7 +240,7 @@ def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(caus
     # built: each rank half of the weights, and of LoRA's (added after loading: 16 % of the demo's weights in fp32)
     assert rank[0]["built"] == pytest.approx(rank[1]["built"], rel=0.02)
     assert whole / 2 <= rank[1]["built"] <= 0.6 * whole
-    assert rank[0]["imported"] == rank[1]["imported"] == []  # fitburst.rank_imports: neither package is used
+    assert rank[0]["imported"] == rank[1]["imported"] == []  # fitburst.unused_imports: neither package is used
     assert_same_run(root / "one", root / "two", spec.training.learning_rate)
 
 

@@ -1,15 +1,17 @@
-"""A rank leaves out the optional packages its settings never call (fitburst.rank_imports), and the libraries
-that would import them take their own not-installed branch."""
+"""A fitburst process leaves out the optional packages it never calls (fitburst.unused_imports): every process
+scikit-learn, a rank bitsandbytes too unless its settings use it; the libraries that would import them take their
+own not-installed branch."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 
 import pytest
 
-from fitburst.rank_imports import leave_out, unused_packages
 from fitburst.settings import RunSettings
+from fitburst.unused_imports import leave_out, unused_packages
 
 
 @pytest.mark.parametrize(("settings", "unused"), [
@@ -39,3 +41,20 @@ def test_a_package_left_out_is_not_installed_for_peft_and_transformers(monkeypat
 def test_a_rank_leaves_out_what_none_of_its_runs_uses():
     assert unused_packages(RunSettings(method="lora"), RunSettings(method="full")) == ["sklearn", "bitsandbytes"]
     assert unused_packages(RunSettings(method="lora"), RunSettings(method="qlora")) == ["sklearn"]
+
+
+def test_the_fitburst_command_leaves_out_scikit_learn_before_transformers_asks():
+    """The process entry marks it first; transformers' generation module (which every model's class imports) then
+    loads without it and answers that it is not installed."""
+    code = ("import sys\n"
+            "from fitburst import cli\n"
+            "def main():\n"
+            "    import transformers.generation.candidate_generator\n"
+            "    from transformers.utils import is_sklearn_available\n"
+            "    print(is_sklearn_available(), sys.modules['sklearn'])\n"
+            "    return 0\n"
+            "cli.main = main\n"
+            "sys.exit(cli.entry())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "None"]

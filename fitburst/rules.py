@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from fitburst.memory.shapes import ModelShape
     from fitburst.settings import RunSettings
 
-OPTIMIZERS_8BIT = ("adamw8bit", "paged_adamw8bit")
-
 
 class FamilyFacts(Protocol):
     """What a model family (:class:`fitburst.families.Family`) refuses, in its own words (None: nothing)."""

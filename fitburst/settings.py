@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fitburst.hardware import Device, auto_precision
-from fitburst.rules import OPTIMIZERS_8BIT, FamilyFacts, problems
+from fitburst.rules import FamilyFacts, problems
 
 if TYPE_CHECKING:  # the schema reads its choices from here; the conversion only reads a spec's fields
     from fitburst.spec import PipelineSpec
@@ -36,6 +36,7 @@ Distributed = Literal["auto", "none", "fsdp"]
 METHODS: tuple[str, ...] = get_args(Method)
 QUANTS: tuple[str, ...] = get_args(Quant)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+OPTIMIZERS_8BIT = ("adamw8bit", "paged_adamw8bit")  # bitsandbytes' (paged or not)
 # how torch's AdamW steps: auto (the loop's choice for the device, fitburst.memory.cuda_kernels.adamw_impl), or the
 # implementation a measured run used (a replay of a run from before the loop fused AdamW on CUDA)
 ADAMW_IMPLS = ("auto", "fused", "foreach", "for-loop")

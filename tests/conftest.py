@@ -151,7 +151,7 @@ def demo_prepared(demo_spec, demo_tokenizer):
 
 # the server's loop services no test of the session server uses (tests/test_serve.py starts a server of its own, with
 # every service): each polls the database every few seconds, about half of an idle server's CPU (measured: 8.5-10.9 s
-# of CPU per 90 s idle with them, 4.0-5.1 s without; the task-run recorder and event persister stay: the flow's task
+# of CPU per 90 s idle with them, 4.0-6.1 s without; the task-run recorder and event persister stay: the flow's task
 # runs are recorded through them)
 IDLE_SERVICES = ("late_runs", "pause_expirations", "cleanup_reconciler", "foreman", "repossessor",
                  "cancellation_cleanup", "scheduler", "triggers")

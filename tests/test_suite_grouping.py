@@ -18,3 +18,10 @@ def test_a_module_fixtures_tests_carry_their_group_to_the_scheduler(request, bui
         pytest.skip("runs on an xdist worker under --dist loadgroup (the README's test command)")
     # xdist's scheduler reads the group from this suffix only; without it each test is scheduled on its own
     assert request.node.nodeid.endswith("@tests/test_suite_grouping.py"), (request.node.nodeid, pytest.__version__)
+
+
+def test_every_module_the_suite_starts_first_exists(root):
+    """conftest's START_FIRST names modules by file: a renamed one would silently lose its place (tests run, later)."""
+    from conftest import START_FIRST
+
+    assert [m for m in START_FIRST if not (root / "tests" / m).is_file()] == []

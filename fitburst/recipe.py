@@ -124,8 +124,8 @@ class Recipe:
                                         adamw_impl(kind, w.size))
         self.steps = total_steps(spec, self.prepared.n_train, w.size)
         # imported after the refusals: transformers' optimization module pulls in peft, bitsandbytes (which
-        # compiles at import) and scikit-learn, ~5 s of a process that a refused run need not spend (a rank has
-        # left out the last two unless its run uses them: fitburst.unused_imports)
+        # compiles at import) and scikit-learn, ~5 s of a process that a refused run need not spend (every fitburst
+        # process has left out scikit-learn, and a rank bitsandbytes unless its run uses it: fitburst.unused_imports)
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(tr.lr_scheduler, self.optimizer, num_warmup_steps=tr.warmup_steps,

@@ -30,8 +30,8 @@ NEVER_CALLED = ("sklearn",)  # by any fitburst process
 
 
 def unused_packages(*runs: RunSettings) -> list[str]:
-    """The optional packages a rank training each of ``runs`` never calls: scikit-learn always (a rank does not
-    generate), bitsandbytes unless a run has quantized weights or an 8-bit optimizer."""
+    """The optional packages a rank training each of ``runs`` never calls: :data:`NEVER_CALLED` always,
+    bitsandbytes unless a run has quantized weights or an 8-bit optimizer."""
     return [*NEVER_CALLED, *([] if any(s.uses_bitsandbytes for s in runs) else ["bitsandbytes"])]
 
 

@@ -159,10 +159,15 @@ def _file_handler(path: Path) -> logging.FileHandler | None:
         return None
 
 
-def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path | None:
-    """Configure logging for one CLI command; returns the log file (None if it cannot be written)."""
+def quiet_libraries() -> None:
+    """Set :data:`QUIET_ENV` where the user has not: before the libraries are imported, which read it then."""
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
+
+
+def setup(command: str, verbose: bool = False, base: Path | None = None) -> Path | None:
+    """Configure logging for one CLI command; returns the log file (None if it cannot be written)."""
+    quiet_libraries()
     root = logging.getLogger()
     for h in list(root.handlers):  # a second setup in one process (tests) replaces the first one's handlers
         if getattr(h, "fitburst", False):

@@ -1,7 +1,8 @@
 """Starting the ranks of a sharded run: torchrun on this machine, or on several nodes with one supervisor per node.
 
 One attempt is one torchrun per node starting ``fitburst train`` once per GPU (:mod:`fitburst.recipe` inside the
-ranks, :mod:`fitburst.distributed` for their process group). The process that calls :meth:`Ranks.run` stays
+ranks, :mod:`fitburst.distributed` for their process group): torch's torchrun as :mod:`fitburst.torchrun` runs it,
+forking each rank from a process that has imported what the ranks import. The process that calls :meth:`Ranks.run` stays
 above the ranks: it holds the MLflow run, relays rank 0's loss curve and, when a rank runs out of memory, steps
 every rank down together (:func:`fitburst.supervisor.train_stepping_down` calls :meth:`Ranks.run` once per rung).
 
@@ -149,7 +150,7 @@ class Ranks:
         where = (["--standalone"] if self.nodes == 1 else
                  [f"--nnodes={self.nodes}", f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
                   f"--master-port={self.port + 1 + self.attempt}"])
-        return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={self.per_node}",
+        return [sys.executable, "-m", "fitburst.torchrun", *where, f"--nproc-per-node={self.per_node}",
                 "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", str(prepared_dir),
                 "--run-dir", str(run_dir), "--quiet", *(["--device", device] if device else [])]
 

@@ -49,12 +49,16 @@ def prepared_for(spec):
     return prepare(spec.data, spec.data_path(), tokenizer_for(spec.model), cache_root() / "data")
 
 
-def torchrun(nproc: int, spec, prepared, run_dir: Path, hooks: dict | None = None) -> dict:
-    """``fitburst train`` on ``nproc`` ranks (the command the cloud node runs), with test ``hooks`` in the ranks
-    (tests/rank_hooks); the run's train_result.json."""
+LAUNCHERS = {"fitburst": "fitburst.torchrun",  # what `fitburst train --nproc-per-node` starts: ranks forked
+             "torchrun": "torch.distributed.run"}  # a user's own torchrun: each rank a new Python
+
+
+def torchrun(nproc: int, spec, prepared, run_dir: Path, hooks: dict | None = None, launcher: str = "fitburst") -> dict:
+    """``fitburst train`` on ``nproc`` ranks started by ``launcher`` (:data:`LAUNCHERS`), with test ``hooks`` in
+    the ranks (tests/rank_hooks); the run's train_result.json."""
     spec_path = run_dir.with_suffix(".yaml")
     spec_path.write_text(spec.to_yaml())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", LAUNCHERS[launcher], "--standalone", f"--nproc-per-node={nproc}",
            "-m", "fitburst.cli", "train", "--spec", str(spec_path), "--prepared", prepared.dir,
            "--run-dir", str(run_dir), "--quiet"]
     proc = subprocess.run(cmd, env=rank_env(hooks), capture_output=True, text=True, timeout=300)
@@ -177,8 +181,10 @@ def causal_runs(tmp_path_factory, pipelines_file):
             prepared = prepared_for(spec)
             one = one_process(spec, prepared, root / "one")
             (root / "held").mkdir()
+            # full fine-tuning's ranks through a user's own torchrun, LoRA's through fitburst's
             two = torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
-                           prepared, root / "two", hooks={"held": str(root / "held")})
+                           prepared, root / "two", hooks={"held": str(root / "held")},
+                           launcher="torchrun" if method == "full" else "fitburst")
             runs[method] = (spec, prepared, one, two, root)
         return runs[method]
 
@@ -241,20 +247,24 @@ def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(caus
     assert rank[0]["built"] == pytest.approx(rank[1]["built"], rel=0.02)
     assert whole / 2 <= rank[1]["built"] <= 0.6 * whole
     assert rank[0]["imported"] == rank[1]["imported"] == []  # fitburst.unused_imports: neither package is used
+    started = {"lora": "-m fitburst.torchrun ", "full": "-m fitburst.cli train "}[method]  # forked; a new Python
+    assert started in rank[0]["command"] and started in rank[1]["command"], rank
     assert_same_run(root / "one", root / "two", spec.training.learning_rate)
 
 
 def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path, pipelines_file, demo_prepared):
     """4-bit weights are loaded by every rank (bitsandbytes quantizes on load; a rank built without weights has no
     quantization state to receive: fitburst.memory.fsdp_terms.loads_once), and the two ranks still train as one
-    process at the combined batch (bf16: :data:`BF16_REL`)."""
+    process at the combined batch (bf16: :data:`BF16_REL`). Their launcher finds a CUDA context (as where
+    bitsandbytes probed the GPU at import), so it spawns the ranks: a forked rank could not use CUDA."""
     spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16",
                     training__micro_batch_size=8)
     one_process(spec, demo_prepared, tmp_path / "one")
     (held := tmp_path / "held").mkdir()
     torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
-             demo_prepared, tmp_path / "two", hooks={"held": str(held)})
+             demo_prepared, tmp_path / "two", hooks={"held": str(held), "cuda_initialized": True})
     rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert "spawn_main" in rank[0]["command"] and "spawn_main" in rank[1]["command"], rank  # not forked
     assert rank[0]["loaded"] == rank[1]["loaded"] > 0
     assert rank[0]["imported"] == rank[1]["imported"] == ["bitsandbytes"]  # 4-bit weights need it; not sklearn
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -430,19 +440,9 @@ def test_qlora_4bit_weights_are_split_across_ranks(pipelines_file):
 
 # --- a rank that stops: killed, or out of memory -----------------------------------------------------------------
 
-def _ranks_of(pid: int) -> dict[int, int]:
-    """rank -> pid of the training processes under ``pid`` (torchrun's workers)."""
-    import psutil
-
-    out = {}
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            env = p.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env and "fitburst.cli" in " ".join(p.cmdline()):
-            out[int(env["RANK"])] = p.pid
-    return out
+def _ranks_of(folder: Path) -> dict[int, int]:
+    """rank -> pid of the training processes, as each wrote it there (tests/rank_hooks: pids)."""
+    return {int(p.stem.split("-")[1]): int(p.read_text()) for p in folder.glob("rank-*.pid")}
 
 
 def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharded_checkpoint(
@@ -458,7 +458,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
                  "training.micro_batch_size": 4, "training.distributed": "fsdp",
                  "tracking.experiment": "distributed-kill"}
     monkeypatch.setenv("FITBURST_RUNS_DIR", str(tmp_path / "runs"))
-    env = {**rank_env({"step_sleep": 0.2}), "FITBURST_RUNS_DIR": str(tmp_path / "runs")}
+    env = {**rank_env({"step_sleep": 0.2, "pids": str(tmp_path)}), "FITBURST_RUNS_DIR": str(tmp_path / "runs")}
     launcher = subprocess.Popen([sys.executable, str(CHILD), json.dumps(
         {"pipelines_file": str(pipelines_file), "overrides": overrides, "mlflow": True, "nproc": 2})],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -468,7 +468,7 @@ def test_a_killed_rank_ends_the_run_failed_and_the_rerun_resumes_from_the_sharde
         assert launcher.poll() is None, launcher.stderr.read()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    ranks = _ranks_of(launcher.pid)
+    ranks = _ranks_of(tmp_path)
     assert sorted(ranks) == [0, 1]
     os.kill(ranks[1], signal.SIGKILL)
     assert launcher.wait(timeout=120) != 0  # torchrun ends rank 0, the launcher fails the run

@@ -1,14 +1,18 @@
 """Test instrumentation for the ranks torchrun starts (they cannot be monkeypatched from the test process): with
 this folder on PYTHONPATH and FITBURST_TEST_RANK_HOOKS set to JSON, every rank wraps the step its loop calls
-(fitburst.recipe.optimizer_step) as the recipe is imported:
+(fitburst.recipe.optimizer_step) as the recipe is imported (by fitburst.torchrun before it forks the ranks):
 
     step_sleep   seconds added to each optimizer step, so a test can act mid-run
     oom          {"rank": r, "call": k, "marker": path}: rank r's k-th optimizer step (0-based) fails with the CPU
                  allocator's out-of-memory error once (the marker file, created then, stops it happening again)
+    pids         a folder: each rank writes rank-<r>.pid there (its process id) as it takes its first step
     held         a folder: each rank writes rank-<r>.json there, the bytes of parameter storage it holds when
                  fitburst.builders has loaded the base model ("loaded": meta tensors hold none) and when build_model
                  returns ("built": a sharded parameter's local shard), and which of bitsandbytes and scikit-learn
-                 the rank had imported by then ("imported")
+                 the rank had imported by then ("imported"), and the command line its interpreter was started with
+                 ("command": a forked rank holds its launcher's, python -m fitburst.torchrun; a spawned rank
+                 multiprocessing's spawn_main; a rank torchrun started, python -u -m fitburst.cli)
+    cuda_initialized  true: fitburst.torchrun's launcher finds a CUDA context, as where an import probed the GPU
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def _wrap(module) -> None:
 
     def optimizer_step(*a, **k):
         nonlocal calls
+        if CONFIG.get("pids") and calls == 0:
+            with open(os.path.join(CONFIG["pids"], f"rank-{os.environ.get('RANK', '0')}.pid"), "w") as f:
+                f.write(str(os.getpid()))
         time.sleep(CONFIG.get("step_sleep", 0))
         oom = CONFIG.get("oom")
         if oom and int(os.environ.get("RANK", "0")) == oom["rank"] and calls == oom["call"] and not os.path.exists(
@@ -39,6 +46,10 @@ def _wrap(module) -> None:
         return real(*a, **k)
 
     module.optimizer_step = optimizer_step
+    if CONFIG.get("cuda_initialized") and "RANK" not in os.environ:  # the launcher, not a rank
+        import torch
+
+        torch.cuda.is_initialized = lambda: True
     if CONFIG.get("held"):
         _record_held(module, CONFIG["held"])
 
@@ -71,6 +82,7 @@ def _record_held(module, folder: str) -> None:
         out = build(*a, **k)
         seen["built"] = _held(out[0])
         seen["imported"] = sorted(n for n in ("bitsandbytes", "sklearn") if sys.modules.get(n) is not None)
+        seen["command"] = " ".join(sys.orig_argv[1:])
         write()
         return out
 

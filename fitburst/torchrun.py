@@ -1,0 +1,82 @@
+"""torchrun for fitburst's ranks: torch's own launcher (its arguments, rendezvous and agent, unchanged) whose ranks
+are forked from this process after it has imported what a rank imports.
+
+torchrun starts every rank as a new Python that imports torch, transformers, peft and datasets again: 5-7 s of CPU a
+rank on a 2-core machine (``benchmarks/results/suite_time.txt``), and a private copy of those modules in host RAM
+per rank. Here they are imported once, and each forked rank shares them (copy-on-write) and starts at once.
+:class:`fitburst.ranks.Ranks` starts it as ``python -m fitburst.torchrun <torchrun's arguments> -m fitburst.cli
+train ...``; ``torchrun -m fitburst.cli train ...`` still works, each rank then importing on its own.
+
+A fork is safe here because this process only imports before it forks: it runs no tensor op (no CPU thread pool
+exists yet) and the agent's store and rendezvous threads are C++ threads a forked rank does not inherit (it opens
+its own store client). One thing would not survive a fork: a CUDA context. Imports make none, but should one exist
+(a library that probed the GPU as it was imported), the ranks are spawned fresh, as torchrun spawns them.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+MODULE = "fitburst.cli"  # the one module this launcher's ranks run
+
+
+def rank(argv: list[str]) -> None:
+    """One forked rank: ``fitburst train`` with ``argv`` (its exit status, when not 0, ends the rank)."""
+    from fitburst.cli import main
+
+    code = main(argv)
+    if code:
+        sys.exit(code)
+
+
+def _import_what_a_rank_imports(argv: list[str]) -> None:
+    """What a rank of ``fitburst train argv`` imports before it loads its model; the packages its run never calls
+    stay out (:mod:`fitburst.unused_imports`), as in a rank torchrun started."""
+    from fitburst import logs
+    from fitburst.cli import build_parser
+    from fitburst.settings import settings_from_spec
+    from fitburst.spec import load_resolved
+    from fitburst.unused_imports import leave_out, unused_packages
+
+    args = build_parser().parse_args(argv)
+    logs.quiet_libraries()
+    leave_out(unused_packages(settings_from_spec(load_resolved(args.spec))))
+    import peft  # noqa: F401  (the Recipe imports it as it builds the model)
+
+    import fitburst.recipe  # noqa: F401
+
+
+def start_method() -> str:
+    """``fork`` while this process holds no CUDA context, else ``spawn`` (a forked rank could not use CUDA)."""
+    import torch
+
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not (args.module and args.training_script == MODULE):
+        print(f"error: fitburst.torchrun starts `-m {MODULE}` ranks only; for another program use torchrun",
+              file=sys.stderr)
+        return 2
+    if args.standalone:  # as torchrun's own run() sets it
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    train_args = list(args.training_script_args)
+    _import_what_a_rank_imports(train_args)
+    config, _, _ = config_from_args(args)
+    config.start_method = start_method()
+    for stream in (sys.stdout, sys.stderr):  # the ranks write through this process's streams, as written
+        stream.flush()
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    elastic_launch(config, entrypoint=rank)(train_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

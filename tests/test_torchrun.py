@@ -1,0 +1,70 @@
+"""fitburst.torchrun: torch's torchrun arguments and agent, with the ranks forked from a launcher that imported what
+they import. The ranks themselves train in tests/test_distributed.py (forked, spawned, and under a user's own
+torchrun); here, what the launcher hands torch's agent, with the agent itself stubbed."""
+
+from __future__ import annotations
+
+import pytest
+
+import fitburst.torchrun as launcher
+
+TRAIN = ["train", "--spec", "s.yaml", "--prepared", "p", "--run-dir", "r", "--quiet"]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """What main() hands torch's elastic_launch: (config, entrypoint, args), with the imports stubbed (they would
+    mark packages absent in this test's process: fitburst.unused_imports)."""
+    import torch.distributed.launcher.api as api
+
+    seen: dict = {}
+
+    def elastic_launch(config, entrypoint):
+        seen.update(config=config, entrypoint=entrypoint)
+        return lambda *args: seen.update(args=args)
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(launcher, "_import_what_a_rank_imports", lambda argv: seen.update(imported=argv))
+    return seen
+
+
+def test_a_standalone_launch_forks_fitburst_train_ranks_after_importing_them(launched):
+    assert launcher.main(["--standalone", "--nproc-per-node=3", "-m", "fitburst.cli", *TRAIN]) == 0
+    config = launched["config"]
+    assert config.nproc_per_node == 3 and config.min_nodes == config.max_nodes == 1
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "localhost:0"  # torchrun --standalone's
+    assert config.start_method == "fork"
+    assert launched["entrypoint"] is launcher.rank and launched["args"] == (TRAIN,)
+    assert launched["imported"] == TRAIN  # before the ranks exist
+
+
+def test_several_nodes_keep_torchruns_static_rendezvous(launched):
+    launcher.main(["--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29601",
+                   "--nproc-per-node=2", "-m", "fitburst.cli", *TRAIN])
+    config = launched["config"]
+    assert (config.min_nodes, config.max_nodes, config.rdzv_backend) == (2, 2, "static")
+    assert config.rdzv_endpoint == "10.0.0.1:29601" and config.rdzv_configs["rank"] == 1
+
+
+def test_a_cuda_context_in_the_launcher_makes_it_spawn_the_ranks(launched, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    launcher.main(["--standalone", "--nproc-per-node=2", "-m", "fitburst.cli", *TRAIN])
+    assert launched["config"].start_method == "spawn"
+
+
+def test_another_program_is_refused_with_what_to_use(launched, capsys):
+    assert launcher.main(["--standalone", "--nproc-per-node=2", "-m", "my.trainer", "--lr", "1"]) == 2
+    assert "starts `-m fitburst.cli` ranks only; for another program use torchrun" in capsys.readouterr().err
+    assert "config" not in launched  # nothing launched
+
+
+def test_a_rank_whose_command_fails_exits_with_its_status(monkeypatch):
+    import fitburst.cli
+
+    monkeypatch.setattr(fitburst.cli, "main", lambda argv: 2 if argv == ["bad"] else 0)
+    launcher.rank(["good"])
+    with pytest.raises(SystemExit) as e:
+        launcher.rank(["bad"])
+    assert e.value.code == 2

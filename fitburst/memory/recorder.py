@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_iter, tree_leaves
 
 from .trace_events import Event
 
@@ -41,9 +41,17 @@ def _local(t):
 
 def _runs_on_integers(args, kwargs) -> bool:
     """Integer bookkeeping: every tensor argument real (not fake, not meta) and none floating point (the ids and
-    image grids of a vision-language batch)."""
-    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return bool(leaves) and not any(isinstance(t, FakeTensor) or t.is_meta or t.is_floating_point() for t in leaves)
+    image grids of a vision-language batch). Asked of every op the trace dispatches, so it stops at the first fake
+    tensor (almost every op's first argument)."""
+    if args and isinstance(args[0], FakeTensor):
+        return False
+    found = False
+    for t in tree_iter((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            if isinstance(t, FakeTensor) or t.is_meta or t.is_floating_point():
+                return False
+            found = True
+    return found
 
 
 def _grouped_mm(func, args, kwargs):

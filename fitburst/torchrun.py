@@ -9,12 +9,15 @@ train ...``; ``torchrun -m fitburst.cli train ...`` still works, each rank then 
 
 A fork is safe here because this process only imports before it forks: it runs no tensor op (no CPU thread pool
 exists yet) and the agent's store and rendezvous threads are C++ threads a forked rank does not inherit (it opens
-its own store client). One thing would not survive a fork: a CUDA context. Imports make none, but should one exist
-(a library that probed the GPU as it was imported), the ranks are spawned fresh, as torchrun spawns them.
+its own store client). CUDA does not survive a fork once this process has asked the driver anything
+(``torch.cuda.is_available`` asks; bitsandbytes asks as it is imported): torch then marks a forked child "in bad
+fork" and refuses CUDA there. A child forked to ask tells; where it says so, the ranks are spawned fresh, as torchrun
+spawns them. Ranks on CPU (gloo) are always forked; on a GPU node, as the imports of the run leave the driver.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 
@@ -48,10 +51,22 @@ def _import_what_a_rank_imports(argv: list[str]) -> None:
 
 
 def start_method() -> str:
-    """``fork`` while this process holds no CUDA context, else ``spawn`` (a forked rank could not use CUDA)."""
+    """``fork``, unless a forked rank could not use CUDA: then ``spawn``."""
+    return "spawn" if _cuda_refused_after_fork() else "fork"
+
+
+def _cuda_refused_after_fork() -> bool:
+    """Whether torch would refuse CUDA in a child forked now (this process asked the CUDA driver something): a
+    child forked to ask answers in its exit status."""
     import torch
 
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    if not torch.cuda._is_compiled():  # a CPU build: nothing to refuse
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,5 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # this module's own functions, not __main__'s copies: the ranks' entrypoint by its name
+    from fitburst import torchrun
+
+    sys.exit(torchrun.main())

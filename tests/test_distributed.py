@@ -255,14 +255,14 @@ def test_rank_0_alone_loads_the_weights_and_the_others_receive_their_shards(caus
 def test_qlora_ranks_each_load_the_4bit_model_and_train_as_one_process(tmp_path, pipelines_file, demo_prepared):
     """4-bit weights are loaded by every rank (bitsandbytes quantizes on load; a rank built without weights has no
     quantization state to receive: fitburst.memory.fsdp_terms.loads_once), and the two ranks still train as one
-    process at the combined batch (bf16: :data:`BF16_REL`). Their launcher finds a CUDA context (as where
-    bitsandbytes probed the GPU at import), so it spawns the ranks: a forked rank could not use CUDA."""
+    process at the combined batch (bf16: :data:`BF16_REL`). Their launcher finds that a forked rank could not use
+    CUDA (as where bitsandbytes asked the driver at import), so it spawns them."""
     spec = spec_for(pipelines_file, "demo", method__type="qlora", training__precision="bf16",
                     training__micro_batch_size=8)
     one_process(spec, demo_prepared, tmp_path / "one")
     (held := tmp_path / "held").mkdir()
     torchrun(2, spec.with_overrides({"training.micro_batch_size": 4, "training.distributed": "fsdp"}),
-             demo_prepared, tmp_path / "two", hooks={"held": str(held), "cuda_initialized": True})
+             demo_prepared, tmp_path / "two", hooks={"held": str(held), "cuda_asked": True})
     rank = [json.loads((held / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert "spawn_main" in rank[0]["command"] and "spawn_main" in rank[1]["command"], rank  # not forked
     assert rank[0]["loaded"] == rank[1]["loaded"] > 0

@@ -46,12 +46,17 @@ def test_several_nodes_keep_torchruns_static_rendezvous(launched):
     assert config.rdzv_endpoint == "10.0.0.1:29601" and config.rdzv_configs["rank"] == 1
 
 
-def test_a_cuda_context_in_the_launcher_makes_it_spawn_the_ranks(launched, monkeypatch):
+@pytest.mark.parametrize("bad_fork", [True, False])
+def test_the_ranks_are_spawned_where_a_forked_child_would_be_refused_cuda(launched, monkeypatch, bad_fork):
+    """A CUDA build whose driver this process asked (torch marks its forked children "in bad fork"): a child
+    forked to ask reports it, and the ranks are spawned."""
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 0, raising=False)  # torchrun's own question
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: bad_fork)  # what the probe child reads
     launcher.main(["--standalone", "--nproc-per-node=2", "-m", "fitburst.cli", *TRAIN])
-    assert launched["config"].start_method == "spawn"
+    assert launched["config"].start_method == ("spawn" if bad_fork else "fork")
 
 
 def test_another_program_is_refused_with_what_to_use(launched, capsys):

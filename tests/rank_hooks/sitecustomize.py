@@ -12,7 +12,8 @@ this folder on PYTHONPATH and FITBURST_TEST_RANK_HOOKS set to JSON, every rank w
                  the rank had imported by then ("imported"), and the command line its interpreter was started with
                  ("command": a forked rank holds its launcher's, python -m fitburst.torchrun; a spawned rank
                  multiprocessing's spawn_main; a rank torchrun started, python -u -m fitburst.cli)
-    cuda_initialized  true: fitburst.torchrun's launcher finds a CUDA context, as where an import probed the GPU
+    cuda_asked   true: fitburst.torchrun's launcher finds that a forked rank could not use CUDA (as where an import
+                 asked the CUDA driver), so it spawns the ranks
 """
 
 from __future__ import annotations
@@ -46,10 +47,8 @@ def _wrap(module) -> None:
         return real(*a, **k)
 
     module.optimizer_step = optimizer_step
-    if CONFIG.get("cuda_initialized") and "RANK" not in os.environ:  # the launcher, not a rank
-        import torch
-
-        torch.cuda.is_initialized = lambda: True
+    if CONFIG.get("cuda_asked") and "fitburst.torchrun" in sys.modules and "RANK" not in os.environ:  # its launcher
+        sys.modules["fitburst.torchrun"]._cuda_refused_after_fork = lambda: True
     if CONFIG.get("held"):
         _record_held(module, CONFIG["held"])
 

@@ -70,6 +70,7 @@ def _cuda_refused_after_fork() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # the ranks write through this process's streams, as written
         stream.flush()
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    elastic_launch(config, entrypoint=rank)(train_args)
+    try:
+        elastic_launch(config, entrypoint=rank)(train_args)
+    except ChildFailedError as e:  # which ranks failed, how, and where each wrote its error (torchrun's summary)
+        print(e.format_msg(), file=sys.stderr)
+        return 1
     return 0
 
 

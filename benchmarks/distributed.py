@@ -4,7 +4,7 @@ plans the preflight picks for three seeds.
     python benchmarks/distributed.py [--parts accuracy,speed,plans] [--out benchmarks/results/distributed.csv]
 
 accuracy: small random models of four architectures (llama, qwen2 with tied embeddings, T5, Mixtral), LoRA, QLoRA
-    and full fine-tuning at 2 and 4 ranks: each rank's measured step (real gloo processes under torchrun,
+    and full fine-tuning at 2 and 4 ranks: each rank's measured step (real gloo processes, forked by torch's agent,
     tests/fsdp_child.py: the loop's own preparation, sharding and optimizer step, torch's MemTracker) against the
     traced per-GPU peak (rank 0 of N in a fake process group) and the analytic per-GPU estimate (allocated; on CPU
     the measured figure is live tensor bytes, gloo's own copy of the reduce-scatter input left out and shown apart,

@@ -1,5 +1,5 @@
-"""One rank of a real FSDP2 run over gloo (started by torchrun from tests/test_sharded.py and
-benchmarks/distributed.py): the model built from a config.json, prepared and sharded as the loop does
+"""One rank of a real FSDP2 run over gloo (started from tests/test_sharded.py and benchmarks/distributed.py): the
+model built from a config.json, prepared and sharded as the loop does
 (fitburst.builders.prepare_for_training, fitburst.distributed.shard), two warm-up steps of
 fitburst.train.optimizer_step, then one step measured by torch's own MemTracker (live tensor storages, FSDP's
 storage resizes included). Rank 0 prints one JSON line per rank and case: {"case", "rank", "peak", "peak_with_gloo",
@@ -12,12 +12,14 @@ the input, made on the calling thread (so MemTracker sees it) and freed by gloo'
 place. ``peak_with_gloo`` is a fourth step measured with that copy counted, as gloo runs it.
 
 argv: a JSON list of [model folder, RunSettings as a dict] (the folder: config.json; 4-bit runs: the saved weights,
-quantized on load).
+quantized on load). ``python tests/fsdp_child.py N <json>`` starts the N ranks itself, forked from this process once
+it has imported what they import (torch's elastic agent, as fitburst.torchrun starts fitburst's ranks).
 """
 
 import gc
 import json
 import sys
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -109,8 +111,8 @@ def run_case(folder: str, s: RunSettings) -> dict:
 GLOO_COUNTED = [False]
 
 
-def main() -> None:
-    cases = json.loads(sys.argv[1])
+def main(cases_json: str) -> None:
+    cases = json.loads(cases_json)
     # as a rank of fitburst's does (fitburst.unused_imports): what none of the cases calls stays unimported
     leave_out(unused_packages(*(RunSettings(**settings) for _, settings in cases)))
     dist.init_process_group("gloo")
@@ -124,5 +126,15 @@ def main() -> None:
             print("\n".join(json.dumps(r) for r in rows), flush=True)
     dist.destroy_process_group()
 
+def forked_ranks(world_size: int, cases_json: str) -> None:
+    """:func:`main` on ``world_size`` ranks forked from this process (a standalone rendezvous, as torchrun's)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork")
+    sys.stdout.flush()
+    elastic_launch(config, entrypoint=main)(cases_json)
+
+
 if __name__ == "__main__":
-    main()
+    forked_ranks(int(sys.argv[1]), sys.argv[2])

@@ -58,11 +58,10 @@ def spec_for(folder: Path):
 
 def gloo_peaks_of(cases: list[tuple[Path, RunSettings]]) -> list[list[dict]]:
     """Each rank's measured step (tests/fsdp_child.py) of each case, all of one world size, run one after another
-    in one real run of that many processes over gloo."""
+    in one real run of that many processes over gloo (forked by the child's own launcher)."""
     (world_size,) = {s.world_size for _, s in cases}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={world_size}", str(ROOT / "tests" / "fsdp_child.py"),
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "fsdp_child.py"), str(world_size),
                           json.dumps([[str(folder), s.__dict__] for folder, s in cases])],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

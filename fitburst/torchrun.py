@@ -1,15 +1,16 @@
 """torchrun for fitburst's ranks: torch's own launcher (its arguments, rendezvous and agent, unchanged) whose ranks
 are forked from this process after it has imported what a rank imports.
 
-torchrun starts every rank as a new Python that imports torch, transformers, peft and datasets again: 5-7 s of CPU a
-rank on a 2-core machine (``benchmarks/results/suite_time.txt``), and a private copy of those modules in host RAM
-per rank. Here they are imported once, and each forked rank shares them (copy-on-write) and starts at once.
+torchrun starts every rank as a new Python that imports torch, transformers, peft and datasets again, each with a
+private copy of those modules in host RAM. Here they are imported once, and each forked rank shares them
+(copy-on-write) and starts at once: a two-rank run of the demo took 20.3 s of CPU through torchrun, 11.1 s here
+(``benchmarks/results/suite_time.txt``).
 :class:`fitburst.ranks.Ranks` starts it as ``python -m fitburst.torchrun <torchrun's arguments> -m fitburst.cli
 train ...``; ``torchrun -m fitburst.cli train ...`` still works, each rank then importing on its own.
 
 A fork is safe here because this process only imports before it forks: it runs no tensor op (no CPU thread pool
-exists yet) and the agent's store and rendezvous threads are C++ threads a forked rank does not inherit (it opens
-its own store client). CUDA does not survive a fork once this process has asked the driver anything
+exists yet), and the agent's store and rendezvous threads are not copied into a forked rank (it opens its own
+store client). CUDA does not survive a fork once this process has asked the driver anything
 (``torch.cuda.is_available`` asks; bitsandbytes asks as it is imported): torch then marks a forked child "in bad
 fork" and refuses CUDA there. A child forked to ask tells; where it says so, the ranks are spawned fresh, as torchrun
 spawns them. Ranks on CPU (gloo) are always forked; on a GPU node, as the imports of the run leave the driver.
@@ -42,9 +43,9 @@ def _import_what_a_rank_imports(argv: list[str]) -> None:
     from fitburst.spec import load_resolved
     from fitburst.unused_imports import leave_out, unused_packages
 
-    args = build_parser().parse_args(argv)
+    spec = load_resolved(build_parser().parse_args(argv).spec)
     logs.quiet_libraries()
-    leave_out(unused_packages(settings_from_spec(load_resolved(args.spec))))
+    leave_out(unused_packages(settings_from_spec(spec)))
     import peft  # noqa: F401  (the Recipe imports it as it builds the model)
 
     import fitburst.recipe  # noqa: F401
@@ -70,9 +71,13 @@ def _cuda_refused_after_fork() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """torchrun's command line (``argv``) for ``-m fitburst.cli train ...`` ranks; the exit status: 2 when refused
+    before any rank starts, 1 when a rank failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
+
+    from fitburst.errors import UserError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not (args.module and args.training_script == MODULE):
@@ -84,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.master_port is None:
         args.master_port = 29500
     train_args = list(args.training_script_args)
-    _import_what_a_rank_imports(train_args)
+    try:
+        _import_what_a_rank_imports(train_args)
+    except UserError as e:  # the spec the ranks would train: refused here, as each rank would refuse it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config, _, _ = config_from_args(args)
     config.start_method = start_method()
     for stream in (sys.stdout, sys.stderr):  # the ranks write through this process's streams, as written

@@ -73,3 +73,15 @@ def test_a_rank_whose_command_fails_exits_with_its_status(monkeypatch):
     with pytest.raises(SystemExit) as e:
         launcher.rank(["bad"])
     assert e.value.code == 2
+
+
+def test_a_spec_the_ranks_could_not_read_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    import torch.distributed.launcher.api as api
+
+    monkeypatch.setattr(api, "elastic_launch", lambda *a, **k: pytest.fail("a rank was started"))
+    (spec := tmp_path / "spec.yaml").write_text("name: demo\nmodel: 3\n")  # not a resolved pipeline
+    (tmp_path / "prepared.json").write_text("{}")  # argparse checks that much of --prepared
+    train = ["train", "--spec", str(spec), "--prepared", str(tmp_path), "--run-dir", "r"]
+    assert launcher.main(["--standalone", "--nproc-per-node=2", "-m", "fitburst.cli", *train]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(spec) in err and "Traceback" not in err

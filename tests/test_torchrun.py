@@ -17,6 +17,7 @@ def launched(monkeypatch):
     mark packages absent in this test's process: fitburst.unused_imports)."""
     import torch.distributed.launcher.api as api
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's config sets it where unset: not in this process after
     seen: dict = {}
 
     def elastic_launch(config, entrypoint):
@@ -65,7 +66,67 @@ def test_another_program_is_refused_with_what_to_use(launched, capsys):
     assert "config" not in launched  # nothing launched
 
 
-def test_a_rank_whose_command_fails_exits_with_its_status(monkeypatch):
+def test_torchruns_question_whether_cuda_is_there_goes_through_nvml(launched, monkeypatch):
+    """LaunchConfig asks torch.cuda.is_available(); asked of the driver, CUDA would be refused to forked ranks."""
+    import os
+
+    import torch
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    asked: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(os.environ.get(
+        "PYTORCH_NVML_BASED_CUDA_CHECK")) or False)
+    launcher.main(["--standalone", "--nproc-per-node=2", "-m", "fitburst.cli", *TRAIN])
+    assert asked and set(asked) == {"1"}
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the ranks get the environment as it was
+
+
+@pytest.fixture
+def fresh_rank_state():
+    """This process's thread count, signal handlers and streams, put back after a test runs rank() here."""
+    import signal
+    import sys
+
+    import torch
+
+    threads, sigs = torch.get_num_threads(), (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT)
+    handlers = {s: signal.getsignal(s) for s in sigs}
+    streams = [(st, st.line_buffering, st.write_through) for st in (sys.stdout, sys.stderr)]
+    yield
+    torch.set_num_threads(threads)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    for st, line, through in streams:
+        st.reconfigure(line_buffering=line, write_through=through)
+
+
+def test_a_rank_starts_as_a_new_python_would(monkeypatch, fresh_rank_state):
+    """A forked rank inherits its launcher's thread pool (OMP_NUM_THREADS set too late for it) and the elastic
+    agent's signal handlers: rank() sets both as a new process has them, and writes its output as it prints."""
+    import signal
+    import sys
+
+    import torch
+
+    import fitburst.cli
+
+    seen: dict = {}
+
+    def main(argv):
+        seen.update(threads=torch.get_num_threads(), term=signal.getsignal(signal.SIGTERM),
+                    int=signal.getsignal(signal.SIGINT), line=sys.stdout.line_buffering)
+        return 0
+
+    torch.set_num_threads(2)
+    signal.signal(signal.SIGTERM, lambda *a: None)  # as the agent's _terminate_process_handler
+    signal.signal(signal.SIGINT, lambda *a: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(fitburst.cli, "main", main)
+    launcher.rank(TRAIN)
+    assert seen == {"threads": 1, "term": signal.SIG_DFL, "int": signal.default_int_handler, "line": True}
+
+
+def test_a_rank_whose_command_fails_exits_with_its_status(monkeypatch, fresh_rank_state):
     import fitburst.cli
 
     monkeypatch.setattr(fitburst.cli, "main", lambda argv: 2 if argv == ["bad"] else 0)

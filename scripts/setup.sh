@@ -15,6 +15,9 @@
 # file after another (benchmarks/results/suite_time.txt: a fresh venv in 65 s instead of 82 s on 2 cores).
 # A few modules written for newer Pythons (torch's testing/_internal/py312_intrinsics.py) fail to compile under
 # either, which is no error.
+# Everything but torch is installed by uv (installed into the venv by pip first), which resolves and installs the
+# same versions in well under half pip's time (benchmarks/results/suite_time.txt); where uv cannot be had or fails
+# (an index only pip is configured for, say), pip installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FITBURST_VENV:-.venv}
@@ -35,7 +38,10 @@ else
   "${PIP[@]}" "torch==$TORCH+cpu" 2>/dev/null \
     || "${PIP[@]}" "torch==$TORCH+cpu" --extra-index-url "$CPU_INDEX"
 fi
-"${PIP[@]}" -e '.[dev]'
+if ! { "${PIP[@]}" uv && "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -e '.[dev]'; }; then
+  echo "uv could not install fitburst's packages: installing them with pip"
+  "${PIP[@]}" -e '.[dev]'
+fi
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 "$VENV/bin/python" -m compileall -q -j 0 "$SITE" fitburst flows tasks tests >/dev/null || true
 echo "fitburst installed in $VENV; put it on PATH with: source $VENV/bin/activate"

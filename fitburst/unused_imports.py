@@ -4,7 +4,9 @@ Two libraries import an optional package whenever it is installed, whatever the 
 
 - transformers imports scikit-learn's metrics for assisted generation (``generation.candidate_generator``), which
   fitburst never runs; scikit-learn is installed because MLflow requires it. Every ``fitburst`` process leaves it
-  out (:func:`fitburst.cli.entry`): 1.1-1.7 s of each command that loads a model or traces one;
+  out (:func:`fitburst.cli.entry`), and so does the process Prefect starts for a deployment's flow run
+  (:func:`leave_out_in_a_flow_run`, from ``flows/finetune.py``): 1.1-1.7 s of each command or flow run that loads a
+  model or traces one;
 - peft imports bitsandbytes (``peft.helpers``), and bitsandbytes sets up torch.compile for its CPU kernels as it
   is imported. Only a rank leaves it out, when its run uses neither 4-bit weights nor an 8-bit optimizer: a rank
   process trains exactly one run (a step-down starts new ranks with the new settings), where the supervisor and
@@ -21,6 +23,7 @@ calls in-process.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 
@@ -41,3 +44,12 @@ def leave_out(names: Iterable[str]) -> list[str]:
     for name in marked:
         sys.modules[name] = None  # type: ignore[assignment]
     return marked
+
+
+def leave_out_in_a_flow_run() -> list[str]:
+    """In the process Prefect starts for one flow run (``python -m prefect.engine``, which sets PREFECT__FLOW_RUN_ID
+    and imports the flow's file before anything imports transformers), :func:`leave_out` :data:`NEVER_CALLED`; the
+    names marked. Anywhere else (a test's process, one where transformers already asked), nothing."""
+    if not os.environ.get("PREFECT__FLOW_RUN_ID") or "transformers" in sys.modules:
+        return []
+    return leave_out(NEVER_CALLED)

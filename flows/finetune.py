@@ -8,7 +8,12 @@ One MLflow run per flow run, opened here and closed on every exit path (FINISHED
 cancellation / Ctrl-C).
 """
 
+# ruff: noqa: E402  (the imports after the first call come after it on purpose)
 from __future__ import annotations
+
+from fitburst.unused_imports import leave_out_in_a_flow_run
+
+leave_out_in_a_flow_run()  # first: before the imports below bring in what asks whether scikit-learn is installed
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager

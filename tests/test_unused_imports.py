@@ -5,13 +5,15 @@ own not-installed branch."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from fitburst.settings import RunSettings
-from fitburst.unused_imports import leave_out, unused_packages
+from fitburst.unused_imports import leave_out, leave_out_in_a_flow_run, unused_packages
 
 
 @pytest.mark.parametrize(("settings", "unused"), [
@@ -58,3 +60,29 @@ def test_the_fitburst_command_leaves_out_scikit_learn_before_transformers_asks()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["False", "None"]
+
+
+@pytest.mark.parametrize("flow_run", [True, False])
+def test_a_flow_runs_process_leaves_out_scikit_learn_before_transformers_asks(flow_run):
+    """Prefect's flow-run process imports flows/finetune.py first (PREFECT__FLOW_RUN_ID set): scikit-learn is left
+    out there, and transformers answers that it is not installed; any other process that imports the flow keeps
+    it."""
+    code = ("import sys\n"
+            "import flows.finetune\n"
+            "import transformers.generation.candidate_generator\n"
+            "from transformers.utils import is_sklearn_available\n"
+            "print(is_sklearn_available(), sys.modules.get('sklearn', 'unimported') is None)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT__FLOW_RUN_ID"}
+    if flow_run:
+        env["PREFECT__FLOW_RUN_ID"] = "00000000-0000-0000-0000-000000000000"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == (["False", "True"] if flow_run else ["True", "False"])
+
+
+def test_a_process_where_transformers_already_asked_leaves_nothing_out(monkeypatch):
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "00000000-0000-0000-0000-000000000000")
+    import transformers  # noqa: F401  (this test process: imported, and asked)
+
+    assert leave_out_in_a_flow_run() == []

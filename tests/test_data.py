@@ -158,3 +158,14 @@ def test_template_that_rewrites_replies_fails_with_a_located_message(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [RECORDS["messages"], {"messages": CHAT}])
     with pytest.raises(DataError, match=r"d.jsonl: record 2: messages\[6\] \(assistant\).*verbatim"):
         prepare(DataSpec(path=str(p), val_split=0.0), p, tok, tmp_path / "c")
+
+
+def test_a_token_belongs_to_a_reply_by_where_its_characters_start_or_where_an_empty_one_ends():
+    from fitburst.families.causal import in_replies
+
+    spans = [(30, 40), (10, 20)]  # two replies, given out of order
+    offsets = [(0, 5), (9, 11), (10, 12), (18, 22), (20, 21), (10, 10), (20, 20), (25, 25), (35, 35), (40, 40),
+               (41, 41), (39, 45)]
+    assert in_replies(offsets, spans) == [False, False, True, True, False, True, True, False, True, True,
+                                          False, True]
+    assert in_replies(offsets, []) == [False] * len(offsets)

@@ -7,6 +7,7 @@ import path (data prep and the CLI import the families)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Any
 
@@ -30,10 +31,26 @@ def tokenize(messages: list[dict], tokenizer, template: str, max_seq_len: int, t
         text, spans, has_special = render(messages, tokenizer, template)
         enc = tokenizer(text, add_special_tokens=not has_special, return_offsets_mapping=True)
         ids = enc["input_ids"]
-        keep = [any(a <= s < b for a, b in spans) or (s == e and any(a < e <= b for a, b in spans))
-                for s, e in enc["offset_mapping"]]
+        keep = in_replies(enc["offset_mapping"], spans)
     labels = [tok if (train_on_prompt or inside) else IGNORE_INDEX for tok, inside in zip(ids, keep, strict=True)]
     return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len], "full_length": len(ids)}
+
+
+def in_replies(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """For each token's character offsets (start, end), whether it belongs to a reply: it starts inside a span
+    [a, b), or it is empty (a special token the tokenizer gives no characters) and ends inside one (a, b].
+    ``spans`` do not overlap (one per reply); a binary search per token, where a long conversation has many."""
+    spans = sorted(spans)
+    starts, ends = [a for a, _ in spans], [b for _, b in spans]
+
+    def inside(s: int, e: int) -> bool:
+        i = bisect.bisect_right(starts, s) - 1  # the last span starting at or before s
+        if i >= 0 and s < ends[i]:
+            return True
+        j = bisect.bisect_left(starts, e) - 1  # the last span starting before e
+        return s == e and j >= 0 and e <= ends[j]
+
+    return [inside(s, e) for s, e in offsets]
 
 
 class CausalFamily:

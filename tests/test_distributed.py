@@ -9,10 +9,13 @@ autocast (measured 1e-3)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -523,6 +526,22 @@ def load_pipeline_yaml(path: Path) -> dict:
 
 # --- the cloud node's run block: torchrun from SkyPilot's node variables -------------------------------------------
 
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free now, below the kernel's ephemeral range: a port bind(0)
+    found free in that range may be taken by any connection's local end before the run binds it (it failed so once,
+    EADDRINUSE on torchrun's port: the store's port + 1)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in random.sample(range(20000, max(low, 20000 + 200 + n) - n), 200):
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} free consecutive ports from 20000 up")
+
+
 def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_make_one_checkpoint(
         tmp_path, pipelines_file, demo_prepared, monkeypatch):
     """Two nodes of one GPU each, both on this machine (two HOMEs: two disks): each runs the task's run block with
@@ -530,7 +549,6 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
     of two ranks. Rank 1, on node 1, runs out of memory in its 4th step: node 0's supervisor steps both nodes down
     together and each node's rank resumes from the checkpoint on its own disk. Copied together (as the launcher
     pulls every node home), their checkpoint folders resume in one process."""
-    import socket
 
     from test_cloud_node import _node_env
     from test_cloud_sky import _candidates
@@ -546,9 +564,7 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
                         "precision", "activation_offloading")})  # left for a sharded run: the batch
     task = cloud.build_task(spec, _candidates(), prepared_dir=demo_prepared.dir, gpus_per_node=1, nodes=2)
     assert task.num_nodes == 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_block(4)  # the supervisors' store, then torchrun's rendezvous: one port per attempt
     hooks = {"oom": {"rank": 1, "call": 3, "marker": str(tmp_path / "oom-once")}}
     nodes = []
     for rank in (0, 1):

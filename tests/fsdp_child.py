@@ -126,6 +126,7 @@ def main(cases_json: str) -> None:
             print("\n".join(json.dumps(r) for r in rows), flush=True)
     dist.destroy_process_group()
 
+
 def forked_ranks(world_size: int, cases_json: str) -> None:
     """:func:`main` on ``world_size`` ranks forked from this process (a standalone rendezvous, as torchrun's)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -549,7 +549,6 @@ def test_the_multi_node_run_block_trains_two_ranks_here_and_the_nodes_folders_ma
     of two ranks. Rank 1, on node 1, runs out of memory in its 4th step: node 0's supervisor steps both nodes down
     together and each node's rank resumes from the checkpoint on its own disk. Copied together (as the launcher
     pulls every node home), their checkpoint folders resume in one process."""
-
     from test_cloud_node import _node_env
     from test_cloud_sky import _candidates
 

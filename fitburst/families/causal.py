@@ -47,8 +47,10 @@ def in_replies(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
         i = bisect.bisect_right(starts, s) - 1  # the last span starting at or before s
         if i >= 0 and s < ends[i]:
             return True
+        if s != e:
+            return False
         j = bisect.bisect_left(starts, e) - 1  # the last span starting before e
-        return s == e and j >= 0 and e <= ends[j]
+        return j >= 0 and e <= ends[j]
 
     return [inside(s, e) for s, e in offsets]
 

@@ -424,10 +424,13 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> int:
     """The process's entry (the ``fitburst`` command, ``python -m fitburst.cli``): :func:`main`, in a process that
     leaves out what no command calls (:mod:`fitburst.unused_imports`; marked before anything asks, so never in a
-    test's process, which calls :func:`main`)."""
+    test's process, which calls :func:`main`), and collects its garbage seldom until a model loads
+    (:mod:`fitburst.collector`)."""
+    from fitburst.collector import collect_seldom_until_a_model_loads
     from fitburst.unused_imports import NEVER_CALLED, leave_out
 
     leave_out(NEVER_CALLED)
+    collect_seldom_until_a_model_loads()
     return main()
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from fitburst import collector
 from fitburst.demo_models import LOCAL_MODELS, VL_MODEL, demo_model_dir, tiny_vl_dir
 from fitburst.device import weight_dtype
 from fitburst.families import Family, family_for
@@ -224,7 +225,9 @@ def load_pipeline_model(spec: PipelineSpec, device: str, precision: str, *, path
     weights in :func:`fitburst.device.weight_dtype`. ``sharded``: for FSDP (:mod:`fitburst.distributed`), loaded
     into host memory, from where each rank's shards go to ``device``; ``empty``: built without weights
     (:func:`load_model`). What the settings may not do on ``device`` its callers refuse before they load
-    (:func:`fitburst.builders.refuse_problems`: the Recipe, the probe); evaluation loads after the run trained there."""
+    (:func:`fitburst.builders.refuse_problems`: the Recipe, the probe); evaluation loads after the run trained there.
+    From here the process collects its garbage as it did before it started (:mod:`fitburst.collector`)."""
+    collector.collect_as_before()
     m, method, tr = spec.model, spec.method, spec.training
     quant = resolve_quant(method.type, method.quant)
     dtype = weight_dtype(precision, method.type, tr.pure_bf16)

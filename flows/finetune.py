@@ -11,9 +11,11 @@ cancellation / Ctrl-C).
 # ruff: noqa: E402  (the imports after the first call come after it on purpose)
 from __future__ import annotations
 
+from fitburst.collector import collect_seldom_in_a_flow_run
 from fitburst.unused_imports import leave_out_in_a_flow_run
 
 leave_out_in_a_flow_run()  # first: before the imports below bring in what asks whether scikit-learn is installed
+collect_seldom_in_a_flow_run()  # and before they make their many objects
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager

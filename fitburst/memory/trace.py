@@ -316,21 +316,15 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
     (:func:`fitburst.memory.mps_kernels.mps_sdpa_math`). ``traced_micro``: how many micro-batches of each step run
     (:data:`TRACED_MICRO`; None: all). Liger's kernels run as stand-ins (:mod:`.model_kernels`)."""
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401  (whether torch is here)
     except ImportError as e:  # a preflight-only install: the analytic estimate still runs
         raise TraceUnsupported(f"the traced estimate needs torch ({e}): install fitburst's training "
                                "dependencies, or use the analytic estimate") from None
 
-    from fitburst.builders import prepare_for_training
-    from fitburst.device import make_amp
-    from fitburst.hardware import resolve_device
-    from fitburst.models import EXPANDED_KV
+    from fitburst.collector import seldom
     from fitburst.train import optimizer_step
 
-    from . import cuda_kernels, model_kernels, sharded
-    from .autocast_policy import device_autocast
-    from .loss_kernels import loss_kernel_of, traced_fused_loss
-    from .recorder import Recorder  # torch: imported only to trace
+    from . import model_kernels, sharded
 
     s = settings
     if (why := untraceable(s)) is not None:
@@ -341,8 +335,27 @@ def trace_step(spec, settings: RunSettings, *, seq_len: int, adamw: str = "for-l
         with wrap:
             return trace_step(spec, settings, seq_len=seq_len, adamw=adamw, step=step, kbit_read_ahead=kbit_read_ahead,
                               autocast_of=autocast_of, device=device, traced_micro=traced_micro)
+    with seldom():  # fake tensors hold no memory: fewer collections of the trace's objects (fitburst.collector)
+        return _traced_step(spec, s, seq_len=seq_len, adamw=adamw, step=step or optimizer_step,
+                            kbit_read_ahead=kbit_read_ahead, autocast_of=autocast_of, device=device,
+                            traced_micro=traced_micro)
+
+
+def _traced_step(spec, s: RunSettings, *, seq_len: int, adamw: str, step, kbit_read_ahead: int,
+                 autocast_of: str, device: Device | None, traced_micro: int | None) -> StepTrace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fitburst.builders import prepare_for_training
+    from fitburst.device import make_amp
+    from fitburst.hardware import resolve_device
+    from fitburst.models import EXPANDED_KV
+
+    from . import cuda_kernels, sharded
+    from .autocast_policy import device_autocast
+    from .loss_kernels import loss_kernel_of, traced_fused_loss
+    from .recorder import Recorder  # torch: imported only to trace
+
     t0 = time.perf_counter()
-    step = step or optimizer_step
     sp = spec_with_settings(spec, s)
     cfg = config_dict(sp.model.name)
     model = _meta_model(cfg, s, sp.model.trust_remote_code, sp.training.pure_bf16, device)

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from fitburst.spec import DEFAULT_PIPELINES_FILE as DEFAULT_FILE
 
@@ -421,19 +422,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> int:
+def entry() -> NoReturn:
     """The process's entry (the ``fitburst`` command, ``python -m fitburst.cli``): :func:`main`, in a process that
     leaves out what no command calls (:mod:`fitburst.unused_imports`; marked before anything asks, so never in a
-    test's process, which calls :func:`main`), and collects its garbage seldom until a model loads
-    (:mod:`fitburst.collector`)."""
+    test's process, which calls :func:`main`), collects its garbage seldom until a model loads
+    (:mod:`fitburst.collector`) and ends without the interpreter's teardown (:mod:`fitburst.quick_exit`)."""
     from fitburst.collector import collect_seldom_until_a_model_loads
+    from fitburst.quick_exit import exit_after_cleanup
     from fitburst.unused_imports import NEVER_CALLED, leave_out
 
     leave_out(NEVER_CALLED)
     collect_seldom_until_a_model_loads()
-    return main()
+    exit_after_cleanup(main())
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    entry()
 

@@ -155,6 +155,7 @@ def _rendezvous_as_torchrun_sets_it(args) -> None:
 
 if __name__ == "__main__":  # this module's own functions, not __main__'s copies: the ranks' entrypoint by its name
     from fitburst import collector, torchrun
+    from fitburst.quick_exit import exit_after_cleanup
 
     collector.collect_seldom_until_a_model_loads()  # forked ranks inherit it, until each loads its model
-    sys.exit(torchrun.main())
+    exit_after_cleanup(torchrun.main())

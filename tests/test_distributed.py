@@ -531,7 +531,8 @@ def free_port_block(n: int) -> int:
     found free in that range may be taken by any connection's local end before the run binds it (it failed so once,
     EADDRINUSE on torchrun's port: the store's port + 1)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for base in random.sample(range(20000, max(low, 20000 + 200 + n) - n), 200):
+    bases = range(20000, max(low, 20000 + n + 1) - n)
+    for base in random.sample(bases, min(200, len(bases))):
         try:
             with contextlib.ExitStack() as held:
                 for port in range(base, base + n):

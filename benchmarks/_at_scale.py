@@ -196,20 +196,37 @@ def capped_plan(c: Case, spec):
     return spec_with_settings(spec.with_overrides({"data.max_seq_len": length}), plan.settings), plan
 
 
-@contextlib.contextmanager
-def sdpa_backends(seen: list[str]):
-    """SDPA's first call recorded: the backend torch picks for its inputs (``torch._fused_sdp_choice``, the choice
-    the call itself makes), appended to ``seen``."""
+def sdpa_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str:
+    """The backend SDPA picks for these arguments (``torch._fused_sdp_choice``), asked with the tensors the kernel
+    receives: SDPA is on autocast's lower-precision list, so under autocast its floating-point arguments (not
+    float64) arrive in autocast's dtype, and a backend that takes bf16 but not fp32 (FlashAttention) is chosen for a
+    call made with fp32 tensors (k-bit training's fp32 stream; fp32 weights)."""
     import torch
     from torch.nn.attention import SDPBackend
+
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):
+        low = torch.get_autocast_dtype(kind)
+
+        def cast(t):
+            eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(low) if eligible else t
+
+        q, k, v, attn_mask = map(cast, (q, k, v, attn_mask))
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return SDPBackend(choice).name.lower()
+
+
+@contextlib.contextmanager
+def sdpa_backends(seen: list[str]):
+    """SDPA's first call recorded: the backend torch picks for it (:func:`sdpa_choice`), appended to ``seen``."""
+    import torch
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
         if not seen:
-            choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)
-            seen.append(SDPBackend(choice).name.lower())
+            seen.append(sdpa_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa, **kw)
 

@@ -141,3 +141,32 @@ def test_the_allocator_history_is_recorded_only_for_a_snapshot(check, monkeypatc
     with readings.around_training():
         pass
     assert calls == recorded
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_sdpa_backend_is_asked_with_the_dtype_autocast_gives_the_kernel(check, monkeypatch, autocast):
+    """SDPA is on autocast's lower-precision list: under bf16 autocast a call made with fp32 tensors (k-bit
+    training's fp32 stream) reaches the kernel in bf16, and torch chooses its backend for bf16. The column asked
+    torch with the fp32 tensors before (on CUDA FlashAttention takes no fp32: the H200 rows read "math")."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    _, at_scale = check
+    asked: list[tuple] = []
+    choose = torch._fused_sdp_choice
+
+    def recorded_choice(q, k, v, mask, *a, **kw):
+        asked.append((q.dtype, k.dtype, v.dtype, mask.dtype))
+        return choose(q, k, v, mask, *a, **kw)
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", recorded_choice)
+    q = torch.randn(1, 2, 8, 4)
+    mask = torch.zeros(8, 8)  # a float mask: cast like the tensors; a bool one would keep its dtype
+    seen: list[str] = []
+    with at_scale.sdpa_backends(seen), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    low = torch.bfloat16 if autocast else torch.float32
+    assert out.dtype == low  # what the kernel received, as autocast cast it
+    assert asked == [(low,) * 4]
+    assert seen == [SDPBackend(choose(*(t.to(low) for t in (q, q, q, mask)), 0.0, False)).name.lower()]

@@ -199,8 +199,8 @@ def capped_plan(c: Case, spec):
 def sdpa_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str:
     """The backend SDPA picks for these arguments (``torch._fused_sdp_choice``), asked with the tensors the kernel
     receives: SDPA is on autocast's lower-precision list, so under autocast its floating-point arguments (not
-    float64) arrive in autocast's dtype, and a backend that takes bf16 but not fp32 (FlashAttention) is chosen for a
-    call made with fp32 tensors (k-bit training's fp32 stream; fp32 weights)."""
+    float64) arrive in autocast's dtype. A call made with fp32 tensors (k-bit training's fp32 stream, fp32 rotary
+    tables) can therefore run FlashAttention, which takes bf16 but not fp32."""
     import torch
     from torch.nn.attention import SDPBackend
 
